@@ -1,0 +1,44 @@
+"""Attention as pure JAX functions.
+
+Nothing here owns parameters or imports Flax: every function takes arrays and
+static keyword arguments, and is jittable, vmappable and differentiable.
+
+Axis vocabulary, used by every einsum string, shape comment and docstring in
+the project:
+
+    B  batch
+    T  query length
+    S  key/value length
+    N  query heads
+    K  key/value heads (N % K == 0; K == N is MHA, K == 1 is MQA, else GQA)
+    G  query heads per kv head, N // K
+    H  query/key head dim
+    E  value head dim, where it differs from H (MLA)
+    D  model width
+    C  chunk length (linear attention, blockwise blocks)
+    F  feature dim of a linear-attention feature map
+    R  latent rank (MLA)
+    L  layers
+    V  vocabulary
+
+Arrays are laid out like ``jax.nn.dot_product_attention``: q ``[B,T,N,H]``,
+k ``[B,S,K,H]``, v ``[B,S,K,E]``, out ``[B,T,N,E]``. Grouped-query attention
+reshapes q to ``[B,T,K,G,H]``; K/V are never repeated in memory.
+"""
+
+from attn import masks
+from attn.cache import kv_cache_bytes
+from attn.dense import dot_product_attention
+from attn.dispatch import IMPLS, attention
+from attn.masks import Mask
+from attn.rope import apply_rope
+
+__all__ = [
+    "IMPLS",
+    "Mask",
+    "apply_rope",
+    "attention",
+    "dot_product_attention",
+    "kv_cache_bytes",
+    "masks",
+]

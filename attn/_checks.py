@@ -1,0 +1,72 @@
+"""Input validation shared by the public functions of ``attn``.
+
+Every public function checks the user's arrays here and raises ``ValueError``
+naming the argument, what was expected and what was received. Shapes are
+static under ``jit``, so these checks cost nothing at run time.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+
+
+def fail(arg: str, expected: str, got: object) -> None:
+    """Raises the project's uniform ``ValueError`` for a bad argument."""
+    raise ValueError(f"{arg}: expected {expected}, got {got}")
+
+
+class Dims(NamedTuple):
+    """Sizes of one attention call in the axis vocabulary."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    G: int
+    H: int
+    E: int
+
+
+def qkv_dims(q, k, v) -> Dims:
+    """Checks q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]`` and returns their sizes."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            fail(name, "a rank-4 array", f"shape {getattr(x, 'shape', type(x).__name__)}")
+    B, T, N, H = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        fail("k/v", f"batch {B} like q", f"k {k.shape}, v {v.shape}")
+    if k.shape[3] != H:
+        fail("k", f"head dim {H} like q {q.shape}", f"shape {k.shape}")
+    S, K = k.shape[1], k.shape[2]
+    if v.shape[1] != S or v.shape[2] != K:
+        fail("v", f"length {S} and {K} kv heads like k {k.shape}", f"shape {v.shape}")
+    if K == 0 or N % K:
+        fail("k", f"a number of kv heads dividing the {N} query heads", f"{K} kv heads")
+    return Dims(B, T, S, N, K, N // K, H, v.shape[3])
+
+
+def positions(x, name: str, batch: int, length: int):
+    """Returns integer positions ``[B,L]`` from ``None`` (arange), ``[L]`` or ``[B,L]``."""
+    if x is None:
+        return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(name, "integer positions", f"dtype {x.dtype}")
+    if x.shape == (length,):
+        x = jnp.broadcast_to(x, (batch, length))
+    if x.shape != (batch, length):
+        fail(name, f"shape ({length},) or ({batch}, {length})", f"shape {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def segment_ids(x, name: str, batch: int, length: int):
+    """Returns integer segment ids ``[B,L]`` from ``[B,L]`` (or ``None``)."""
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if x.shape != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(name, f"integer ids of shape ({batch}, {length})", f"{x.dtype} {x.shape}")
+    return x.astype(jnp.int32)

@@ -1,0 +1,119 @@
+"""``attn.attention``: the one softmax-attention call models make.
+
+It picks an implementation and never changes the math: every ``impl`` computes
+``attn.dot_product_attention``'s function or refuses with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from attn import masks
+from attn._checks import fail
+from attn.dense import Call, check_call, dot_product_attention
+
+IMPLS = ("auto", "dense", "xla", "cudnn")
+
+# cuDNN's fused kernels take only half-precision inputs.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention(q, k, v, *, impl: str = "auto", **kwargs):
+    """Softmax attention through the implementation ``impl``.
+
+    Args:
+      q, k, v: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]`` as in ``dot_product_attention``.
+      impl: ``"dense"`` (ours, materialized); ``"xla"`` or ``"cudnn"``
+        (``jax.nn.dot_product_attention``, only where its semantics equal ours:
+        no sinks, soft-cap, segment ids or explicit positions, and causal or
+        window masks only with T == S); ``"auto"`` picks the fastest correct one
+        for the platform.
+      **kwargs: the keyword arguments of ``attn.dot_product_attention``.
+
+    Returns:
+      What ``attn.dot_product_attention`` returns for the same arguments.
+    """
+    if impl not in IMPLS:
+        fail("impl", f"one of {IMPLS}", repr(impl))
+    if impl == "auto":
+        impl = _choose(q, k, v, kwargs)
+    if impl == "dense":
+        return dot_product_attention(q, k, v, **kwargs)
+    return _jax_nn(q, k, v, impl, **kwargs)
+
+
+def _choose(q, k, v, kwargs) -> str:
+    if jax.default_backend() == "gpu" and _jax_nn_reason(q, k, v, kwargs) is None:
+        return "cudnn" if q.dtype in _CUDNN_DTYPES else "xla"
+    return "dense"
+
+
+def _jax_nn_reason(q, k, v, kwargs) -> str | None:
+    """Why ``jax.nn.dot_product_attention`` would compute another function, or None."""
+    for name in ("sink_logits", "softcap", "q_positions", "kv_positions"):
+        if kwargs.get(name) is not None:
+            return f"{name} (jax.nn has no equivalent)"
+    if kwargs.get("q_segment_ids") is not None or kwargs.get("kv_segment_ids") is not None:
+        return "segment ids (jax.nn returns the mean of V on rows they fully mask)"
+    if kwargs.get("return_weights") or kwargs.get("return_lse"):
+        return "return_weights/return_lse"
+    if _window_args(kwargs.get("mask")) is None:
+        return f"mask {kwargs.get('mask')!r} (jax.nn has full, causal and band masks only)"
+    causal, _ = _window_args(kwargs.get("mask"))
+    if causal and q.shape[1] != k.shape[1]:
+        return "a causal mask with T != S (jax.nn aligns it to the top-left corner)"
+    return None
+
+
+def _window_args(mask) -> tuple[bool, tuple[int, int] | None] | None:
+    """``(is_causal, local_window_size)`` for jax.nn, or None where it has no equivalent."""
+    match mask:
+        case None | masks.Full():
+            return False, None
+        case masks.Causal():
+            return True, None
+        # A sliding window is causal already; `causal() & window` is the same mask.
+        case (
+            masks.SlidingWindow(window=w)
+            | masks.And(masks.Causal(), masks.SlidingWindow(window=w))
+            | masks.And(masks.SlidingWindow(window=w), masks.Causal())
+        ):
+            return True, (w - 1, 0)
+        case masks.BidirectionalWindow(radius=r):
+            return False, (r, r)
+    return None
+
+
+def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, **rest):
+    c: Call = check_call(q, k, v, mask=mask, scale=scale, **_call_args(rest))
+    reason = _jax_nn_reason(q, k, v, dict(rest, mask=mask))
+    if reason is not None:
+        fail("impl", f"an impl computing our semantics for {reason}", repr(impl))
+    if impl == "cudnn":
+        if jax.default_backend() != "gpu":
+            fail("impl", "'cudnn' only on a GPU backend", f"backend {jax.default_backend()!r}")
+        if q.dtype not in _CUDNN_DTYPES:
+            fail("q", "bfloat16 or float16 inputs for impl='cudnn'", q.dtype)
+    is_causal, window = _window_args(c.mask)
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        bias=bias,
+        scale=c.scale,
+        is_causal=is_causal,
+        local_window_size=window,
+        implementation=impl,
+    )
+
+
+_CALL_ARGS = ("softcap", "sink_logits", "q_positions", "kv_positions")
+_CALL_ARGS += ("q_segment_ids", "kv_segment_ids")
+
+
+def _call_args(rest):
+    unknown = set(rest) - set(_CALL_ARGS) - {"return_weights", "return_lse"}
+    if unknown:
+        raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
+    return {key: rest[key] for key in _CALL_ARGS if key in rest}

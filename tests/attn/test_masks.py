@@ -1,0 +1,166 @@
+"""The mask algebra: rules on positions and sound block classification."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn import masks
+from attn.masks import BlockKind
+
+# Masks whose classification is exact on contiguous boxes (primitives).
+PRIMITIVES = {
+    "full": masks.full(),
+    "causal": masks.causal(),
+    "window1": masks.sliding_window(1),
+    "window5": masks.sliding_window(5),
+    "band3": masks.bidirectional_window(3),
+    "sinks2": masks.sinks(2),
+    "chunked4": masks.chunked(4),
+    "global": masks.global_tokens((0, 5, 6, 7, 19)),
+}
+# Compositions: classification must be sound (never claims EMPTY/FULL wrongly).
+COMPOSED = {
+    "streaming": masks.causal() & (masks.sliding_window(4) | masks.sinks(3)),
+    "chunked_causal": masks.causal() & masks.chunked(6),
+    "longformer": masks.bidirectional_window(2) | masks.global_tokens((3, 11)),
+    "causal_global": masks.causal() & (masks.sliding_window(3) | masks.global_tokens((0, 8))),
+}
+
+
+def brute(mask, q_lo, q_hi, k_lo, k_hi):
+    q = np.arange(q_lo, q_hi + 1)
+    k = np.arange(k_lo, k_hi + 1)
+    return np.asarray(mask.allowed(q, k))
+
+
+def random_boxes(seed, count=300, span=24):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        q_lo, k_lo = rng.integers(0, span, 2)
+        q_hi, k_hi = q_lo + rng.integers(0, 8), k_lo + rng.integers(0, 8)
+        yield int(q_lo), int(q_hi), int(k_lo), int(k_hi)
+
+
+@pytest.mark.parametrize("name", sorted(PRIMITIVES))
+def test_primitive_classification_is_exact(name):
+    mask = PRIMITIVES[name]
+    for box in random_boxes(seed=len(name)):
+        ok = brute(mask, *box)
+        want = (
+            BlockKind.EMPTY if not ok.any() else BlockKind.FULL if ok.all() else BlockKind.PARTIAL
+        )
+        assert mask.classify(*box) == want, (name, box)
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+def test_composed_classification_is_sound(name):
+    mask = COMPOSED[name]
+    kinds = set()
+    for box in random_boxes(seed=len(name)):
+        ok = brute(mask, *box)
+        kind = mask.classify(*box)
+        kinds.add(kind)
+        if kind == BlockKind.EMPTY:
+            assert not ok.any(), (name, box)
+        if kind == BlockKind.FULL:
+            assert ok.all(), (name, box)
+    assert BlockKind.EMPTY in kinds or name == "longformer"
+    assert BlockKind.PARTIAL in kinds
+
+
+def test_composed_classification_skips_most_empty_boxes():
+    mask = COMPOSED["streaming"]
+    boxes = list(random_boxes(seed=7, count=400))
+    empty = [b for b in boxes if not brute(mask, *b).any()]
+    found = [b for b in empty if mask.classify(*b) == BlockKind.EMPTY]
+    assert len(empty) > 50 and len(found) == len(empty)
+
+
+def test_array_bounds_match_int_bounds_under_jit():
+    mask = COMPOSED["causal_global"] | masks.chunked(5)
+    boxes = np.array(list(random_boxes(seed=3, count=64)))
+    want = np.array([mask.classify(*map(int, b)) for b in boxes])
+    got = jax.jit(lambda b: mask.classify(b[:, 0], b[:, 1], b[:, 2], b[:, 3]))(jnp.asarray(boxes))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_rules_on_positions():
+    q = np.arange(8)
+    np.testing.assert_array_equal(masks.causal().allowed(q, q), np.tril(np.ones((8, 8), bool)))
+    # Window of 3: position 5 sees exactly 3, 4, 5.
+    row = np.asarray(masks.sliding_window(3).allowed(np.array([5]), q))[0]
+    assert np.flatnonzero(row).tolist() == [3, 4, 5]
+    row = np.asarray(masks.sinks(2).allowed(np.array([6]), q))[0]
+    assert np.flatnonzero(row).tolist() == [0, 1]
+    row = np.asarray(masks.chunked(3).allowed(np.array([4]), q))[0]
+    assert np.flatnonzero(row).tolist() == [3, 4, 5]
+    g = np.asarray(masks.global_tokens([2]).allowed(q, q))
+    assert g[2].all() and g[:, 2].all() and g.sum() == 8 + 8 - 1
+    # Decode: one query at absolute position 100 over a cache holding 98..101.
+    row = np.asarray(masks.causal().allowed(np.array([100]), np.arange(98, 102)))[0]
+    assert row.tolist() == [True, True, True, False]
+
+
+def test_algebra_is_hashable_and_composes():
+    a = masks.causal() & (masks.sliding_window(4) | masks.sinks(2))
+    b = masks.causal() & (masks.sliding_window(4) | masks.sinks(2))
+    assert a == b and hash(a) == hash(b)
+    q = np.arange(12)
+    got = np.asarray(a.allowed(q, q))
+    want = np.asarray(masks.causal().allowed(q, q)) & (
+        np.asarray(masks.sliding_window(4).allowed(q, q)) | np.asarray(masks.sinks(2).allowed(q, q))
+    )
+    np.testing.assert_array_equal(got, want)
+
+
+def test_block_schedule_counts_causal_blocks():
+    for n in (1, 2, 5, 8):
+        kinds = masks.block_schedule(masks.causal(), 16 * n, 16 * n, 16, 16)
+        assert (kinds != BlockKind.EMPTY).sum() == n * (n + 1) // 2
+        assert (kinds == BlockKind.PARTIAL).sum() == n  # only the diagonal needs the mask
+
+
+def test_block_schedule_handles_ragged_edges():
+    kinds = masks.block_schedule(masks.causal(), 10, 7, 4, 4, q_offset=3)
+    for i, j in itertools.product(range(3), range(2)):
+        q = 3 + np.arange(4 * i, min(4 * i + 4, 10))
+        k = np.arange(4 * j, min(4 * j + 4, 7))
+        ok = np.asarray(masks.causal().allowed(q, k))
+        want = (
+            BlockKind.EMPTY if not ok.any() else BlockKind.FULL if ok.all() else BlockKind.PARTIAL
+        )
+        assert kinds[i, j] == want
+
+
+@pytest.mark.parametrize(
+    ("make", "arg", "name"),
+    [
+        (masks.sliding_window, -1, "w"),
+        (masks.sliding_window, 0, "w"),
+        (masks.sliding_window, 2.5, "w"),
+        (masks.sinks, 0, "n"),
+        (masks.chunked, True, "c"),
+        (masks.bidirectional_window, -2, "radius"),
+        (masks.global_tokens, [], "positions"),
+        (masks.global_tokens, [-1], "positions"),
+        (masks.global_tokens, ["a"], "positions"),
+    ],
+)
+def test_bad_arguments(make, arg, name):
+    with pytest.raises(ValueError, match=name):
+        make(arg)
+
+
+def test_combining_with_a_non_mask_fails():
+    with pytest.raises(ValueError, match="other"):
+        masks.causal() & np.ones((2, 2), bool)
+
+
+def test_segment_ids_from_lengths():
+    ids = np.asarray(masks.segment_ids_from_lengths(jnp.array([3, 1]), 4))
+    assert ids.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    with pytest.raises(ValueError, match="lengths"):
+        masks.segment_ids_from_lengths(jnp.ones((2, 2)), 4)
