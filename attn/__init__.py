@@ -30,15 +30,33 @@ from attn import masks
 from attn.cache import kv_cache_bytes
 from attn.dense import dot_product_attention
 from attn.dispatch import IMPLS, attention
+from attn.linear import (
+    FEATURE_MAPS,
+    FORMS,
+    LinearState,
+    favor_projection,
+    init_linear_state,
+    linear_attention,
+    linear_attention_step,
+    linear_feature_dim,
+)
 from attn.masks import Mask
 from attn.rope import apply_rope
 
 __all__ = [
+    "FEATURE_MAPS",
+    "FORMS",
     "IMPLS",
+    "LinearState",
     "Mask",
     "apply_rope",
     "attention",
     "dot_product_attention",
+    "favor_projection",
+    "init_linear_state",
     "kv_cache_bytes",
+    "linear_attention",
+    "linear_attention_step",
+    "linear_feature_dim",
     "masks",
 ]
