@@ -27,7 +27,8 @@ reshapes q to ``[B,T,K,G,H]``; K/V are never repeated in memory.
 """
 
 from attn import masks
-from attn.cache import kv_cache_bytes
+from attn.blockwise import blockwise_attention
+from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.dense import dot_product_attention
 from attn.dispatch import IMPLS, attention
 from attn.linear import (
@@ -41,6 +42,7 @@ from attn.linear import (
     linear_feature_dim,
 )
 from attn.masks import Mask
+from attn.merge import merge_attention
 from attn.rope import apply_rope
 
 __all__ = [
@@ -51,12 +53,16 @@ __all__ = [
     "Mask",
     "apply_rope",
     "attention",
+    "blockwise_attention",
     "dot_product_attention",
     "favor_projection",
     "init_linear_state",
     "kv_cache_bytes",
+    "latent_cache_bytes",
     "linear_attention",
     "linear_attention_step",
     "linear_feature_dim",
+    "linear_state_bytes",
     "masks",
+    "merge_attention",
 ]

@@ -11,9 +11,18 @@ import jax.numpy as jnp
 
 from attn import masks
 from attn._checks import fail
+from attn.blockwise import blockwise_attention
 from attn.dense import Call, check_call, dot_product_attention
 
-IMPLS = ("auto", "dense", "xla", "cudnn")
+IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn")
+
+# impl="auto" on CPU: blockwise from this many score entries T*S per call on.
+# Measured with bench/attention.py on a 2-core AVX-512 CPU (f32, B=1, N=8,
+# H=64, causal and full, forward and forward+backward): blockwise was already
+# faster than dense at T = S = 1024 (dense materializes and re-reads [T,S]
+# float32 weights per head), and dense's memory grows as T*S beyond that.
+# Below it dense is as fast and has no loop overhead.
+BLOCKWISE_MIN_SCORES = 1024 * 1024
 
 # cuDNN's fused kernels take only half-precision inputs.
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -24,11 +33,13 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
 
     Args:
       q, k, v: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]`` as in ``dot_product_attention``.
-      impl: ``"dense"`` (ours, materialized); ``"xla"`` or ``"cudnn"``
+      impl: ``"dense"`` (ours, materialized); ``"blockwise"`` (ours, FlashAttention:
+        memory linear in T and S, skips masked blocks; no ``bias`` or
+        ``return_weights``, and accepts ``block_q``/``block_k``); ``"xla"`` or ``"cudnn"``
         (``jax.nn.dot_product_attention``, only where its semantics equal ours:
         no sinks, soft-cap, segment ids or explicit positions, and causal or
         window masks only with T == S); ``"auto"`` picks the fastest correct one
-        for the platform.
+        for the platform (on CPU: blockwise from ``BLOCKWISE_MIN_SCORES`` = T*S on).
       **kwargs: the keyword arguments of ``attn.dot_product_attention``.
 
     Returns:
@@ -40,13 +51,33 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         impl = _choose(q, k, v, kwargs)
     if impl == "dense":
         return dot_product_attention(q, k, v, **kwargs)
+    if impl == "blockwise":
+        return _blockwise(q, k, v, **kwargs)
     return _jax_nn(q, k, v, impl, **kwargs)
 
 
 def _choose(q, k, v, kwargs) -> str:
     if jax.default_backend() == "gpu" and _jax_nn_reason(q, k, v, kwargs) is None:
         return "cudnn" if q.dtype in _CUDNN_DTYPES else "xla"
+    blockwise_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
+    long = _shape(q, 1) * _shape(k, 1) >= BLOCKWISE_MIN_SCORES
+    if jax.default_backend() == "cpu" and blockwise_ok and long:
+        return "blockwise"
     return "dense"
+
+
+def _shape(x, axis):
+    """``x.shape[axis]``, or 0 where x is not a rank-4 array (the impl then reports it)."""
+    shape = getattr(x, "shape", ())
+    return shape[axis] if len(shape) == 4 else 0
+
+
+def _blockwise(q, k, v, *, bias=None, return_weights=False, **kwargs):
+    if bias is not None:
+        fail("bias", "None for impl='blockwise' (use impl='dense' for a bias)", "an array")
+    if return_weights:
+        fail("return_weights", "False for impl='blockwise' (it never forms the weights)", True)
+    return blockwise_attention(q, k, v, **kwargs)
 
 
 def _jax_nn_reason(q, k, v, kwargs) -> str | None:

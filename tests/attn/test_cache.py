@@ -38,3 +38,40 @@ def test_dtype_and_mqa():
 def test_bad_input(field, value):
     with pytest.raises(ValueError, match=field):
         attn.kv_cache_bytes(**dict(LLAMA3_8B, **{field: value}))
+
+
+def test_latent_cache_of_deepseek_v2():
+    # 60 layers, rank 512 plus a 64-wide RoPE key, bfloat16: (512 + 64) * 2 * 60 bytes.
+    dsv2 = {"num_layers": 60, "kv_rank": 512, "rope_head_dim": 64, "dtype": jnp.bfloat16}
+    assert attn.latent_cache_bytes(**dsv2) == 69120
+    mha = attn.kv_cache_bytes(num_layers=60, num_kv_heads=128, head_dim=128, dtype=jnp.bfloat16)
+    assert mha / attn.latent_cache_bytes(**dsv2) == pytest.approx(56.9, abs=0.05)
+    assert attn.latent_cache_bytes(**dsv2, num_tokens=10, batch=3) == 30 * 69120
+
+
+def test_linear_state_does_not_depend_on_length():
+    shape = {"num_layers": 4, "num_heads": 8, "feature_dim": 64, "value_dim": 64}
+    # kv [N,F,E] plus the normalizer z [N,F], float32.
+    assert attn.linear_state_bytes(**shape) == 4 * 8 * 64 * 65 * 4
+    assert attn.linear_state_bytes(**shape, batch=2) == 2 * attn.linear_state_bytes(**shape)
+
+
+@pytest.mark.parametrize(
+    ("fn", "kwargs", "match"),
+    [
+        (attn.latent_cache_bytes, {"kv_rank": 0, "rope_head_dim": 8, "dtype": "f4"}, "kv_rank"),
+        (
+            attn.latent_cache_bytes,
+            {"kv_rank": 8, "rope_head_dim": -1, "dtype": "f4"},
+            "rope_head_dim",
+        ),
+        (
+            attn.linear_state_bytes,
+            {"num_heads": 2, "feature_dim": 0, "value_dim": 4},
+            "feature_dim",
+        ),
+    ],
+)
+def test_latent_and_state_bad_input(fn, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        fn(num_layers=2, **kwargs)

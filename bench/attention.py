@@ -1,0 +1,550 @@
+"""Benchmark: softmax attention implementations side by side, time and peak memory against T.
+
+For T from 1K to 64K (B=1, N=8, H=64, float32, causal and full masks) it times
+the forward pass and forward + backward (the gradient of ``sum(out * ct)``
+w.r.t. q, k, v for a random cotangent ct) of:
+
+* ``xla``: ``jax.nn.dot_product_attention`` (materializes ``[N,T,S]``),
+* ``dense``: ``attn.dot_product_attention`` (ours, materialized),
+* ``blockwise``: ``attn.blockwise_attention`` (ours, FlashAttention),
+* ``torch``: ``torch.nn.functional.scaled_dot_product_attention`` on the same
+  CPU, when torch is importable.
+
+Every measurement runs in its own child process, which reports its peak
+resident memory (``VmHWM``), so each number is that implementation's alone
+(JAX runtime included: a bare child holds a few hundred MB).
+
+Timing: compiled ahead of time, then the best of ``repeats`` runs (one run
+when it takes longer than ``SINGLE_RUN_SECONDS``; JAX's first run is a warm-up
+below that). A configuration is skipped, and listed as such, when its
+``[N,T,S]`` float32 arrays would not fit in memory (materializing
+implementations) or when its time, projected from the previous length, exceeds
+``max_seconds``. The machine's float32 matmul rate (``jnp.dot`` of 4096 x 4096,
+best of several) is measured first, and every time is also given as useful
+FLOP/s as a fraction of it: ``4 T S N H`` for a full forward pass, the visible
+half ``2 T^2 N H`` for a causal one, 2.5x that for the backward pass.
+
+The load average is recorded at the start and end: on a shared machine other
+processes slow some runs, and the best of several runs is the least affected.
+
+Writes ``bench/results/attention-<platform>.json``, ``.md`` (a table) and
+``.png`` (time and memory against T, log-log).
+
+    python bench/attention.py                 # the full run (about 15 minutes on 2 cores)
+    python bench/attention.py --quick         # smoke test: T = 1K, 2K, "-quick" files
+    python bench/attention.py --max-len 16384
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import operator
+import os
+import platform as platform_lib
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/attention.py`
+    sys.path.insert(0, str(ROOT))
+
+IMPLS = ("xla", "dense", "blockwise", "torch")
+IMPL_LABELS = {
+    "xla": "jax.nn (xla)",
+    "dense": "attn dense",
+    "blockwise": "attn blockwise",
+    "torch": "torch SDPA",
+}
+MODES = ("fwd", "fwd+bwd")
+LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+QUICK_LENGTHS = (1024, 2048)
+BACKWARD_FLOPS = 2.5  # the backward pass does 5 matmuls to the forward pass's 2
+SINGLE_RUN_SECONDS = 5.0  # a run this long is timed once
+# [N,T,S] float32 arrays a materializing implementation holds at its peak
+# (scores, weights, and in the backward their gradients), for the memory skip.
+MATERIALIZED_ARRAYS = {"fwd": 3, "fwd+bwd": 6}
+MATMUL_SIZE = 4096
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Config:
+    """Benchmark settings (flags: --quick, --max-len, --platform, ...)."""
+
+    quick: bool = False  # T = 1K and 2K, one timed run: a smoke test ("-quick" files)
+    max_len: int = 65536
+    platform: str = ""  # JAX platform ("cpu", "gpu", "tpu"); empty: the default backend
+    batch: int = 1
+    heads: int = 8
+    head_dim: int = 64
+    impls: tuple[str, ...] = IMPLS
+    masks: tuple[str, ...] = ("causal", "full")
+    modes: tuple[str, ...] = MODES
+    repeats: int = 3
+    max_seconds: float = 150.0  # skip a run projected (from the previous T) to take longer
+    memory_fraction: float = 0.6  # of available RAM, for materialized [N,T,S] arrays
+    out_dir: str = "bench/results"
+
+
+# ----------------------------------------------------------------------------
+# Child processes: one measurement each.
+
+
+def child_main(spec: dict) -> dict:
+    """Runs one measurement in this (child) process and returns its result."""
+    if spec["platform"]:
+        os.environ["JAX_PLATFORMS"] = spec["platform"]
+    if spec["impl"] == "torch":
+        seconds = _time_torch(spec)
+    elif spec["impl"] == "matmul":
+        seconds = _time_matmul(spec)
+    else:
+        seconds = _time_jax(spec)
+    return {"seconds": seconds, "peak_rss_bytes": _peak_rss_bytes()}
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    import resource  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _best_of(run, repeats: int) -> float:
+    times = []
+    while len(times) < repeats:
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+        if times[-1] > SINGLE_RUN_SECONDS:
+            break
+    return min(times)
+
+
+def _inputs(spec: dict):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shape = (spec["batch"], spec["T"], spec["heads"], spec["head_dim"])
+    return [rng.standard_normal(shape, np.float32) for _ in range(4)]  # q, k, v, cotangent
+
+
+def _time_matmul(spec: dict) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n = spec["T"]
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot).lower(a, a).compile()
+    jax.block_until_ready(dot(a, a))
+    return _best_of(lambda: jax.block_until_ready(dot(a, a)), spec["repeats"])
+
+
+def _time_jax(spec: dict) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    import attn
+    from attn import masks
+    from attn.blockwise import blockwise_attention
+
+    causal = spec["mask"] == "causal"
+    if spec["impl"] == "xla":
+
+        def fn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+    else:
+        call = blockwise_attention if spec["impl"] == "blockwise" else attn.dot_product_attention
+        mask = masks.causal() if causal else masks.full()
+
+        def fn(q, k, v):
+            return call(q, k, v, mask=mask)
+
+    q, k, v, ct = (jnp.asarray(x) for x in _inputs(spec))
+    if spec["mode"] == "fwd":
+        step, args = fn, (q, k, v)
+    else:
+
+        def step(q, k, v, ct):
+            return jax.grad(lambda q, k, v: (fn(q, k, v) * ct).sum(), argnums=(0, 1, 2))(q, k, v)
+
+        args = (q, k, v, ct)
+    compiled = jax.jit(step).lower(*args).compile()
+    run = lambda: jax.block_until_ready(compiled(*args))  # noqa: E731
+    start = time.perf_counter()
+    run()  # the first run warms up (allocations, threads); timed for long runs
+    first = time.perf_counter() - start
+    if first > SINGLE_RUN_SECONDS:
+        return first
+    return _best_of(run, spec["repeats"])
+
+
+def _time_torch(spec: dict) -> float:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # torch wants [B,N,T,H]; .contiguous() so the kernel sees its native layout.
+    q, k, v, ct = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in _inputs(spec))
+    causal = spec["mask"] == "causal"
+    if spec["mode"] == "fwd":
+
+        def run():
+            with torch.no_grad():
+                sdpa(q, k, v, is_causal=causal)
+
+    else:
+        for x in (q, k, v):
+            x.requires_grad_(True)
+
+        def run():
+            for x in (q, k, v):
+                x.grad = None
+            (sdpa(q, k, v, is_causal=causal) * ct).sum().backward()
+
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    if first > SINGLE_RUN_SECONDS:
+        return first
+    return _best_of(run, spec["repeats"])
+
+
+def measure(spec: dict, timeout: float) -> dict:
+    """Runs ``spec`` in a child process; the result, or a status saying why there is none."""
+    env = dict(os.environ, ATTN_BENCH_CHILD=json.dumps(spec))
+    try:
+        run = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve())],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"status": f"timed out after {timeout:.0f} s"}
+    if run.returncode != 0:
+        tail = (run.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return {"status": f"failed (exit {run.returncode}): {tail}"}
+    return dict(json.loads(run.stdout.strip().splitlines()[-1]), status="ok")
+
+
+# ----------------------------------------------------------------------------
+# The sweep.
+
+
+def useful_flops(cfg: Config, T: int, mask: str, mode: str) -> float:
+    """Useful FLOPs: the visible scores' two matmuls (x2.5 more for the backward)."""
+    flops = 4.0 * cfg.batch * T * T * cfg.heads * cfg.head_dim
+    if mask == "causal":
+        flops /= 2
+    return flops * (1 + BACKWARD_FLOPS) if mode == "fwd+bwd" else flops
+
+
+def available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def torch_available() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def skip_reason(cfg: Config, impl: str, mask: str, mode: str, T: int, done: dict) -> str | None:
+    """Why a configuration is not run, or None."""
+    key = (impl, mask, mode)
+    if impl in ("xla", "dense"):
+        need = MATERIALIZED_ARRAYS[mode] * cfg.batch * cfg.heads * T * T * 4
+        if need > cfg.memory_fraction * available_bytes():
+            return f"[N,T,S] float32 arrays: ~{need / 2**30:.0f} GiB"
+    shorter = [(t, r) for (k, t), r in done.items() if k == key and t < T]
+    if shorter:
+        t_prev, prev = max(shorter)
+        if prev.get("status") != "ok":
+            return "a shorter length was not measured"
+        projected = prev["seconds"] * (T / t_prev) ** 2
+        if projected > cfg.max_seconds:
+            return f"projected {projected:.0f} s > {cfg.max_seconds:.0f} s"
+    return None
+
+
+def sweep(cfg: Config, lengths, platform: str) -> tuple[float, list[dict]]:
+    base = dict(
+        platform=platform,
+        batch=cfg.batch,
+        heads=cfg.heads,
+        head_dim=cfg.head_dim,
+        repeats=cfg.repeats,
+    )
+    print(f"f32 matmul rate ({MATMUL_SIZE}x{MATMUL_SIZE}, best of 5)...", flush=True)
+    mm = measure(dict(base, impl="matmul", T=MATMUL_SIZE, repeats=5), timeout=600)
+    if mm["status"] != "ok":
+        raise RuntimeError(f"matmul rate: {mm['status']}")
+    matmul_rate = 2 * MATMUL_SIZE**3 / mm["seconds"]
+    print(f"  {matmul_rate / 1e9:.0f} GFLOP/s", flush=True)
+
+    impls = [i for i in cfg.impls if i != "torch" or torch_available()]
+    done: dict = {}
+    rows = []
+    for mask in cfg.masks:
+        for mode in cfg.modes:
+            for T in lengths:
+                for impl in impls:
+                    spec = dict(base, impl=impl, mask=mask, mode=mode, T=T)
+                    reason = skip_reason(cfg, impl, mask, mode, T, done)
+                    if reason is None:
+                        timeout = max(600.0, 4 * cfg.max_seconds)
+                        result = measure(spec, timeout)
+                    else:
+                        result = {"status": f"skipped: {reason}"}
+                    done[((impl, mask, mode), T)] = result
+                    row = dict(impl=impl, mask=mask, mode=mode, T=T, **result)
+                    if result["status"] == "ok":
+                        flops = useful_flops(cfg, T, mask, mode)
+                        row["useful_gflops"] = flops / result["seconds"] / 1e9
+                        row["matmul_fraction"] = flops / result["seconds"] / matmul_rate
+                    rows.append(row)
+                    print(_progress(row), flush=True)
+    return matmul_rate, rows
+
+
+def _progress(row: dict) -> str:
+    head = f"  {row['mask']:6s} {row['mode']:7s} T={row['T']:6d} {row['impl']:9s}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}"
+    return (
+        f"{head} {row['seconds']:8.3f} s  {row['peak_rss_bytes'] / MiB:7.0f} MB"
+        f"  {100 * row['matmul_fraction']:5.1f}% of matmul"
+    )
+
+
+# ----------------------------------------------------------------------------
+# Reporting.
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    if row["status"] != "ok":
+        return "skipped" if row["status"].startswith("skipped") else "failed"
+    return (
+        f"{row['seconds']:.3f} s / {row['peak_rss_bytes'] / MiB:.0f} MB / "
+        f"{100 * row['matmul_fraction']:.0f}%"
+    )
+
+
+def _lookup(rows, **key):
+    for row in rows:
+        if all(row[k] == v for k, v in key.items()):
+            return row
+    return None
+
+
+def _ratio(rows, a: str, b: str, **key) -> str:
+    ra, rb = _lookup(rows, impl=a, **key), _lookup(rows, impl=b, **key)
+    if not ra or not rb or ra["status"] != "ok" or rb["status"] != "ok":
+        return "-"
+    return f"{ra['seconds'] / rb['seconds']:.2f}"
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's CPU targets (causal, f32, B=1, N=8, H=64), checked on this run."""
+    rows = result["rows"]
+
+    def get(impl, mode, T, key="seconds"):
+        row = _lookup(rows, impl=impl, mask="causal", mode=mode, T=T)
+        return row[key] if row and row["status"] == "ok" else None
+
+    def quotient(a, b):
+        return None if a is None or b is None else a / b
+
+    rss = get("blockwise", "fwd+bwd", 65536, "peak_rss_bytes")
+    checks = [
+        ("T=8192 fwd: blockwise / torch SDPA time", "<=", 1.0,
+         quotient(get("blockwise", "fwd", 8192), get("torch", "fwd", 8192))),
+        ("T=8192 fwd: jax.nn (xla) / blockwise time", ">=", 8.0,
+         quotient(get("xla", "fwd", 8192), get("blockwise", "fwd", 8192))),
+        ("T=8192 fwd: blockwise useful FLOP/s / matmul rate", ">=", 0.5,
+         get("blockwise", "fwd", 8192, "matmul_fraction")),
+        ("T=65536 fwd+bwd: blockwise peak RSS (GB)", "<", 3.0, quotient(rss, 1e9)),
+        ("T=8192: blockwise fwd+bwd / fwd time", "<=", 3.5,
+         quotient(get("blockwise", "fwd+bwd", 8192), get("blockwise", "fwd", 8192))),
+    ]  # fmt: skip
+    compare = {"<=": operator.le, ">=": operator.ge, "<": operator.lt}
+    return [
+        dict(target=name, value=value, wanted=f"{op} {bound:g}",
+             met=None if value is None else compare[op](value, bound))
+        for name, op, bound, value in checks
+    ]  # fmt: skip
+
+
+def markdown(result: dict) -> str:
+    cfg, env, rows = result["config"], result["env"], result["rows"]
+    impls = [i for i in cfg["impls"] if any(r["impl"] == i for r in rows)]
+    lines = [
+        f"# Softmax attention on {result['platform']} ({env['cpu_count']} CPU cores)",
+        "",
+        f"B={cfg['batch']}, N={cfg['heads']}, H={cfg['head_dim']}, float32. Each cell: best "
+        "time / peak RSS of the child process / useful FLOP/s as a fraction of the matmul "
+        "rate. Useful FLOPs: 4 T^2 N H for a full forward pass, half for causal, x3.5 "
+        "for forward + backward.",
+        "",
+        f"f32 matmul rate (jnp.dot {MATMUL_SIZE}x{MATMUL_SIZE}, best of 5): "
+        f"**{result['matmul_gflops']:.0f} GFLOP/s**. Load average at start / end: "
+        f"{env['load_average_at_start'][0]:.2f} / {env['load_average_at_end'][0]:.2f}.",
+        "",
+    ]
+    head = ["mask", "pass", "T", *(IMPL_LABELS[i] for i in impls)]
+    with_torch = "torch" in impls and "blockwise" in impls
+    if with_torch:
+        head.append("blockwise / torch")
+    if "xla" in impls and "blockwise" in impls:
+        head.append("xla / blockwise")
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    keys = sorted(
+        {(r["mask"], r["mode"], r["T"]) for r in rows},
+        key=lambda k: (cfg["masks"].index(k[0]), cfg["modes"].index(k[1]), k[2]),
+    )
+    for mask, mode, T in keys:
+        cells = [mask, mode, str(T)]
+        cells += [_cell(_lookup(rows, impl=i, mask=mask, mode=mode, T=T)) for i in impls]
+        if with_torch:
+            cells.append(_ratio(rows, "blockwise", "torch", mask=mask, mode=mode, T=T))
+        if "xla" in impls and "blockwise" in impls:
+            cells.append(_ratio(rows, "xla", "blockwise", mask=mask, mode=mode, T=T))
+        lines.append("| " + " | ".join(cells) + " |")
+    skipped = [r for r in rows if r["status"] != "ok"]
+    if skipped:
+        lines += ["", "Not measured:", ""]
+        lines += [
+            f"- {r['impl']} {r['mask']} {r['mode']} T={r['T']}: {r['status']}" for r in skipped
+        ]
+    lines += [
+        "",
+        "Targets (causal):",
+        "",
+        "| target | value | wanted | met |",
+        "|---|---:|---|---|",
+    ]
+    for t in result["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        lines.append(f"| {t['target']} | {value} | {t['wanted']} | {t['met']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, cfg = result["rows"], result["config"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    colors = dict(zip(IMPLS, ("tab:red", "tab:orange", "tab:blue", "tab:green"), strict=True))
+    styles = {
+        ("causal", "fwd"): "-",
+        ("causal", "fwd+bwd"): "--",
+        ("full", "fwd"): ":",
+        ("full", "fwd+bwd"): "-.",
+    }
+    for impl in cfg["impls"]:
+        for mask in cfg["masks"]:
+            for mode in cfg["modes"]:
+                pts = sorted(
+                    (r["T"], r["seconds"], r["peak_rss_bytes"] / MiB)
+                    for r in rows
+                    if (r["impl"], r["mask"], r["mode"]) == (impl, mask, mode)
+                    and r["status"] == "ok"
+                )
+                if not pts:
+                    continue
+                Ts, secs, mem = zip(*pts, strict=True)
+                kw = dict(
+                    color=colors[impl],
+                    linestyle=styles.get((mask, mode), "-"),
+                    marker="o",
+                    markersize=3,
+                    label=f"{IMPL_LABELS[impl]}, {mask} {mode}",
+                )
+                axes[0].plot(Ts, secs, **kw)
+                axes[1].plot(Ts, mem, **kw)
+    axes[0].set(ylabel="time (s)", title="Time vs sequence length")
+    axes[1].set(ylabel="peak RSS of the process (MB)", title="Peak memory vs sequence length")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("T = S (tokens)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=7, ncol=2)
+    fig.suptitle(
+        f"Softmax attention, {result['platform']}, B={cfg['batch']} N={cfg['heads']} "
+        f"H={cfg['head_dim']} f32 (matmul rate {result['matmul_gflops']:.0f} GFLOP/s)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(cfg: Config) -> dict:
+    import jax
+
+    platform = cfg.platform or jax.default_backend()
+    lengths = [T for T in (QUICK_LENGTHS if cfg.quick else LENGTHS) if cfg.max_len >= T]
+    if cfg.quick:
+        cfg = dataclasses.replace(cfg, repeats=1)
+    name = f"attention-{platform}" + ("-quick" if cfg.quick else "")
+    started = time.perf_counter()
+    env = {
+        "jax": jax.__version__,
+        "cpu_count": os.cpu_count(),
+        "machine": platform_lib.machine(),
+        "processor": platform_lib.processor(),
+        "load_average_at_start": os.getloadavg(),
+    }
+    matmul_rate, rows = sweep(cfg, lengths, platform)
+    env["load_average_at_end"] = os.getloadavg()
+    result = {
+        "platform": platform,
+        "config": dataclasses.asdict(cfg),
+        "env": env,
+        "matmul_gflops": matmul_rate / 1e9,
+        "rows": rows,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    result["targets"] = targets(result)
+    out = Path(cfg.out_dir)
+    out = out if out.is_absolute() else ROOT / out
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(markdown(result))
+    plot(result, out / f"{name}.png")
+    print(markdown(result))
+    print(f"wrote {out / name}.{{json,md,png}} in {result['wall_seconds']:.0f} s")
+    return result
+
+
+if __name__ == "__main__":
+    if "ATTN_BENCH_CHILD" in os.environ:
+        print(json.dumps(child_main(json.loads(os.environ["ATTN_BENCH_CHILD"]))))
+    else:
+        import tyro
+
+        main(tyro.cli(Config))

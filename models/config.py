@@ -1,0 +1,448 @@
+"""Model configs: frozen, hashable dataclasses validated on construction.
+
+``AttentionConfig`` describes one attention layer (softmax MHA/GQA/MQA with any
+mask, multi-head latent attention, or linear attention); ``ModelConfig`` a whole
+model, with one ``AttentionConfig`` per layer so hybrids are one line::
+
+    layers = pattern(("window", "window", "global") * 4)        # Gemma-style local/global
+    layers = pattern(("linear", "linear", "softmax") * 2)         # linear/softmax hybrid
+    config = ModelConfig(vocab_size=256, width=256, layers=layers)
+
+Every bad value raises ``ValueError("<field>: expected ..., got <value>")``.
+Configs are hashable, so they are static under ``jit`` and key compile caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+
+import jax.numpy as jnp
+
+import attn
+from attn import masks
+from attn.linear import FEATURE_MAPS, FORMS
+
+KINDS = ("softmax", "mla", "linear")
+
+# Implementations backed by jax.nn.dot_product_attention (see attn.dispatch).
+JAX_NN_IMPLS = ("xla", "cudnn")
+
+# Feature maps that approximate exp(q.k); like softmax they take q.k / sqrt(H).
+EXP_KERNEL_MAPS = ("taylor", "favor")
+
+
+def _fail(field: str, expected: str, got) -> None:
+    raise ValueError(f"{field}: expected {expected}, got {got!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _positive_int(value, field: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not _is_int(value) or value < 1:
+        _fail(field, "a positive int" + (" or None" if allow_none else ""), value)
+
+
+def _positive_float(value, field: str, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        _fail(field, "a positive finite number" + (" or None" if allow_none else ""), value)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """One attention layer.
+
+    Common fields:
+      kind: ``"softmax"`` (MHA/GQA/MQA through ``attn.attention``), ``"mla"``
+        (multi-head latent attention, DeepSeek-V2) or ``"linear"`` (``attn.linear``).
+      num_heads: N, query heads.
+      num_kv_heads: K, key/value heads; None means N (MHA). N % K == 0; K == 1 is MQA.
+        MLA has no kv heads (keys are per head after the up-projection): None or N.
+      head_dim: H, query/key (and value) head dim. For MLA the default of
+        ``nope_head_dim`` and ``v_head_dim``.
+      rope: rotate queries and keys by position (for MLA: the decoupled key).
+      rope_base: RoPE frequency base.
+      rotary_dim: leading channels that rotate (partial RoPE); None means all H.
+
+    Softmax and MLA masks (the model decides causal vs bidirectional):
+      window: causal sliding window of ``window`` positions (itself included);
+        in a bidirectional encoder a band of radius ``window``. None: unbounded.
+      sinks: the first ``sinks`` positions stay visible (StreamingLLM); needs a window.
+      global_tokens: positions that see and are seen by all (Longformer); needs a window.
+      impl: ``attn.attention``'s implementation; never changes the math.
+      softcap: logit soft-cap (Gemma 2), or None.
+      sink_logits: a learned per-head logit joins each softmax denominator (gpt-oss).
+
+    Linear attention:
+      feature_map: a name in ``attn.linear.FEATURE_MAPS``.
+      form: ``"parallel"``, ``"recurrent"`` or ``"chunkwise"`` (same function).
+      decay: fixed per-head decay gamma in (0, 1]: a number, a tuple of N numbers,
+        ``"retnet"`` (gamma_n = 1 - 2^(-5-n)), or None.
+      gating: data-dependent per-head log-gates from a projection of the input
+        (gated linear attention / Mamba-2 style); combines with ``decay``.
+      chunk_size: C for the chunkwise form.
+      normalize: divide by ``phi(q).z`` (use False with ``"identity"``).
+      num_features: F for ``"favor"`` (random features).
+
+    Multi-head latent attention:
+      kv_rank: R, rank of the shared key/value latent (what the cache holds).
+      q_rank: rank of the query latent, or None for a direct query projection.
+      rope_head_dim: width of the decoupled RoPE key shared by all heads (and of
+        each head's RoPE query part).
+      nope_head_dim: per-head query/key channels without RoPE; None means H.
+      v_head_dim: E, per-head value dim; None means H.
+    """
+
+    kind: str = "softmax"
+    num_heads: int = 4
+    num_kv_heads: int | None = None
+    head_dim: int = 8
+    rope: bool = True
+    rope_base: float = 10000.0
+    rotary_dim: int | None = None
+    window: int | None = None
+    sinks: int = 0
+    global_tokens: tuple[int, ...] = ()
+    impl: str = "auto"
+    softcap: float | None = None
+    sink_logits: bool = False
+    feature_map: str = "elu1"
+    form: str = "chunkwise"
+    decay: float | tuple[float, ...] | str | None = None
+    gating: bool = False
+    chunk_size: int = 64
+    normalize: bool = True
+    num_features: int | None = None
+    kv_rank: int = 16
+    q_rank: int | None = None
+    rope_head_dim: int = 4
+    nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            _fail("kind", f"one of {KINDS}", self.kind)
+        _positive_int(self.num_heads, "num_heads")
+        _positive_int(self.num_kv_heads, "num_kv_heads", allow_none=True)
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            _fail("num_kv_heads", f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+        if (
+            self.kind == "mla"
+            and self.num_kv_heads is not None
+            and self.num_kv_heads != self.num_heads
+        ):
+            _fail("num_kv_heads", "None or num_heads for kind='mla'", self.num_kv_heads)
+        _positive_int(self.head_dim, "head_dim")
+        if not isinstance(self.rope, bool):
+            _fail("rope", "a bool", self.rope)
+        _positive_float(self.rope_base, "rope_base")
+        if self.rope and self.kind != "mla":
+            rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
+            if not _is_int(rd) or rd < 2 or rd % 2 or rd > self.head_dim:
+                field = "head_dim" if self.rotary_dim is None else "rotary_dim"
+                value = self.head_dim if self.rotary_dim is None else self.rotary_dim
+                _fail(field, f"an even int in [2, {self.head_dim}] for RoPE", value)
+        self._check_mask()
+        if not isinstance(self.impl, str) or self.impl not in attn.IMPLS:
+            _fail("impl", f"one of {attn.IMPLS}", self.impl)
+        if self.impl in JAX_NN_IMPLS and (
+            self.sinks or self.global_tokens or self.softcap is not None or self.sink_logits
+        ):
+            # jax.nn has causal and band masks only, and no soft-cap or sink logits.
+            _fail(
+                "impl",
+                "'auto' or 'dense' with sinks, global tokens, softcap or sink logits",
+                self.impl,
+            )
+        _positive_float(self.softcap, "softcap", allow_none=True)
+        if not isinstance(self.sink_logits, bool):
+            _fail("sink_logits", "a bool", self.sink_logits)
+        self._check_linear()
+        self._check_mla()
+
+    def _check_mask(self):
+        _positive_int(self.window, "window", allow_none=True)
+        if not _is_int(self.sinks) or self.sinks < 0:
+            _fail("sinks", "a non-negative int", self.sinks)
+        if self.sinks and self.window is None:
+            _fail("sinks", "0 without a window (every position is visible anyway)", self.sinks)
+        g = self.global_tokens
+        if not isinstance(g, tuple) or not all(_is_int(p) and p >= 0 for p in g):
+            _fail("global_tokens", "a tuple of non-negative ints", g)
+        if g and self.window is None:
+            _fail("global_tokens", "() without a window (every position is visible anyway)", g)
+
+    def _check_linear(self):
+        if self.feature_map not in FEATURE_MAPS:
+            _fail("feature_map", f"one of {sorted(FEATURE_MAPS)}", self.feature_map)
+        if self.form not in FORMS:
+            _fail("form", f"one of {FORMS}", self.form)
+        _positive_int(self.chunk_size, "chunk_size")
+        if not isinstance(self.gating, bool):
+            _fail("gating", "a bool", self.gating)
+        if not isinstance(self.normalize, bool):
+            _fail("normalize", "a bool", self.normalize)
+        _positive_int(self.num_features, "num_features", allow_none=True)
+        d = self.decay
+        if d is not None and d != "retnet":
+            values = d if isinstance(d, tuple) else (d,)
+            ok = all(
+                isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x <= 1
+                for x in values
+            )
+            if not ok or (isinstance(d, tuple) and len(d) != self.num_heads):
+                _fail(
+                    "decay",
+                    f"None, 'retnet', a number in (0, 1] or a tuple of {self.num_heads} of them",
+                    d,
+                )
+        if self.kind == "linear":
+            for field, off in (
+                ("window", None),
+                ("sinks", 0),
+                ("global_tokens", ()),
+                ("softcap", None),
+                ("sink_logits", False),
+            ):
+                if getattr(self, field) != off:
+                    _fail(field, f"{off!r} for kind='linear'", getattr(self, field))
+            if self.feature_map == "favor" and self.num_features is None:
+                _fail("num_features", "a positive int for feature_map='favor'", None)
+        else:
+            for field, off in (("decay", None), ("gating", False)):
+                if getattr(self, field) != off:
+                    _fail(field, f"{off!r} unless kind='linear'", getattr(self, field))
+
+    def _check_mla(self):
+        _positive_int(self.kv_rank, "kv_rank")
+        _positive_int(self.q_rank, "q_rank", allow_none=True)
+        _positive_int(self.nope_head_dim, "nope_head_dim", allow_none=True)
+        _positive_int(self.v_head_dim, "v_head_dim", allow_none=True)
+        if self.kind != "mla":
+            return
+        if not self.rope:
+            _fail("rope", "True for kind='mla' (its positions live in the decoupled key)", False)
+        r = self.rope_head_dim
+        if not _is_int(r) or r < 2 or r % 2:
+            _fail("rope_head_dim", "an even int >= 2", r)
+        if self.rotary_dim is not None:
+            _fail("rotary_dim", "None for kind='mla' (rope_head_dim sets it)", self.rotary_dim)
+
+    # Derived sizes -----------------------------------------------------------
+
+    @property
+    def kv_heads(self) -> int:
+        """K (MLA: N, the heads keys and values are up-projected to)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def qk_nope_dim(self) -> int:
+        """MLA: per-head query/key channels without RoPE."""
+        return self.head_dim if self.nope_head_dim is None else self.nope_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """E: per-head value dim (H except where MLA sets ``v_head_dim``)."""
+        if self.kind == "mla" and self.v_head_dim is not None:
+            return self.v_head_dim
+        return self.head_dim
+
+    def decay_values(self) -> tuple[float, ...] | None:
+        """Per-head gammas ``[N]`` as a tuple, or None without fixed decay."""
+        if self.decay is None:
+            return None
+        if self.decay == "retnet":
+            # RetNet's multi-scale retention: head n forgets with 1 - 2^(-5-n).
+            return tuple(1.0 - 2.0 ** (-5 - n) for n in range(self.num_heads))
+        if isinstance(self.decay, tuple):
+            return tuple(float(x) for x in self.decay)
+        return (float(self.decay),) * self.num_heads
+
+    def mask(self, causal: bool) -> masks.Mask:
+        """The softmax mask on absolute positions, for a causal decoder or an encoder."""
+        if self.window is None:
+            return masks.causal() if causal else masks.full()
+        local = (
+            masks.sliding_window(self.window) if causal else masks.bidirectional_window(self.window)
+        )
+        if self.sinks:
+            local = local | masks.sinks(self.sinks)
+        if self.global_tokens:
+            local = local | masks.global_tokens(self.global_tokens)
+        return masks.causal() & local if causal else local
+
+    def cache_layout(self, max_len: int) -> tuple[int, int]:
+        """``(slots, pinned)`` of this layer's decode cache for sequences up to ``max_len``.
+
+        A causal window (optionally with sinks) needs only ``sinks + window``
+        slots: the first ``pinned = sinks`` hold the sink positions forever and
+        the rest are a ring buffer of the latest ``window`` positions. Global
+        tokens make a query see everything before it, so they need every slot.
+        """
+        if self.window is not None and not self.global_tokens:
+            slots = self.sinks + self.window
+            if slots < max_len:
+                return slots, self.sinks
+        return max_len, 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A model: embeddings, a per-layer pattern of attention configs, SwiGLU MLPs.
+
+    Fields:
+      vocab_size: V.
+      width: D, the residual stream width.
+      mlp_width: hidden width of the SwiGLU MLP; None means 4 D.
+      layers: one ``AttentionConfig`` per layer (L of them), e.g. from ``pattern``.
+        For an ``EncoderDecoder``: the decoder's self-attention layers.
+      norm_eps: RMSNorm epsilon.
+      tied_embeddings: the output projection is the embedding table (transposed).
+      dtype: compute dtype (activations, caches); logits are always float32.
+      param_dtype: parameter storage dtype.
+      encoder_layers: the encoder's layers (``EncoderDecoder`` only).
+      cross_attention: the decoder's cross-attention (``EncoderDecoder`` only; kind
+        ``"softmax"``, no RoPE, no window); None means MHA shaped like ``layers[0]``.
+    """
+
+    vocab_size: int = 32
+    width: int = 32
+    mlp_width: int | None = None
+    layers: tuple[AttentionConfig, ...] = (AttentionConfig(), AttentionConfig())
+    norm_eps: float = 1e-6
+    tied_embeddings: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    encoder_layers: tuple[AttentionConfig, ...] = ()
+    cross_attention: AttentionConfig | None = None
+
+    def __post_init__(self):
+        _positive_int(self.vocab_size, "vocab_size")
+        _positive_int(self.width, "width")
+        _positive_int(self.mlp_width, "mlp_width", allow_none=True)
+        for field in ("layers", "encoder_layers"):
+            value = getattr(self, field)
+            if not isinstance(value, tuple) or not all(
+                isinstance(a, AttentionConfig) for a in value
+            ):
+                _fail(field, "a tuple of AttentionConfig (see pattern())", value)
+        if not self.layers:
+            _fail("layers", "at least one AttentionConfig", self.layers)
+        _positive_float(self.norm_eps, "norm_eps")
+        if not isinstance(self.tied_embeddings, bool):
+            _fail("tied_embeddings", "a bool", self.tied_embeddings)
+        for field in ("dtype", "param_dtype"):
+            value = getattr(self, field)
+            try:
+                ok = jnp.issubdtype(jnp.dtype(value), jnp.floating)
+            except TypeError:
+                ok = False
+            if not ok:
+                _fail(field, "a floating dtype name such as 'float32' or 'bfloat16'", value)
+        c = self.cross_attention
+        if c is not None:
+            if not isinstance(c, AttentionConfig):
+                _fail("cross_attention", "an AttentionConfig or None", c)
+            if c.kind != "softmax" or c.rope or c.window is not None:
+                _fail(
+                    "cross_attention",
+                    "kind='softmax', rope=False, window=None (positions of two sequences "
+                    "are not comparable)",
+                    c,
+                )
+
+    @property
+    def hidden_width(self) -> int:
+        """The SwiGLU hidden width (``mlp_width``, default 4 D)."""
+        return 4 * self.width if self.mlp_width is None else self.mlp_width
+
+    @property
+    def cross(self) -> AttentionConfig:
+        """The cross-attention config, defaulting to MHA shaped like ``layers[0]``."""
+        if self.cross_attention is not None:
+            return self.cross_attention
+        first = self.layers[0]
+        return AttentionConfig(
+            kind="softmax", num_heads=first.num_heads, head_dim=first.head_dim, rope=False
+        )
+
+
+def presets(
+    *,
+    num_heads: int = 4,
+    head_dim: int = 8,
+    gqa_kv_heads: int = 2,
+    window: int = 4,
+    num_sinks: int = 2,
+    global_positions: tuple[int, ...] = (0, 5),
+    kv_rank: int = 8,
+    q_rank: int | None = 16,
+    rope_head_dim: int = 4,
+    chunk_size: int = 64,
+) -> dict[str, AttentionConfig]:
+    """A registry of named attention configs sharing N heads of dim H.
+
+    Names: ``mha``/``softmax``/``global`` (full causal softmax, the "global"
+    layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv heads), ``mqa``,
+    ``mla``, ``window``, ``window_sinks`` (StreamingLLM), ``global_tokens``
+    (window plus Longformer global positions), ``linear`` (elu+1),
+    ``linear_decay`` (RetNet gammas), ``linear_gated`` (data-dependent gates).
+    """
+    base = AttentionConfig(num_heads=num_heads, head_dim=head_dim)
+    linear = dataclasses.replace(base, kind="linear", rope=False, chunk_size=chunk_size)
+    mha = base
+    return {
+        "mha": mha,
+        "softmax": mha,
+        "global": mha,
+        "gqa": dataclasses.replace(base, num_kv_heads=gqa_kv_heads),
+        "mqa": dataclasses.replace(base, num_kv_heads=1),
+        "mla": dataclasses.replace(
+            base, kind="mla", kv_rank=kv_rank, q_rank=q_rank, rope_head_dim=rope_head_dim
+        ),
+        "window": dataclasses.replace(base, window=window),
+        "window_sinks": dataclasses.replace(base, window=window, sinks=num_sinks),
+        "global_tokens": dataclasses.replace(
+            base, window=window, global_tokens=tuple(global_positions)
+        ),
+        "linear": linear,
+        "linear_decay": dataclasses.replace(linear, decay="retnet"),
+        "linear_gated": dataclasses.replace(linear, gating=True),
+    }
+
+
+PRESETS: Mapping[str, AttentionConfig] = presets()
+
+
+def pattern(
+    names: Sequence[str], registry: Mapping[str, AttentionConfig] | None = None
+) -> tuple[AttentionConfig, ...]:
+    """``ModelConfig.layers`` from preset names, e.g. ``pattern(("window", "global") * 2)``.
+
+    Args:
+      names: one preset name per layer.
+      registry: name -> ``AttentionConfig``; default ``PRESETS`` (see ``presets``).
+
+    Returns:
+      A tuple of L ``AttentionConfig``.
+    """
+    registry = PRESETS if registry is None else registry
+    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
+        _fail("names", "a non-empty sequence of preset names", names)
+    for name in names:
+        if name not in registry:
+            _fail("names", f"preset names from {sorted(registry)}", name)
+    return tuple(registry[name] for name in names)

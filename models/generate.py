@@ -1,0 +1,135 @@
+"""Autoregressive generation under ``jit``: prefill, then a ``lax.scan`` of decode steps."""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.cache import DecodeCache
+from models.transformer import _check_lengths, _check_tokens, _fail
+
+
+def generate(
+    model,
+    prompt,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    key=None,
+    eos_id: int | None = None,
+    prompt_lengths=None,
+    cache: DecodeCache | None = None,
+):
+    """Generates ``max_new_tokens`` tokens per row after a prompt.
+
+    The model is split into a graph definition (static) and its state (traced),
+    so one compiled program serves every model of the same architecture and
+    every call with the same shapes and options.
+
+    Args:
+      model: a ``Decoder`` (or ``EncoderDecoder`` with ``cache`` from its
+        ``init_cache(..., src=...)``).
+      prompt: ``[B,T]`` ints, right-padded where rows differ in length.
+      max_new_tokens: how many tokens to generate (>= 1).
+      temperature: 0 is greedy (argmax); otherwise sample from
+        ``softmax(logits / temperature)``.
+      top_k: sample among the k most likely tokens only (None: all).
+      key: a ``jax.random`` key, required when ``temperature > 0``.
+      eos_id: once a row emits it, the row's later tokens are ``eos_id``.
+      prompt_lengths: ``[B]`` real prompt tokens per row (default T).
+      cache: an empty ``DecodeCache`` to use; default ``model.init_cache(B, T +
+        max_new_tokens)``. It must hold at least ``T + max_new_tokens`` positions
+        for layers with a full cache.
+
+    Returns:
+      ``[B, max_new_tokens]`` int32 tokens.
+    """
+    prompt = _check_tokens(prompt, "prompt")
+    B, T = prompt.shape
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
+        _fail("max_new_tokens", "a positive int", repr(max_new_tokens))
+    if max_new_tokens < 1:
+        _fail("max_new_tokens", "a positive int", repr(max_new_tokens))
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not temperature >= 0
+    ):
+        _fail("temperature", "a number >= 0", repr(temperature))
+    V = model.config.vocab_size
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
+    ):
+        _fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
+    if temperature > 0 and key is None:
+        _fail("key", "a jax.random key when temperature > 0", None)
+    if eos_id is not None and (
+        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
+    ):
+        _fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
+    lengths = _check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    if cache is None and hasattr(model, "encoder_blocks"):
+        _fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
+    key = jax.random.PRNGKey(0) if key is None else key
+    graphdef, state = nnx.split(model)
+    # Only shapes are static: sampling options are traced, so greedy, sampled
+    # and EOS-stopped generation share one compiled program.
+    return _generate(
+        graphdef,
+        state,
+        prompt,
+        lengths,
+        key,
+        cache,
+        jnp.float32(temperature),
+        jnp.int32(V if top_k is None else top_k),
+        jnp.int32(NO_EOS if eos_id is None else eos_id),
+        max_new_tokens=int(max_new_tokens),
+    )
+
+
+NO_EOS = -1  # never a token id
+
+
+def _sample(logits, key, temperature, top_k):
+    """Tokens ``[B]`` from float32 logits ``[B,V]``: argmax if ``temperature == 0``, else a
+    sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
+    greedy = jnp.argmax(logits, axis=-1)
+    sampling = temperature > 0
+    scaled = logits / jnp.where(sampling, temperature, 1.0)
+    # The k-th largest logit by sorting, so k can be traced (lax.top_k needs it static).
+    kth = jnp.take(jnp.sort(scaled, axis=-1), logits.shape[-1] - top_k, axis=-1)
+    scaled = jnp.where(scaled < kth[:, None], -jnp.inf, scaled)
+    sampled = jax.random.categorical(key, scaled, axis=-1)
+    return jnp.where(sampling, sampled, greedy).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
+def _generate(
+    graphdef, state, prompt, lengths, key, cache, temperature, top_k, eos_id, *, max_new_tokens
+):
+    model = nnx.merge(graphdef, state)
+    B, T = prompt.shape
+    if cache is None:
+        cache = model.init_cache(B, T + max_new_tokens)
+    logits, cache = model.prefill(prompt, cache, lengths)
+    last = logits[jnp.arange(B), lengths - 1]  # each row's next-token logits
+    first = _sample(last, jax.random.fold_in(key, 0), temperature, top_k)
+    done = first == eos_id
+
+    def step(carry, i):
+        token, cache, done = carry
+        logits, cache = model.decode_step(token, cache)
+        nxt = _sample(logits, jax.random.fold_in(key, i), temperature, top_k)
+        nxt = jnp.where(done, eos_id, nxt)  # finished rows repeat EOS
+        return (nxt, cache, done | (nxt == eos_id)), nxt
+
+    _, rest = jax.lax.scan(step, (first, cache, done), jnp.arange(1, max_new_tokens))
+    return jnp.concatenate([first[:, None], rest.T], axis=1)

@@ -1,0 +1,117 @@
+"""Shared tiny configs and jitted entry points for the model tests.
+
+Compiling dominates these tests, so models are built once per pattern
+(``model_for``) and every call goes through a few module-level jitted functions
+keyed by the model's graph definition: one compile per (pattern, shape).
+LLVM's -O0 keeps IEEE float semantics, so it changes speed, not results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+VOCAB, WIDTH = 32, 32
+B, MAX_LEN = 2, 16
+
+# The presets plus variants that switch on the remaining options in one place.
+REGISTRY = dict(models.PRESETS)
+REGISTRY["mla_direct_q"] = dataclasses.replace(REGISTRY["mla"], q_rank=None)
+REGISTRY["gqa_softcap_sinks"] = dataclasses.replace(
+    REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4
+)
+# FAVOR+ random features, GQA (K=2) and RetNet decay in one linear layer.
+REGISTRY["linear_favor"] = dataclasses.replace(
+    REGISTRY["linear_decay"], feature_map="favor", num_features=16, num_kv_heads=2
+)
+REGISTRY["window_sinks_blockwise"] = dataclasses.replace(REGISTRY["window_sinks"], impl="blockwise")
+REGISTRY["gqa_blockwise"] = dataclasses.replace(REGISTRY["gqa"], impl="blockwise")
+
+# One decoder per kind the issue names; the hybrid mixes all three cache kinds.
+KINDS = {
+    "mha": ("mha", "mha"),
+    "gqa": ("gqa", "gqa_softcap_sinks"),
+    "mqa": ("mqa", "mqa"),
+    "mla": ("mla", "mla_direct_q"),
+    "window": ("window", "window"),
+    "window_sinks": ("window_sinks", "window_sinks"),
+    "global_tokens": ("global_tokens", "global_tokens"),
+    "linear": ("linear", "linear"),
+    "linear_decay": ("linear_decay", "linear_favor"),
+    "hybrid": ("linear_gated", "mla", "window_sinks"),
+    "blockwise": ("window_sinks_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
+}
+
+
+def config_for(names, **kwargs) -> models.ModelConfig:
+    return models.ModelConfig(
+        vocab_size=VOCAB, width=WIDTH, layers=models.pattern(names, REGISTRY), **kwargs
+    )
+
+
+@functools.cache
+def model_for(names: tuple[str, ...], cls=models.Decoder, seed: int = 0, **kwargs):
+    return cls(config_for(names, **kwargs), rngs=nnx.Rngs(seed))
+
+
+def tokens(seed, shape):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
+
+
+def fast_jit(fn, **kwargs):
+    """``jax.jit`` compiling at -O0."""
+    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
+
+
+@functools.partial(fast_jit, static_argnames=("graphdef", "capture"))
+def _apply(graphdef, state, args, kwargs, *, capture):
+    return nnx.merge(graphdef, state)(*args, capture_weights=capture, **kwargs)
+
+
+def apply(model, *args, capture=False, **kwargs):
+    """Jitted ``model(*args, capture_weights=capture, **kwargs)``; kwargs are arrays or None."""
+    graphdef, state = nnx.split(model)
+    return _apply(graphdef, state, args, kwargs, capture=capture)
+
+
+def forward(model, tokens, *, head_gates=None, capture=False):
+    """Jitted ``model(tokens)``."""
+    return apply(model, tokens, head_gates=head_gates, capture=capture)
+
+
+@functools.partial(fast_jit, static_argnames=("graphdef",))
+def _extend(graphdef, state, tokens, cache, lengths):
+    model = nnx.merge(graphdef, state)
+    if tokens.shape[1] == 1 and lengths is None:
+        logits, cache = model.decode_step(tokens[:, 0], cache)
+        return logits[:, None], cache
+    return model.prefill(tokens, cache, lengths)
+
+
+def extend(model, tokens, cache, lengths=None):
+    """Jitted ``prefill`` (or ``decode_step`` for one token without lengths)."""
+    graphdef, state = nnx.split(model)
+    return _extend(graphdef, state, tokens, cache, lengths)
+
+
+def init_cache(model, batch=B, max_len=MAX_LEN):
+    return model.init_cache(batch, max_len)
+
+
+@functools.partial(fast_jit, static_argnames=("graphdef", "max_len"))
+def _init_cache(graphdef, state, max_len, kwargs):
+    return nnx.merge(graphdef, state).init_cache(B, max_len, **kwargs)
+
+
+def init_enc_dec_cache(model, src, src_lengths, max_len=MAX_LEN):
+    """Jitted ``EncoderDecoder.init_cache`` (it runs the encoder)."""
+    graphdef, state = nnx.split(model)
+    return _init_cache(graphdef, state, max_len, {"src": src, "src_lengths": src_lengths})

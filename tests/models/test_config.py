@@ -1,0 +1,134 @@
+"""Config validation: every bad value raises ValueError naming the field and the value."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from models import AttentionConfig, ModelConfig, pattern
+
+LINEAR = {"kind": "linear", "rope": False}
+MLA = {"kind": "mla"}
+
+ATTENTION_ERRORS = [
+    ({"kind": "rnn"}, "kind", "rnn"),
+    ({"num_heads": 0}, "num_heads", 0),
+    ({"num_kv_heads": 3}, "num_kv_heads", 3),
+    ({"num_kv_heads": 0}, "num_kv_heads", 0),
+    ({"head_dim": 0}, "head_dim", 0),
+    ({"head_dim": 7}, "head_dim", 7),  # RoPE rotates pairs
+    ({"rotary_dim": 3}, "rotary_dim", 3),
+    ({"rotary_dim": 16}, "rotary_dim", 16),
+    ({"rope": 1}, "rope", 1),
+    ({"rope_base": -1.0}, "rope_base", -1.0),
+    ({"window": 0}, "window", 0),
+    ({"sinks": 2}, "sinks", 2),  # without a window
+    ({"window": 4, "sinks": -1}, "sinks", -1),
+    ({"global_tokens": (1,)}, "global_tokens", (1,)),  # without a window
+    ({"window": 4, "global_tokens": (-1,)}, "global_tokens", (-1,)),
+    ({"window": 4, "global_tokens": [0]}, "global_tokens", [0]),
+    ({"impl": "flash"}, "impl", "flash"),
+    ({"impl": "xla", "window": 4, "sinks": 2}, "impl", "xla"),
+    ({"softcap": 0.0}, "softcap", 0.0),
+    ({"sink_logits": "yes"}, "sink_logits", "yes"),
+    ({"feature_map": "cos"}, "feature_map", "cos"),
+    ({"form": "fast"}, "form", "fast"),
+    ({"chunk_size": 0}, "chunk_size", 0),
+    ({"decay": "retnet"}, "decay", "retnet"),  # softmax has no decay
+    ({"gating": True}, "gating", True),
+    ({**LINEAR, "decay": 1.5}, "decay", 1.5),
+    ({**LINEAR, "decay": (0.9,)}, "decay", (0.9,)),
+    ({**LINEAR, "decay": "fast"}, "decay", "fast"),
+    ({**LINEAR, "gating": 1}, "gating", 1),
+    ({**LINEAR, "normalize": "no"}, "normalize", "no"),
+    ({**LINEAR, "window": 4}, "window", 4),
+    ({**LINEAR, "softcap": 5.0}, "softcap", 5.0),
+    ({**LINEAR, "sink_logits": True}, "sink_logits", True),
+    ({**LINEAR, "feature_map": "favor"}, "num_features", None),
+    ({**LINEAR, "num_features": 0}, "num_features", 0),
+    ({**MLA, "kv_rank": 0}, "kv_rank", 0),
+    ({**MLA, "q_rank": 0}, "q_rank", 0),
+    ({**MLA, "rope": False}, "rope", False),
+    ({**MLA, "rope_head_dim": 3}, "rope_head_dim", 3),
+    ({**MLA, "num_kv_heads": 2}, "num_kv_heads", 2),
+    ({**MLA, "rotary_dim": 4}, "rotary_dim", 4),
+    ({**MLA, "nope_head_dim": 0}, "nope_head_dim", 0),
+    ({**MLA, "v_head_dim": -2}, "v_head_dim", -2),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "value"), ATTENTION_ERRORS)
+def test_attention_config_errors(kwargs, field, value):
+    with pytest.raises(ValueError, match=field) as err:
+        AttentionConfig(**kwargs)
+    assert repr(value) in str(err.value)
+
+
+MODEL_ERRORS = [
+    ({"vocab_size": 0}, "vocab_size", 0),
+    ({"width": -1}, "width", -1),
+    ({"mlp_width": 0}, "mlp_width", 0),
+    ({"layers": ()}, "layers", ()),
+    ({"layers": ("mha",)}, "layers", ("mha",)),
+    ({"norm_eps": 0.0}, "norm_eps", 0.0),
+    ({"tied_embeddings": 1}, "tied_embeddings", 1),
+    ({"dtype": "int32"}, "dtype", "int32"),
+    ({"param_dtype": "nope"}, "param_dtype", "nope"),
+    ({"encoder_layers": [AttentionConfig()]}, "encoder_layers", [AttentionConfig()]),
+    ({"cross_attention": AttentionConfig(kind="mla")}, "cross_attention", "kind='mla'"),
+    ({"cross_attention": AttentionConfig()}, "cross_attention", "rope=True"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field", "value"), MODEL_ERRORS)
+def test_model_config_errors(kwargs, field, value):
+    with pytest.raises(ValueError, match=field) as err:
+        ModelConfig(**kwargs)
+    assert (value if isinstance(value, str) else repr(value)) in str(err.value)
+
+
+def test_pattern_and_presets():
+    layers = pattern(("window", "window", "global") * 4)
+    assert len(layers) == 12 and layers[2] == models.PRESETS["global"]
+    assert layers[0].window == 4 and layers[2].window is None
+    hybrid = pattern(("linear", "linear", "softmax") * 2)
+    assert [a.kind for a in hybrid] == ["linear", "linear", "softmax"] * 2
+    big = models.presets(num_heads=8, head_dim=32, gqa_kv_heads=2, window=128)
+    assert big["gqa"].num_kv_heads == 2 and big["window_sinks"].window == 128
+    assert big["linear_decay"].decay_values()[0] == 1 - 2**-5
+    config = ModelConfig(layers=pattern(("mla", "window_sinks", "linear_decay")))
+    assert hash(config) == hash(dataclasses.replace(config))  # hashable: static under jit
+    assert config.hidden_width == 4 * config.width
+    with pytest.raises(ValueError, match="names") as err:
+        pattern(("mha", "flash"))
+    assert "'flash'" in str(err.value)
+    with pytest.raises(ValueError, match="names"):
+        pattern("mha")
+
+
+def test_masks_and_cache_layouts():
+    w = models.PRESETS["window_sinks"]
+    assert w.cache_layout(100) == (w.sinks + w.window, w.sinks)
+    assert w.cache_layout(4) == (4, 0)  # shorter than the ring: a plain full cache
+    assert models.PRESETS["global_tokens"].cache_layout(100) == (100, 0)
+    assert models.PRESETS["mha"].cache_layout(100) == (100, 0)
+
+    def allowed(mask, q, k):
+        return bool(mask.allowed(np.array([q]), np.array([k]))[0, 0])
+
+    enc = w.mask(causal=False)
+    assert allowed(enc, 0, 3) and not allowed(enc, 0, 9)  # a two-sided band
+    assert allowed(enc, 9, 1)  # a sink
+    dec = w.mask(causal=True)
+    assert not allowed(dec, 0, 3) and allowed(dec, 9, 1)
+
+
+def test_model_errors():
+    with pytest.raises(ValueError, match="config"):
+        models.Decoder("mha", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="encoder_layers"):
+        models.EncoderDecoder(ModelConfig(), rngs=nnx.Rngs(0))
