@@ -1,0 +1,97 @@
+"""The main job end to end: ``python -m train.compare --quick`` with a tiny override."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from train.compare import VARIANTS, CompareConfig, cache_sizes, variant_layers
+from train.config import TrainConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "JAX_COMPILATION_CACHE_DIR": compilation_cache_dir,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "train.compare",
+        "--quick",
+        "--variants", "mha", "hybrid",
+        "--lrs", "3e-3", "1e-2",
+        "--train.steps", "12",
+        "--train.batch-size", "8",
+        "--train.task.seq-len", "16",
+        "--train.task.num-pairs", "2",
+        "--train.model.width", "16",
+        "--num-heads", "2",
+        "--gqa-kv-heads", "1",
+        "--window", "4",
+        "--name", "tiny",
+        "--results-dir", str(tmp_path / "results"),
+        "--runs-dir", str(tmp_path / "runs"),
+        "--no-progress",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=170)
+    assert out.returncode == 0, out.stderr[-3000:]
+    folder = tmp_path / "results" / "tiny"
+    table = (folder / "table.md").read_text()
+    assert table in out.stdout  # printed at the end
+    header = "| variant | layers | params | cache B/token | fixed cache/state | test accuracy |"
+    assert header in table
+    rows = [line for line in table.splitlines() if line.startswith("| mha") or "| hybrid" in line]
+    assert len(rows) == 2
+
+    results = json.loads((folder / "results.json").read_text())
+    assert set(results["best"]) == {"mha", "hybrid"}
+    assert len(results["runs"]) == 4  # 2 variants x 2 learning rates x 1 seed
+    for name, best in results["best"].items():
+        assert best["lr"] in (3e-3, 1e-2)
+        assert 0 <= best["test_accuracy"] <= 1 and best["params"] > 0
+        assert best["tokens_per_s"] > 0 and best["wall_s"] > 0
+        runs = [r for r in results["runs"] if r["variant"] == name]
+        assert best["test_accuracy"] == max(r["summary"]["test_accuracy"] for r in runs)
+    # Full softmax caches grow per token; the hybrid's linear layer adds a fixed state.
+    # K and V x 2 layers x 2 kv heads x head dim 8 x 4 bytes.
+    assert results["best"]["mha"]["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
+    assert results["best"]["mha"]["cache_bytes_fixed"] == 0
+    assert results["best"]["hybrid"]["cache_bytes_fixed"] > 0
+    for png in ("accuracy.png", "loss.png"):
+        assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_variants_and_cache_sizes():
+    config = CompareConfig(train=TrainConfig(), variants=tuple(VARIANTS), num_heads=4, window=16)
+    for name in VARIANTS:
+        assert len(variant_layers(config, name)) == config.num_layers
+    kinds = [a.kind for a in variant_layers(config, "hybrid")]
+    assert kinds == ["linear", "softmax"]
+    width, heads = config.train.model.width, 4
+    # K and V x 2 layers x kv heads x head dim x 4 bytes, per token.
+    assert cache_sizes(_model(config, "mha")) == (2 * 2 * heads * (width // heads) * 4, 0)
+    per_token, fixed = cache_sizes(_model(config, "window_sinks"))
+    assert per_token == 0 and fixed == 2 * 2 * heads * (width // heads) * 4 * (16 + 4)
+    per_token, fixed = cache_sizes(_model(config, "linear"))
+    assert per_token == 0 and fixed > 0
+
+
+def _model(config, variant):
+    return dataclasses.replace(config.train.model, layers=variant_layers(config, variant))
+
+
+def test_bad_compare_configs_name_the_field():
+    with pytest.raises(ValueError, match="variants"):
+        CompareConfig(variants=("mha", "nope"))
+    with pytest.raises(ValueError, match="num_heads"):
+        CompareConfig(num_heads=5)
+    with pytest.raises(ValueError, match="gqa_kv_heads"):
+        CompareConfig(num_heads=4, gqa_kv_heads=3)

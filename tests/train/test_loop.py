@@ -1,0 +1,170 @@
+"""The training loop: learning, exact resume (in process and after SIGKILL), divergence."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from tests.train.tiny_config import get_config
+from train.checkpoint import Checkpointer, snapshot
+from train.config import OptimConfig
+from train.loop import NonFiniteLossError, build_model, make_optimizer, read_metrics, train
+from train.tasks import make_task
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = Path(__file__).with_name("tiny_config.py")
+
+
+def _final_state(config, workdir):
+    """The arrays of the newest checkpoint in ``workdir`` (params, rngs, opt, step)."""
+    model = build_model(config, make_task(config.task).vocab_size)
+    optimizer = nnx.Optimizer(model, make_optimizer(config.optim, config.steps), wrt=nnx.Param)
+    ckpt = Checkpointer(workdir)
+    try:
+        tree, _ = ckpt.restore(ckpt.latest_step(), snapshot(model, optimizer, 0))
+    finally:
+        ckpt.close()
+    return tree
+
+
+def _assert_bitwise_equal(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert x.tobytes() == y.tobytes()
+
+
+def _train_records(workdir):
+    """Train records without timings (those differ between runs)."""
+    keys = ("step", "loss", "accuracy", "grad_norm", "lr")
+    return [{k: r[k] for k in keys} for r in read_metrics(workdir) if r["kind"] == "train"]
+
+
+def test_a_few_steps_lower_the_loss(tmp_path):
+    config = dataclasses.replace(get_config(), steps=40, log_every=10, eval_every=40)
+    summary = train(config, tmp_path, progress=False)
+    losses = [r["loss"] for r in read_metrics(tmp_path) if r["kind"] == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.3
+    assert summary["step"] == 40 and 0 <= summary["test_accuracy"] <= 1
+    assert summary["params"] > 0 and summary["tokens_per_s"] > 0
+    assert json.loads((tmp_path / "summary.json").read_text())["step"] == 40
+
+
+def test_resume_is_exact_in_process(tmp_path):
+    config = get_config()  # 40 steps, checkpoints every 10, eval every 20
+    train(config, tmp_path / "straight", progress=False)
+
+    part = tmp_path / "interrupted"
+    first = train(config, part, stop_at=13, progress=False)  # off the checkpoint grid
+    assert first["step"] == 13
+    ckpt = Checkpointer(part)
+    assert ckpt.latest_step() == 13
+    ckpt.close()
+    with (part / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 15, "kind": "train", "lo')  # a write torn by a crash
+    train(config, part, progress=False)
+
+    _assert_bitwise_equal(_final_state(config, part), _final_state(config, tmp_path / "straight"))
+    records = _train_records(part)
+    assert records == _train_records(tmp_path / "straight")
+    steps = [(r["step"], r["kind"]) for r in read_metrics(part)]
+    assert len(steps) == len(set(steps))  # nothing logged twice
+    # Running a finished run again changes nothing.
+    again = train(config, part, progress=False)
+    assert again["step"] == 40 and _train_records(part) == records
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    config = get_config()
+    train(config, tmp_path, stop_at=2, progress=False)
+    changed = dataclasses.replace(config, optim=OptimConfig(lr=1e-2))
+    with pytest.raises(ValueError, match="optim"):
+        train(changed, tmp_path, progress=False)
+    # Bookkeeping fields may change.
+    train(dataclasses.replace(config, log_every=2), tmp_path, stop_at=4, progress=False)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    # An absurd learning rate blows the parameters up within a few steps.
+    config = dataclasses.replace(
+        get_config(), optim=OptimConfig(lr=1e30, warmup_fraction=0.0), ckpt_every=1, log_every=1
+    )
+    with pytest.raises(NonFiniteLossError, match=r"at step \d+") as info:
+        train(config, tmp_path, progress=False)
+    bad = info.value.step
+    assert f"step {bad}" in str(info.value)
+    assert info.value.last_checkpoint == bad - 1
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.all_steps()[-1] == bad - 1  # nothing saved from the bad step
+    ckpt.close()
+    tree = _final_state(config, tmp_path)  # still loadable
+    assert int(tree["step"]) == bad - 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(tree["params"]))
+    assert all(r["step"] < bad for r in read_metrics(tmp_path))
+
+
+def _cli(workdir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        str(TINY_CONFIG),
+        "--workdir",
+        str(workdir),
+        "--no-progress",
+        *extra,
+    ]
+
+
+def test_resume_after_sigkill_is_exact(tmp_path, compilation_cache_dir):
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "JAX_COMPILATION_CACHE_DIR": compilation_cache_dir,
+    }
+    # Long enough that the kill lands mid-run; checkpoints often, so one exists early.
+    overrides = ("--steps", "300", "--ckpt-every", "10", "--eval-every", "150", "--log-every", "10")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    ref = subprocess.Popen(_cli(straight, *overrides), cwd=REPO, env=env)
+    victim = subprocess.Popen(
+        _cli(killed, *overrides),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    ckpts = killed / "checkpoints"
+    while time.monotonic() < deadline and victim.poll() is None:
+        done = [int(p.name) for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
+        if any(s >= 20 for s in done):
+            break
+        time.sleep(0.02)
+    assert victim.poll() is None, "the run finished before it could be killed"
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    config = get_config()
+    config = dataclasses.replace(config, steps=300, ckpt_every=10, eval_every=150, log_every=10)
+    ckpt = Checkpointer(killed)
+    killed_at = ckpt.latest_step()
+    ckpt.close()
+    assert 20 <= killed_at < 300
+
+    resumed = subprocess.run(_cli(killed, *overrides), cwd=REPO, env=env, check=False)
+    assert resumed.returncode == 0
+    assert ref.wait(timeout=300) == 0
+    _assert_bitwise_equal(_final_state(config, killed), _final_state(config, straight))
+    assert _train_records(killed) == _train_records(straight)

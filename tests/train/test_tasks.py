@@ -1,0 +1,156 @@
+"""Invariants of the task batches: what is labelled, with what, and determinism."""
+
+import numpy as np
+import pytest
+
+from train.tasks import IGNORE, TaskConfig, load_corpus, make_task
+
+MQAR = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8)
+
+
+def _rows(batch):
+    return [tuple(row) for row in batch["tokens"]]
+
+
+@pytest.mark.parametrize("random_fill", [False, True])
+def test_mqar_labels_are_the_values_of_the_queried_keys(random_fill):
+    cfg = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8, random_fill=random_fill)
+    b = make_task(cfg).batch(seed=3, split="train", step=5, batch_size=16)
+    tokens, labels, weights = b["tokens"], b["labels"], b["weights"]
+    assert tokens.shape == labels.shape == weights.shape == (16, 64)
+    assert tokens.dtype == labels.dtype == np.int32 and weights.dtype == np.float32
+    n, half = 8, 64
+    for tok, lab, w in zip(tokens, labels, weights, strict=True):
+        keys, values = tok[0 : 2 * n : 2], tok[1 : 2 * n : 2]
+        assert len(set(keys)) == n and len(set(values)) == n  # without replacement
+        assert ((keys >= 1) & (keys < half)).all() and ((values >= half) & (values < 128)).all()
+        pairs = dict(zip(keys, values, strict=True))
+        where = np.flatnonzero(lab != IGNORE)
+        np.testing.assert_array_equal(w, (lab != IGNORE).astype(np.float32))
+        assert len(where) == n and (where >= 2 * n).all()  # queries only, after the context
+        assert ((where - 2 * n) % 2 == 0).all()  # at even offsets of the query region
+        assert sorted(tok[where]) == sorted(keys)  # each key queried exactly once
+        for p in where:
+            assert lab[p] == pairs[tok[p]]
+        blanks = np.setdiff1d(np.arange(2 * n, 64), where)
+        assert not np.isin(tok[blanks], keys).any()  # no filler looks like a query
+        if not random_fill:
+            assert (tok[blanks] == 0).all()
+
+
+def test_mqar_min_pairs_varies_training_examples_only():
+    cfg = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8, min_pairs=2)
+    task = make_task(cfg)
+    train = task.batch(0, "train", 0, 256)
+    counts = (train["labels"] != IGNORE).sum(1)
+    assert counts.min() == 2 and counts.max() == 8
+    for tok, lab, n in zip(train["tokens"], train["labels"], counts, strict=True):
+        keys, values = tok[0 : 2 * n : 2], tok[1 : 2 * n : 2]
+        assert not np.isin(tok[2 * n : 16], keys).any()  # dropped pairs became filler
+        where = np.flatnonzero(lab != IGNORE)
+        assert sorted(tok[where]) == sorted(keys)
+        pairs = dict(zip(keys, values, strict=True))
+        assert all(lab[p] == pairs[tok[p]] for p in where)
+    test = task.batch(0, "test", 0, 64)
+    assert ((test["labels"] != IGNORE).sum(1) == 8).all()
+
+
+def test_mqar_gaps_follow_a_decreasing_power_law():
+    b = make_task(MQAR).batch(seed=0, split="train", step=0, batch_size=2000)
+    offsets = (np.argwhere(b["labels"] != IGNORE)[:, 1] - 16) // 2
+    counts = np.bincount(offsets, minlength=24)
+    assert counts.sum() == 2000 * 8
+    # p(gap = i) ~ i^-0.99: the first slots are the most frequent, the last the least.
+    assert counts[0] > counts[5] > counts[23]
+
+
+def test_batches_are_deterministic_and_splits_disjoint():
+    task = make_task(MQAR)
+    a, b = task.batch(7, "train", 11, 8), task.batch(7, "train", 11, 8)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert _rows(task.batch(7, "train", 12, 8)) != _rows(a)
+    assert _rows(task.batch(8, "train", 11, 8)) != _rows(a)
+    train = {r for step in range(50) for r in _rows(task.batch(7, "train", step, 32))}
+    test = {r for step in range(4) for r in _rows(task.batch(7, "test", step, 32))}
+    assert len(train) == 50 * 32 and len(test) == 4 * 32
+    assert not train & test
+
+
+def test_induction_labels_the_second_copy():
+    cfg = TaskConfig(name="induction", seq_len=32, vocab_size=16)
+    b = make_task(cfg).batch(seed=1, split="test", step=0, batch_size=8)
+    tok, lab, w = b["tokens"], b["labels"], b["weights"]
+    assert (tok[:, 0] == 0).all() and (tok[:, 1:] >= 1).all()  # BOS, then r from [1, V)
+    np.testing.assert_array_equal(tok[:, 1:17], np.concatenate([tok[:, 17:], lab[:, -1:]], 1))
+    assert (lab[:, :16] == IGNORE).all() and (w[:, :16] == 0).all()
+    np.testing.assert_array_equal(lab[:, 16:], tok[:, 1:17])  # the second copy is r again
+    assert (w[:, 16:] == 1).all()
+
+
+def test_selective_copy_labels_the_data_tokens_in_order():
+    cfg = TaskConfig(name="selective_copy", seq_len=40, vocab_size=12, num_copy=6)
+    b = make_task(cfg).batch(seed=2, split="train", step=3, batch_size=8)
+    tok, lab = b["tokens"], b["labels"]
+    region = 40 - 6
+    for t, lb in zip(tok, lab, strict=True):
+        data = t[:region][t[:region] != 0]
+        assert len(data) == 6 and (data >= 2).all()
+        assert t[region] == 1  # SEP
+        np.testing.assert_array_equal(lb[region:], data)
+        np.testing.assert_array_equal(t[region + 1 :], data[:-1])  # teacher forcing
+        assert (lb[:region] == IGNORE).all()
+
+
+def test_corpus_from_a_folder(tmp_path):
+    for i in range(30):
+        (tmp_path / f"f{i:02d}.txt").write_text(f"file {i}: " + "abc" * 50)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "g.py").write_text("print('x')\n")
+    (tmp_path / "blob.bin").write_bytes(b"\0\1\2")  # binary: skipped
+    corpus = load_corpus(str(tmp_path), 10)
+    assert corpus.files == 31
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file() and p.suffix != ".bin")
+    assert len(corpus.train) + len(corpus.test) == total
+    assert len(corpus.train) > len(corpus.test) > 0
+    assert load_corpus(str(tmp_path), 10).test.tobytes() == corpus.test.tobytes()
+    # Files smaller than a piece go whole to one side.
+    train, test = corpus.train.tobytes(), corpus.test.tobytes()
+    for i in range(30):
+        text = (tmp_path / f"f{i:02d}.txt").read_bytes()
+        assert (text in train) != (text in test)
+
+    cfg = TaskConfig(name="bytes", seq_len=16, data=str(tmp_path))
+    task = make_task(cfg)
+    b = task.batch(0, "train", 0, 4)
+    assert task.vocab_size == 256 and b["tokens"].shape == (4, 16)
+    np.testing.assert_array_equal(b["tokens"][:, 1:], b["labels"][:, :-1])  # next bytes
+    assert (b["weights"] == 1).all()
+    for row in b["tokens"]:
+        assert row.astype(np.uint8).tobytes() in corpus.train.tobytes()
+
+
+def test_corpus_from_a_single_file(tmp_path):
+    path = tmp_path / "one.txt"
+    path.write_text("hello world\n" * 30000)  # several pieces
+    corpus = load_corpus(str(path), 20)
+    assert len(corpus.train) + len(corpus.test) == len(path.read_bytes())
+    assert len(corpus.test) > 0 and len(corpus.train) > len(corpus.test)
+
+
+def test_default_corpus_is_the_standard_library():
+    corpus = load_corpus(None, 10)
+    assert corpus.files > 100 and len(corpus.train) > 1_000_000
+    assert b"def " in corpus.train[:100_000].tobytes()
+    assert "site-packages" not in corpus.source
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match="num_pairs"):
+        TaskConfig(name="mqar", seq_len=32, num_pairs=9)
+    with pytest.raises(ValueError, match=r"task\.name"):
+        TaskConfig(name="nope")
+    with pytest.raises(ValueError, match="data"):
+        load_corpus("/does/not/exist", 10)
+    with pytest.raises(ValueError, match="split"):
+        make_task(MQAR).batch(0, "valid", 0, 2)

@@ -1,0 +1,11 @@
+"""Training: recall tasks and corpora, the loop with exact resume, and the variant comparison.
+
+- ``train.tasks``: deterministic NumPy batches (MQAR, induction, selective copying, bytes).
+- ``train.config``: the frozen ``TrainConfig`` a ``configs/*.py`` file returns.
+- ``train.loop``: ``train(config, workdir)``: AdamW, ``nnx.jit`` steps, evaluation,
+  orbax checkpoints and exact resume, ``metrics.jsonl``.
+- ``train.compare``: the main job, every variant on the same task and budget.
+
+Command lines: ``python -m train --config configs/mqar.py --workdir runs/x`` and
+``python -m train.compare``.
+"""

@@ -1,0 +1,54 @@
+"""``python -m train --config configs/mqar.py --workdir runs/x [--model.width 128 ...]``.
+
+Also ``--data PATH`` (a text file or folder for the byte-level task, the same
+as ``--task.data PATH``).
+
+Trains one run (resuming it if the workdir holds checkpoints) and prints its
+summary as JSON. ``--stop-at N`` stops after N updates with a checkpoint, as an
+interruption would. A non-finite loss exits with status 1 and a message naming
+the step; the last good checkpoint is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from train.cli import enable_compilation_cache, parse
+from train.loop import NonFiniteLossError, train
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the exit status."""
+    config, args = parse(
+        "python -m train",
+        "Trains one run (resuming it if the workdir holds checkpoints) and prints its summary. "
+        "Flags of this command: --workdir DIR (required), --stop-at N, --data PATH, "
+        "--no-progress; every field below overrides the config file.",
+        argv,
+        default_config=None,
+        extra=(
+            (("--workdir",), {"help": "run folder (resumed if it exists); required"}),
+            (("--stop-at",), {"type": int, "default": None, "help": "stop after N updates"}),
+            (("--data",), {"default": None, "help": "text file or folder (same as --task.data)"}),
+            (("--no-progress",), {"action": "store_true", "help": "hide the progress bar"}),
+        ),
+    )
+    if args.data is not None:
+        config = dataclasses.replace(config, task=dataclasses.replace(config.task, data=args.data))
+    if args.workdir is None:
+        print("error: --workdir is required", file=sys.stderr)
+        return 2
+    enable_compilation_cache()
+    try:
+        summary = train(config, args.workdir, stop_at=args.stop_at, progress=not args.no_progress)
+    except NonFiniteLossError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

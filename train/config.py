@@ -1,0 +1,111 @@
+"""The frozen configs of a training run; ``configs/*.py`` files return a ``TrainConfig``.
+
+Every field can be overridden on the command line through tyro, e.g.
+``python -m train --config configs/mqar.py --workdir runs/x --model.width 128 --optim.lr 3e-3``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from models.config import ModelConfig
+from train.tasks import TaskConfig
+
+__all__ = ["OptimConfig", "TrainConfig", "to_json"]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay and global-norm clipping.
+
+    Attributes:
+      lr: peak learning rate.
+      warmup_fraction: fraction of the steps spent warming up linearly from 0
+        (a fraction, so a shorter run keeps the same schedule shape).
+      final_lr_fraction: the cosine decays to ``lr * final_lr_fraction``.
+      weight_decay: decoupled weight decay, on matrices only (not norms or biases).
+      b1, b2, eps: Adam's moments and epsilon.
+      clip_norm: gradients are rescaled to at most this global norm.
+    """
+
+    lr: float = 1e-3
+    warmup_fraction: float = 0.1
+    final_lr_fraction: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ValueError(f"optim.lr: expected a float > 0, got {self.lr}")
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(
+                f"optim.warmup_fraction: expected a float in [0, 1), got {self.warmup_fraction}"
+            )
+        if not 0 <= self.final_lr_fraction <= 1:
+            raise ValueError(
+                f"optim.final_lr_fraction: expected a float in [0, 1], got {self.final_lr_fraction}"
+            )
+        if self.weight_decay < 0:
+            raise ValueError(f"optim.weight_decay: expected >= 0, got {self.weight_decay}")
+        if not self.clip_norm > 0:
+            raise ValueError(f"optim.clip_norm: expected a float > 0, got {self.clip_norm}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: task, model, optimizer, budget and bookkeeping.
+
+    The model's vocabulary is taken from the task (``task.vocab``); the model
+    config's own ``vocab_size`` is replaced by it.
+
+    Attributes:
+      task: which batches to train and test on.
+      model: the decoder (attention variant, width, layers, ...).
+      optim: optimizer and schedule.
+      steps: optimizer updates in the run.
+      batch_size: B, sequences per update.
+      seed: seeds the parameters and the data streams.
+      eval_every: evaluate on the test split every this many steps (and at the end).
+      eval_batches: test batches per evaluation; always the same ones, so the
+        curve measures the model, not the sample.
+      ckpt_every: save a checkpoint every this many steps (and at the end).
+      keep_checkpoints: how many recent checkpoints to keep.
+      log_every: write a train record to ``metrics.jsonl`` every this many steps.
+    """
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    steps: int = 1000
+    batch_size: int = 64
+    seed: int = 0
+    eval_every: int = 200
+    eval_batches: int = 4
+    ckpt_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        for name in ("keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"seed: expected an int >= 0, got {self.seed}")
+
+
+# Fields that change what a run computes: a run cannot resume under a config
+# that differs in any of them (the others only change logging and saving).
+RESULT_FIELDS = ("task", "model", "optim", "steps", "batch_size", "seed")
+
+
+def to_json(config) -> dict:
+    """A dataclass config as JSON-able nested dicts (tuples become lists)."""
+    return dataclasses.asdict(config)

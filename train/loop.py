@@ -1,0 +1,446 @@
+"""The training loop: AdamW, ``nnx.jit`` steps, evaluation, checkpoints and exact resume.
+
+``train(config, workdir)`` trains a model for ``config.steps`` updates and
+returns a summary. Running it again with the same workdir resumes from the
+newest checkpoint, and the final parameters are bit-identical to those of an
+uninterrupted run: batches are a function of ``(seed, step)``, the checkpoint
+holds everything else (parameters, RNG streams, optimizer state with its step
+count), and the restored arrays are the saved bits.
+
+Files in the workdir:
+
+- ``config.json``: the run's config; resuming under a config that changes the
+  result (task, model, optimizer, steps, batch, seed) is refused.
+- ``checkpoints/<step>/``: the last ``keep_checkpoints`` orbax checkpoints.
+- ``metrics.jsonl``: one JSON record per line, ``{"step", "kind": "train", ...}``
+  every ``log_every`` steps and ``{"step", "kind": "eval", ...}`` at each
+  evaluation. On resume from step s, records after s (logged by the
+  interrupted process after its last checkpoint) are dropped before appending,
+  so no step appears twice.
+- ``summary.json``: written when the run completes.
+
+A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming the
+step; nothing is saved after the last good checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from train.checkpoint import Checkpointer, load_state, snapshot
+from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, to_json
+from train.tasks import Task, make_task
+
+__all__ = [
+    "NonFiniteLossError",
+    "build_model",
+    "evaluate",
+    "init_state",
+    "make_optimizer",
+    "read_metrics",
+    "train",
+    "weighted_metrics",
+]
+
+ModelFn = Callable[[Any, int, nnx.Rngs], nnx.Module]
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss (or gradient norm) became NaN or infinite; the run stopped.
+
+    Attributes:
+      step: the update whose loss was not finite (1-based, as in ``metrics.jsonl``).
+      last_checkpoint: the newest checkpoint on disk, untouched, or None.
+    """
+
+    def __init__(self, step: int, loss: float, grad_norm: float, last_checkpoint: int | None):
+        self.step, self.last_checkpoint = step, last_checkpoint
+        saved = "none" if last_checkpoint is None else f"step {last_checkpoint}"
+        super().__init__(
+            f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); "
+            f"stopped without saving; the last checkpoint is {saved}"
+        )
+
+
+# ----------------------------------------------------------------------------
+# Pieces the tests and the comparison reuse
+
+
+def make_schedule(optim: OptimConfig, steps: int, peak=None) -> optax.Schedule:
+    """Linear warmup from 0 to the peak, then cosine decay to ``peak * final_lr_fraction``.
+
+    Args:
+      optim: the optimizer config.
+      steps: the run's length.
+      peak: the peak learning rate (a float or a traced scalar); default ``optim.lr``.
+    """
+    peak = optim.lr if peak is None else peak
+    warmup = int(optim.warmup_fraction * steps)
+    # Shape of the schedule with peak 1; the peak multiplies it, so it may be an array.
+    shape = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=1.0,
+        warmup_steps=warmup,
+        decay_steps=max(steps, warmup + 1),
+        end_value=optim.final_lr_fraction,
+    )
+    return lambda count: peak * shape(count)
+
+
+@functools.lru_cache(maxsize=32)
+def make_optimizer(optim: OptimConfig, steps: int) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on ``make_schedule(optim, steps)``.
+
+    Cached: the transformation is part of the jitted step's static structure,
+    so returning the same object for the same config lets a second run in the
+    process (a resume, a repeat) reuse the compiled step.
+
+    The peak learning rate lives in the optimizer state (``inject_hyperparams``)
+    rather than in the compiled program, so runs that differ only in it (a
+    learning-rate sweep) compile to the same program and share the persistent
+    compilation cache. Weight decay applies to parameters of rank >= 2
+    (matrices and embeddings): decaying norm scales toward 0 only hurts.
+    """
+
+    def chain(learning_rate):
+        return optax.chain(
+            optax.clip_by_global_norm(optim.clip_norm),
+            optax.adamw(
+                make_schedule(optim, steps, learning_rate),
+                b1=optim.b1,
+                b2=optim.b2,
+                eps=optim.eps,
+                weight_decay=optim.weight_decay,
+                mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+            ),
+        )
+
+    return optax.inject_hyperparams(chain)(learning_rate=optim.lr)
+
+
+def weighted_metrics(logits, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Cross-entropy and accuracy over labelled positions only.
+
+    Args:
+      logits: ``[B,T,V]``.
+      batch: ``labels [B,T]`` (any value where unweighted) and ``weights [B,T]``.
+
+    Returns:
+      ``(mean loss, correct predictions, labelled positions)``, float32 scalars;
+      the loss is the weighted mean, 0 when nothing is labelled.
+    """
+    weights = batch["weights"].astype(jnp.float32)
+    labels = jnp.where(weights > 0, batch["labels"], 0)  # IGNORE (-100) is not a class
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    count = weights.sum()
+    loss = (ce * weights).sum() / jnp.maximum(count, 1.0)
+    correct = ((logits.argmax(-1) == labels) * weights).sum()
+    return loss, correct, count
+
+
+def _train_step(model, optimizer, batch):
+    def loss_fn(model):
+        loss, correct, count = weighted_metrics(model(batch["tokens"]), batch)
+        return loss, (correct, count)
+
+    (loss, (correct, count)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    optimizer.update(model, grads)
+    return {
+        "loss": loss,
+        "accuracy": correct / jnp.maximum(count, 1.0),
+        "grad_norm": optax.tree.norm(grads),
+    }
+
+
+def _eval_step(model, batch):
+    loss, correct, count = weighted_metrics(model(batch["tokens"]), batch)
+    return jnp.stack([loss * count, correct, count])
+
+
+# nnx.cached_partial binds the modules once per run: it skips re-flattening the
+# object graph on every call, which costs more than a small model's step on CPU.
+_jit_train_step = nnx.jit(_train_step)
+_jit_eval_step = nnx.jit(_eval_step)
+
+
+def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None) -> dict:
+    """Loss and accuracy on the test split's first ``eval_batches`` batches (a fixed set).
+
+    Args:
+      model: the model.
+      task: its task.
+      config: the run config (seed, batch size, eval_batches).
+      step_fn: ``batch -> [loss sum, correct, count]``; default a jitted step on ``model``.
+
+    Returns:
+      ``dict(test_loss, test_accuracy)``, weighted by labelled positions.
+    """
+    step_fn = step_fn or nnx.cached_partial(_jit_eval_step, model)
+    sums = np.zeros(3)
+    for i in range(config.eval_batches):
+        sums += np.asarray(step_fn(task.batch(config.seed, "test", i, config.batch_size)))
+    loss_sum, correct, count = sums
+    return {
+        "test_loss": float(loss_sum / max(count, 1.0)),
+        "test_accuracy": float(correct / max(count, 1.0)),
+    }
+
+
+def _decoder(model_config, vocab_size: int, rngs: nnx.Rngs) -> nnx.Module:
+    from models import Decoder  # the model package is only needed when it is used
+
+    return Decoder(dataclasses.replace(model_config, vocab_size=vocab_size), rngs=rngs)
+
+
+def build_model(config: TrainConfig, vocab_size: int, model_fn: ModelFn | None = None):
+    """The run's model, initialized from ``config.seed`` (eagerly).
+
+    Args:
+      config: the run config.
+      vocab_size: V, from the task.
+      model_fn: ``(model_config, vocab_size, rngs) -> nnx.Module``; default ``models.Decoder``.
+    """
+    return (model_fn or _decoder)(config.model, vocab_size, nnx.Rngs(config.seed))
+
+
+def init_state(config: TrainConfig, vocab_size: int, model_fn: ModelFn | None = None):
+    """The run's model and optimizer at step 0, built by one jitted program.
+
+    One compilation instead of one per initializer and shape (each eager op
+    compiles on first use, which on CPU costs more than the whole program).
+
+    Returns:
+      ``(model, optimizer)``.
+    """
+
+    def init():
+        model = build_model(config, vocab_size, model_fn)
+        tx = make_optimizer(config.optim, config.steps)
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    return nnx.jit(init)()
+
+
+def count_params(model: nnx.Module) -> int:
+    """Number of trainable parameters."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# ----------------------------------------------------------------------------
+# Files in the workdir
+
+
+def _records(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(line, record)`` pairs of a JSONL file, without a torn last line.
+
+    A process killed while writing can leave a partial line; everything up to
+    a checkpoint was flushed before it, so such a line is never needed.
+    """
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append((line, json.loads(line)))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def read_metrics(workdir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``workdir/metrics.jsonl`` (empty if there is none)."""
+    return [record for _, record in _records(Path(workdir) / "metrics.jsonl")]
+
+
+def _truncate_metrics(path: Path, through_step: int) -> None:
+    """Drops records after ``through_step`` (written after the checkpoint resumed from)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = [line for line, record in _records(path) if record["step"] <= through_step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)  # atomic: a crash here leaves the old or the new file, never half
+
+
+def _check_config(workdir: Path, config: TrainConfig) -> None:
+    """Refuses to resume a run under a config that would change its result."""
+    path = workdir / "config.json"
+    new = to_json(config)
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [k for k in RESULT_FIELDS if old.get(k) != json.loads(json.dumps(new[k]))]
+        if changed:
+            raise ValueError(
+                f"workdir: {str(workdir)!r} holds a run with a different {', '.join(changed)}; "
+                "use a new workdir (or delete this one) to change them"
+            )
+    path.write_text(json.dumps(new, indent=2) + "\n")
+
+
+# ----------------------------------------------------------------------------
+# The loop
+
+
+def train(
+    config: TrainConfig,
+    workdir: str | Path,
+    *,
+    stop_at: int | None = None,
+    model_fn: ModelFn | None = None,
+    progress: bool = True,
+    desc: str | None = None,
+) -> dict[str, Any]:
+    """Trains (or resumes) the run in ``workdir`` up to ``config.steps`` updates.
+
+    Args:
+      config: the run.
+      workdir: its folder; created if missing, resumed from if it holds checkpoints.
+      stop_at: stop after this many updates (saving a checkpoint there), as an
+        interruption would; a later call continues the same run.
+      model_fn: builds the model, ``(model_config, vocab_size, rngs) -> nnx.Module``;
+        default ``models.Decoder``.
+      progress: show a tqdm bar.
+      desc: the bar's label.
+
+    Returns:
+      ``dict(step, params, train_loss, train_accuracy, test_loss, test_accuracy,
+      tokens_per_s, wall_s)``; the test metrics are those of the last evaluation,
+      ``tokens_per_s`` counts training steps only (not compilation, evaluation
+      or saving) over all sessions of the run, and ``wall_s`` is the total time.
+
+    Raises:
+      NonFiniteLossError: the loss or gradient norm became NaN or infinite.
+      ValueError: the workdir holds a run with a different config.
+    """
+    t_begin = time.perf_counter()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    _check_config(workdir, config)
+    task = make_task(config.task)
+    model, optimizer = init_state(config, task.vocab_size, model_fn)
+    schedule = jax.jit(make_schedule(config.optim, config.steps))  # one compile, not one per op
+    ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
+    # Totals over all sessions of the run, carried in the checkpoints' metadata.
+    totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
+    # (loss, accuracy) of the steps since the last train record: a record averages
+    # its interval, so an interrupted interval's steps travel in the checkpoint.
+    window = []
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        tree, meta = ckpt.restore(latest, snapshot(model, optimizer, 0))
+        start = load_state(model, optimizer, tree)
+        totals.update(meta["totals"])
+        window = [tuple(x) for x in meta["window"]]
+    metrics_path = workdir / "metrics.jsonl"
+    _truncate_metrics(metrics_path, start)
+    end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))
+
+    def wall() -> float:
+        return totals["wall_s"] + time.perf_counter() - t_begin
+
+    def tokens_per_s() -> float:
+        return totals["train_tokens"] / max(totals["train_s"], 1e-9)
+
+    tokens_per_step = config.batch_size * config.task.seq_len
+    bar = tqdm(
+        total=config.steps,
+        initial=start,
+        desc=desc or workdir.name,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
+    train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
+    eval_step = nnx.cached_partial(_jit_eval_step, model)
+    try:
+        with metrics_path.open("a") as log:
+            if start < end:
+                batch = task.batch(config.seed, "train", start, config.batch_size)
+            for step in range(start, end):
+                t0 = time.perf_counter()
+                out = train_step(batch)
+                if step + 1 < end:  # built while the step runs: dispatch is asynchronous
+                    batch = task.batch(config.seed, "train", step + 1, config.batch_size)
+                loss, acc, gnorm = (float(out[k]) for k in ("loss", "accuracy", "grad_norm"))
+                done = step + 1
+                if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                    ckpt.wait()
+                    raise NonFiniteLossError(done, loss, gnorm, ckpt.latest_step())
+                if step > start:  # a session's first step includes compilation
+                    totals["train_s"] += time.perf_counter() - t0
+                    totals["train_tokens"] += tokens_per_step
+                window.append((loss, acc))
+                if done % config.log_every == 0 or done == config.steps:
+                    mean_loss, mean_acc = (float(x) for x in np.mean(window, axis=0))
+                    window.clear()
+                    record = {
+                        "step": done,
+                        "kind": "train",
+                        "loss": mean_loss,
+                        "accuracy": mean_acc,
+                        "grad_norm": gnorm,
+                        "lr": float(schedule(step)),
+                        "tokens_per_s": tokens_per_s(),
+                        "wall_s": wall(),
+                    }
+                    log.write(json.dumps(record) + "\n")
+                    bar.set_postfix(
+                        loss=f"{mean_loss:.3f}",
+                        acc=f"{mean_acc:.3f}",
+                        tok_s=f"{tokens_per_s():.0f}",
+                    )
+                bar.update(1)
+                if done % config.eval_every == 0 or done == config.steps:
+                    record = {
+                        "step": done,
+                        "kind": "eval",
+                        **evaluate(model, task, config, step_fn=eval_step),
+                    }
+                    log.write(json.dumps(record) + "\n")
+                if done % config.ckpt_every == 0 or done == end:
+                    log.flush()  # the records up to a checkpoint reach the disk before it
+                    meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
+                    ckpt.save(done, snapshot(model, optimizer, done), meta)
+        ckpt.wait()
+    finally:
+        bar.close()
+        ckpt.close()
+    return _summary(workdir, config, model, end, tokens_per_s(), wall())
+
+
+def _summary(workdir, config, model, step, tokens_per_s, wall_s) -> dict[str, Any]:
+    """The run's result from its last records; written to ``summary.json`` once complete."""
+    records = read_metrics(workdir)
+    last = {
+        kind: next((r for r in reversed(records) if r["kind"] == kind), {})
+        for kind in ("train", "eval")
+    }
+    summary = {
+        "step": step,
+        "params": count_params(model),
+        "train_loss": last["train"].get("loss"),
+        "train_accuracy": last["train"].get("accuracy"),
+        "test_loss": last["eval"].get("test_loss"),
+        "test_accuracy": last["eval"].get("test_accuracy"),
+        "tokens_per_s": tokens_per_s,
+        "wall_s": wall_s,
+    }
+    if step == config.steps:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,444 @@
+"""Synthetic recall tasks and byte-level language modelling, as NumPy batches.
+
+Every batch is a deterministic function of ``(seed, split, step)``: the
+generator is seeded with ``SeedSequence((seed, split_tag, step))``, so a run
+resumed at step ``s`` sees exactly the batches an uninterrupted run would, and
+train and test draw from different streams (the split tag differs) however the
+seeds are chosen.
+
+A batch is ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``.
+``labels[b, t]`` is what the logits at position ``t`` should predict; positions
+that are not scored carry ``IGNORE`` (-100) and weight 0, so loss and accuracy
+count only labelled positions.
+
+Tasks:
+
+- ``mqar``: multi-query associative recall (Zoology, Arora et al. 2023).
+- ``induction``: ``[BOS] r r``, predict the second copy of random tokens ``r``.
+- ``selective_copy``: a few data tokens scattered among blanks, reproduced in
+  order after a separator (Gu and Dao 2023).
+- ``bytes``: next-byte prediction over a text corpus (default: the Python
+  standard library's own source files; nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "IGNORE",
+    "SPLITS",
+    "Corpus",
+    "TaskConfig",
+    "induction_batch",
+    "load_corpus",
+    "make_task",
+    "mqar_batch",
+    "selective_copy_batch",
+    "stdlib_corpus_path",
+]
+
+IGNORE = -100  # label of a position that is not scored (PyTorch's ignore_index convention)
+SPLITS = {"train": 0, "test": 1}  # folded into the seed: train and test never share a stream
+
+TASK_NAMES = ("mqar", "induction", "selective_copy", "bytes")
+BYTE_VOCAB = 256
+
+# Corpus documents are cut into pieces of this many bytes before the train /
+# validation split, so a single large text file splits as well as a folder.
+CORPUS_PIECE_BYTES = 1 << 16
+# Folders that are not the standard library proper: installed packages, and the
+# test suites that some distributions ship separately (keeps the corpus the same
+# size on every machine with the same Python).
+_STDLIB_SKIP_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Which task to train on and its sizes.
+
+    Attributes:
+      name: one of ``mqar``, ``induction``, ``selective_copy``, ``bytes``.
+      seq_len: T, tokens per example.
+      vocab_size: V for the synthetic tasks (``bytes`` always uses 256).
+      num_pairs: MQAR key-value pairs per example (Zoology requires
+        ``4 * num_pairs <= seq_len``: the context takes ``2n`` tokens and the
+        queries need room for ``n`` gaps of two).
+      min_pairs: MQAR: training examples hold between ``min_pairs`` and
+        ``num_pairs`` pairs (uniformly), a curriculum that lets the recall
+        circuit form on easy examples; test examples always hold ``num_pairs``.
+        None: every example holds ``num_pairs``.
+      power_a: MQAR query-gap power law, ``p(gap = i) ~ i^(a - 1)``; Zoology uses 0.01.
+      random_fill: MQAR: fill the blanks between queries with random tokens
+        (Zoology's default) instead of zeros.
+      num_copy: selective copying: data tokens to reproduce.
+      data: ``bytes``: a text file or a folder of text files; None for the
+        standard library's source files.
+      val_percent: ``bytes``: percent of the corpus pieces held out for test.
+    """
+
+    name: Literal["mqar", "induction", "selective_copy", "bytes"] = "mqar"
+    seq_len: int = 64
+    vocab_size: int = 256
+    num_pairs: int = 8
+    min_pairs: int | None = None
+    power_a: float = 0.01
+    random_fill: bool = True
+    num_copy: int = 8
+    data: str | None = None
+    val_percent: int = 10
+
+    def __post_init__(self):
+        if self.name not in TASK_NAMES:
+            raise ValueError(f"task.name: expected one of {TASK_NAMES}, got {self.name!r}")
+        if self.seq_len < 2:
+            raise ValueError(f"task.seq_len: expected an int >= 2, got {self.seq_len}")
+        if self.name != "bytes" and self.vocab_size < 4:
+            raise ValueError(f"task.vocab_size: expected an int >= 4, got {self.vocab_size}")
+        if self.name == "mqar":
+            if self.num_pairs < 1 or 4 * self.num_pairs > self.seq_len:
+                raise ValueError(
+                    f"task.num_pairs: expected 1 <= num_pairs <= seq_len / 4 = "
+                    f"{self.seq_len // 4}, got {self.num_pairs}"
+                )
+            if self.vocab_size // 2 - 1 < self.num_pairs:
+                raise ValueError(
+                    f"task.vocab_size: expected at least {2 * self.num_pairs + 2} so that "
+                    f"{self.num_pairs} distinct keys fit in [1, V/2), got {self.vocab_size}"
+                )
+            if self.min_pairs is not None and not 1 <= self.min_pairs <= self.num_pairs:
+                raise ValueError(
+                    f"task.min_pairs: expected None or 1..num_pairs={self.num_pairs}, "
+                    f"got {self.min_pairs}"
+                )
+            if not 0.0 < self.power_a <= 1.0:
+                raise ValueError(f"task.power_a: expected a float in (0, 1], got {self.power_a}")
+        if self.name == "induction" and self.seq_len % 2:
+            raise ValueError(f"task.seq_len: induction expects an even length, got {self.seq_len}")
+        if self.name == "selective_copy" and not 1 <= self.num_copy <= (self.seq_len - 1) // 2:
+            raise ValueError(
+                f"task.num_copy: expected 1 <= num_copy <= (seq_len - 1) / 2 = "
+                f"{(self.seq_len - 1) // 2}, got {self.num_copy}"
+            )
+        if self.name == "bytes" and not 0 < self.val_percent < 100:
+            raise ValueError(f"task.val_percent: expected 1..99, got {self.val_percent}")
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary size the model needs."""
+        return BYTE_VOCAB if self.name == "bytes" else self.vocab_size
+
+
+def _rng(seed: int, split: str, step: int) -> np.random.Generator:
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {tuple(SPLITS)}, got {split!r}")
+    if step < 0:
+        raise ValueError(f"step: expected an int >= 0, got {step}")
+    return np.random.default_rng(np.random.SeedSequence((int(seed), SPLITS[split], int(step))))
+
+
+def _sample_without_replacement(rng, batch: int, population: int, k: int, log_p=None):
+    """``[batch, k]`` distinct indices in ``[0, population)``, in random order.
+
+    Uses the Gumbel top-k trick: the k largest ``log p + Gumbel`` are a sample
+    without replacement with probabilities ``p`` (uniform when ``log_p`` is None),
+    vectorized over the batch where ``Generator.choice`` would need a loop.
+    """
+    scores = rng.gumbel(size=(batch, population))
+    if log_p is not None:
+        scores = scores + log_p
+    # A partial partition finds the top k in O(population); sorting just those k
+    # by score puts them in the random order of the sample.
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(scores, top, axis=1), axis=1)
+    return np.take_along_axis(top, order, axis=1)
+
+
+def _batch(tokens, labels) -> dict[str, np.ndarray]:
+    labels = labels.astype(np.int32)
+    return {
+        "tokens": tokens.astype(np.int32),
+        "labels": labels,
+        "weights": (labels != IGNORE).astype(np.float32),
+    }
+
+
+def mqar_batch(
+    rng: np.random.Generator,
+    batch: int,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    num_pairs: int,
+    min_pairs: int | None = None,
+    power_a: float = 0.01,
+    random_fill: bool = True,
+) -> dict[str, np.ndarray]:
+    """Multi-query associative recall, following Zoology's ``multiquery_ar``.
+
+    An example is the context ``k1 v1 k2 v2 ... kn vn`` (keys drawn without
+    replacement from ``[1, V/2)``, values from ``[V/2, V)``), then a query region
+    of ``T - 2n`` tokens where each key appears once more at an even offset
+    ``2 g``; the gaps ``g`` are drawn without replacement with
+    ``p(g) ~ (g + 1)^(a - 1)``, so most queries come soon after the context.
+    The label at a query's position is the value paired with its key; every
+    other position is ``IGNORE``. Blanks are 0 or, with ``random_fill``,
+    random tokens from ``[0, V)`` other than the example's keys (never scored).
+
+    With ``min_pairs``, example b keeps only its first ``n_b`` pairs
+    (``n_b`` uniform in ``[min_pairs, num_pairs]``): the others' context and
+    query slots become blanks, so shapes stay fixed.
+
+    Returns:
+      ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``
+      with ``num_pairs`` (or ``n_b``) labelled positions per example.
+    """
+    half = vocab_size // 2
+    n, T = num_pairs, seq_len
+    keys = 1 + _sample_without_replacement(rng, batch, half - 1, n)
+    values = half + _sample_without_replacement(rng, batch, vocab_size - half, n)
+    context = np.empty((batch, 2 * n), np.int64)
+    context[:, 0::2], context[:, 1::2] = keys, values
+
+    space = (T - 2 * n) // 2  # query slots at even offsets of the query region
+    log_p = (power_a - 1.0) * np.log(np.arange(1, space + 1, dtype=np.float64))
+    gaps = _sample_without_replacement(rng, batch, space, n, log_p)
+    query_pos = 2 * n + 2 * gaps  # [B, n] absolute positions of the query keys
+
+    keep = np.ones((batch, n), bool)
+    if min_pairs is not None:
+        keep = np.arange(n) < rng.integers(min_pairs, n + 1, size=(batch, 1))
+    context = np.where(np.repeat(keep, 2, axis=1), context, 0)
+
+    tokens = np.zeros((batch, T), np.int64)
+    tokens[:, : 2 * n] = context
+    rows = np.arange(batch)[:, None]
+    tokens[rows, query_pos] = np.where(keep, keys, 0)
+    labels = np.full((batch, T), IGNORE, np.int64)
+    labels[rows, query_pos] = np.where(keep, values, IGNORE)
+    if random_fill:
+        blank = tokens == 0
+        fill = rng.integers(0, vocab_size, size=(batch, T))
+        # A filler equal to one of the example's keys would be an unlabelled extra
+        # query with a bogus "value" after it; Zoology's large vocabularies make that
+        # rare, small ones do not, so such fillers become 0.
+        fill[(fill[:, :, None] == keys[:, None, :]).any(-1)] = 0
+        tokens = np.where(blank, fill, tokens)
+    return _batch(tokens, labels)
+
+
+def induction_batch(rng: np.random.Generator, batch: int, *, seq_len: int, vocab_size: int):
+    """Repeated random tokens: the sequence ``[BOS] r r`` with ``BOS = 0``.
+
+    ``r`` has ``T / 2`` tokens from ``[1, V)``. The inputs are the sequence
+    without its last token and the labels the next tokens, scored only where
+    the target lies in the second copy (which an induction head can predict).
+
+    Returns:
+      ``dict(tokens [B,T], labels [B,T], weights [B,T])`` with ``T / 2``
+      labelled positions per example, ``T / 2 .. T - 1``.
+    """
+    half = seq_len // 2
+    r = rng.integers(1, vocab_size, size=(batch, half))
+    seq = np.concatenate([np.zeros((batch, 1), np.int64), r, r], axis=1)  # [B, T + 1]
+    labels = seq[:, 1:].copy()
+    labels[:, :half] = IGNORE  # targets in BOS r: random, nothing to recall
+    return _batch(seq[:, :-1], labels)
+
+
+def selective_copy_batch(
+    rng: np.random.Generator, batch: int, *, seq_len: int, vocab_size: int, num_copy: int
+):
+    """Selective copying: reproduce the data tokens of a noisy region, in order.
+
+    The sequence is ``region SEP d1 ... dn``: the region holds the ``n`` data
+    tokens (from ``[2, V)``) at random sorted positions among blanks (0), and
+    ``SEP = 1``. Unlike plain copying the spacing varies, so the model must
+    select by content. Inputs are the sequence without its last token; the
+    labels are ``d1 .. dn``, scored at SEP and at ``d1 .. d(n-1)``.
+
+    Returns:
+      ``dict(tokens [B,T], labels [B,T], weights [B,T])`` with ``num_copy``
+      labelled positions per example, the last ones.
+    """
+    n = num_copy
+    region = seq_len - n  # the inputs are region + SEP + d1..d(n-1): T tokens
+    data = rng.integers(2, vocab_size, size=(batch, n))
+    where = np.sort(_sample_without_replacement(rng, batch, region, n), axis=1)
+    seq = np.zeros((batch, seq_len + 1), np.int64)
+    rows = np.arange(batch)[:, None]
+    seq[rows, where] = data
+    seq[:, region] = 1
+    seq[:, region + 1 :] = data
+    labels = np.full((batch, seq_len), IGNORE, np.int64)
+    labels[:, region:] = data
+    return _batch(seq[:, :-1], labels)
+
+
+# ----------------------------------------------------------------------------
+# Byte-level corpus
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A text corpus as bytes, split into train and test (validation) streams.
+
+    Attributes:
+      train: uint8 array, the concatenated training pieces.
+      test: uint8 array, the held-out pieces.
+      source: where the text came from.
+      files: how many files were read.
+    """
+
+    train: np.ndarray
+    test: np.ndarray
+    source: str
+    files: int
+
+
+def stdlib_corpus_path() -> Path:
+    """The Python standard library's source folder on this machine."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _text_files(root: Path, skip_dirs: frozenset[str]) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        # Sorted in place so os.walk's order, and the corpus, do not depend on the filesystem.
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
+        files += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+    return files
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
+    """Reads a text file or folder as bytes and splits it deterministically.
+
+    With ``path=None`` the corpus is the standard library's ``.py`` files
+    (without installed packages and test suites). A folder contributes every
+    file below it, in sorted order, except ones whose bytes contain NUL (binary
+    files). Each file is cut into pieces of ``CORPUS_PIECE_BYTES``; a piece is
+    held out when ``crc32(relative path : piece index) % 100 < val_percent``,
+    a fixed rule, so the split is the same on every run and machine.
+
+    Args:
+      path: a text file, a folder, or None for the standard library.
+      val_percent: percent of pieces (roughly, of bytes) held out.
+
+    Returns:
+      A ``Corpus``; both splits are non-empty.
+    """
+    if path is None:
+        root = stdlib_corpus_path()
+        files = [f for f in _text_files(root, _STDLIB_SKIP_DIRS) if f.suffix == ".py"]
+    else:
+        root = Path(path).expanduser()
+        if root.is_file():
+            files = [root]
+        elif root.is_dir():
+            files = _text_files(root, frozenset({"__pycache__"}))
+        else:
+            raise ValueError(f"data: expected an existing text file or folder, got {path!r}")
+    train, test, used = [], [], 0
+    for f in files:
+        data = f.read_bytes()
+        if not data or b"\0" in data:
+            continue  # empty or binary
+        used += 1
+        name = f.name if f == root else str(f.relative_to(root))
+        for i in range(0, len(data), CORPUS_PIECE_BYTES):
+            tag = zlib.crc32(f"{name}:{i // CORPUS_PIECE_BYTES}".encode())
+            (test if tag % 100 < val_percent else train).append(data[i : i + CORPUS_PIECE_BYTES])
+    if not train and not test:
+        raise ValueError(f"data: expected text files under {str(root)!r}, found none")
+    if not test:  # a tiny corpus: hold out its last piece
+        test.append(train.pop())
+    if not train:
+        train.append(test.pop(0))
+    as_array = lambda pieces: np.frombuffer(b"".join(pieces), np.uint8)  # noqa: E731
+    return Corpus(train=as_array(train), test=as_array(test), source=str(root), files=used)
+
+
+def bytes_batch(rng: np.random.Generator, batch: int, *, stream: np.ndarray, seq_len: int):
+    """Random windows of ``T + 1`` bytes: inputs are the first T, labels the next T.
+
+    Returns:
+      ``dict(tokens [B,T], labels [B,T], weights [B,T])``, every position scored.
+    """
+    if len(stream) < seq_len + 1:
+        raise ValueError(
+            f"data: expected a corpus split of at least seq_len + 1 = {seq_len + 1} bytes, "
+            f"got {len(stream)}"
+        )
+    starts = rng.integers(0, len(stream) - seq_len, size=(batch, 1))
+    windows = stream[starts + np.arange(seq_len + 1)].astype(np.int64)
+    return _batch(windows[:, :-1], windows[:, 1:])
+
+
+# ----------------------------------------------------------------------------
+# The task object the loop uses
+
+
+@dataclass(frozen=True)
+class Task:
+    """A task bound to its config: ``task.batch(seed, split, step, batch_size)``."""
+
+    config: TaskConfig
+    corpus: Corpus | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """V the model needs."""
+        return self.config.vocab
+
+    def batch(self, seed: int, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
+        """The batch number ``step`` of ``split`` for ``seed``; always the same arrays.
+
+        Args:
+          seed: the run's data seed.
+          split: "train" or "test".
+          step: the batch index (the optimizer step for training batches).
+          batch_size: B.
+
+        Returns:
+          ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``.
+        """
+        if batch_size < 1:
+            raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
+        c, rng = self.config, _rng(seed, split, step)
+        if c.name == "mqar":
+            return mqar_batch(
+                rng,
+                batch_size,
+                seq_len=c.seq_len,
+                vocab_size=c.vocab_size,
+                num_pairs=c.num_pairs,
+                min_pairs=c.min_pairs if split == "train" else None,
+                power_a=c.power_a,
+                random_fill=c.random_fill,
+            )
+        if c.name == "induction":
+            return induction_batch(rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size)
+        if c.name == "selective_copy":
+            return selective_copy_batch(
+                rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_copy=c.num_copy
+            )
+        stream = self.corpus.train if split == "train" else self.corpus.test
+        return bytes_batch(rng, batch_size, stream=stream, seq_len=c.seq_len)
+
+
+def make_task(config: TaskConfig) -> Task:
+    """Binds a task config; reads the corpus for ``bytes`` (cached per path)."""
+    corpus = load_corpus(config.data, config.val_percent) if config.name == "bytes" else None
+    return Task(config, corpus)
