@@ -43,13 +43,25 @@ from attn.dense import MASKED, check_call, visible
 from attn.masks import BlockKind, Mask
 from attn.merge import merge_unnormalized
 
-# Default tile sizes, measured on a 2-core AVX-512 CPU (bench/attention.py,
-# causal, f32, B=1, N=8, H=64, T=8192): 512 x 1024 was fastest. Smaller key
-# blocks pay the per-step overhead (a loop iteration, a rescale of the
-# accumulator, small matmuls) more often; bigger ones waste work on the
-# diagonal of causal masks and leave the L2-sized score tile.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 1024
+# Default tile sizes, measured on a 2-core AVX-512 CPU (causal, f32, B=1, N=8,
+# H=64, T=8192; best of 3-4 interleaved runs on a quiet machine):
+#
+#   block_q x block_k, kv heads per tile   forward   forward+backward
+#   1024 x 512, 1                          0.62 s    1.91 s
+#   1024 x 1024, 2                         0.58 s    2.03 s
+#   1024 x 1024, 1                         0.62 s    2.24 s
+#   512 x 512, 1 or 8                      0.72 s    2.28 s
+#   256 x 512, 1                           ~1.2x 512 x 512
+#
+# Smaller tiles pay the loop's fixed cost per tile (an iteration, slicing K/V,
+# merging the accumulator, small matmuls) more often; bigger ones waste work on
+# the diagonal of causal and banded masks. 1024 x 512 is the best sum of both
+# passes. Heads are grouped so a tile holds at most TILE_SCORES scores (one
+# head at 1024 x 512): float32 scores of 2 MB, half of it per core, in its
+# 1.25 MB L2 cache. A tile holds one head when one head's block pair is bigger.
+DEFAULT_BLOCK_Q = 1024
+DEFAULT_BLOCK_K = 512
+TILE_SCORES = 2**19
 
 
 class BlockCounts(NamedTuple):
@@ -70,11 +82,18 @@ class _Static(NamedTuple):
     has_segments: bool
     T: int
     S: int
+    B: int
     K: int
     G: int
     dtype: str  # of the output
     block_q: int
     block_k: int
+    heads: int  # kv heads (of all batch entries, B*K) per tile; divides B*K
+
+    @property
+    def groups(self) -> int:
+        """Head groups: tiles per (query block, key block) pair."""
+        return self.B * self.K // self.heads
 
 
 class _Schedule(NamedTuple):
@@ -198,6 +217,8 @@ def count_blocks(
         kv_segment_ids=kv_segment_ids,
     )
     *_, (n_full, n_partial) = _forward(st, *_tiles(st, q, k, v), sink, aux)
+    # The loop counts tiles; each block pair is one tile per head group.
+    n_full, n_partial = n_full // st.groups, n_partial // st.groups
     total = _num_blocks(st.T, st.block_q) * _num_blocks(st.S, st.block_k)
     if isinstance(n_full, jax.core.Tracer):  # under jit: the counts are arrays
         return BlockCounts(n_full, n_partial, total)
@@ -226,6 +247,8 @@ def _static(c, block_q, block_k, dtype) -> _Static:
         if isinstance(b, bool) or not isinstance(b, int | np.integer) or b < 1:
             fail(name, "a positive int", repr(b))
     d = c.dims
+    # A block longer than the sequence only adds padding.
+    bq, bk = int(min(block_q, d.T)), int(min(block_k, d.S))
     return _Static(
         mask=c.mask,
         scale=c.scale,
@@ -234,13 +257,20 @@ def _static(c, block_q, block_k, dtype) -> _Static:
         has_segments=c.q_segment_ids is not None,
         T=d.T,
         S=d.S,
+        B=d.B,
         K=d.K,
         G=d.G,
         dtype=jnp.dtype(dtype).name,
-        # A block longer than the sequence only adds padding.
-        block_q=int(min(block_q, d.T)),
-        block_k=int(min(block_k, d.S)),
+        block_q=bq,
+        block_k=bk,
+        heads=_heads_per_tile(d.B * d.K, d.G * bq * bk),
     )
+
+
+def _heads_per_tile(heads: int, scores_per_head: int) -> int:
+    """The most kv heads (a divisor of ``heads``) whose tile holds <= ``TILE_SCORES`` scores."""
+    fit = max(1, TILE_SCORES // scores_per_head)
+    return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
 
 
 def _num_blocks(length: int, block: int) -> int:
@@ -258,21 +288,22 @@ def _pad_rows(x, length: int, block: int, mode: str):
 
 
 def _tiles(st: _Static, q, k, v):
-    """Blocked operands of the kernels, 3-D per block so tiles are plain matmul batches.
+    """Blocked operands of the kernels, 3-D per tile so tiles are plain matmul batches.
 
-    Returns scaled q ``[nq, B*K, G*Cq, H]``, kT ``[nk, B*K, H, Ck]`` and
-    v ``[nk, B*K, Ck, E]``. Each block is contiguous with the heads ahead of the
-    rows; the G query heads sharing a kv head are stacked as rows, so GQA needs
-    no repeated K/V. Keys are stored transposed because ``q @ kT`` is the plain
-    product XLA:CPU runs fastest. Padding rows and keys are zeros (padding keys
-    are also masked).
+    Returns scaled q ``[groups*nq, heads, G*Cq, H]``, kT ``[groups*nk, heads, H, Ck]``
+    and v ``[groups*nk, heads, Ck, E]``: tile ``g*nq + i`` holds query block i of
+    the g-th group of ``st.heads`` kv heads (batch entries and kv heads flattened,
+    B*K in all). The G query heads sharing a kv head are stacked as rows, so GQA
+    needs no repeated K/V. Keys are stored transposed because ``q @ kT`` is the
+    plain product XLA:CPU runs fastest. Padding rows and keys are zeros (padding
+    keys are also masked).
     """
     B, T, N, H = q.shape
     K, G = st.K, N // st.K
     q = _pad_rows(_scaled(q, st.scale), T, st.block_q, "constant")
-    q = q.reshape(B, -1, st.block_q, K, G, H).transpose(1, 0, 3, 4, 2, 5)
-    q = q.reshape(q.shape[0], B * K, G * st.block_q, H)
-    return q, _kv_tiles(k, st).swapaxes(-1, -2), _kv_tiles(v, st)
+    q = q.reshape(B, -1, st.block_q, K, G, H).transpose(0, 3, 1, 4, 2, 5)  # [B,K,nq,G,Cq,H]
+    q = q.reshape(B * K, -1, G * st.block_q, H)
+    return _group(st, q), _kv_tiles(st, k).swapaxes(-1, -2), _kv_tiles(st, v)
 
 
 def _scaled(q, scale: float):
@@ -287,68 +318,83 @@ def _scaled(q, scale: float):
     return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def _kv_tiles(x, st: _Static):
-    """``[B,S,K,H]`` -> ``[nk, B*K, Ck, H]``."""
+def _kv_tiles(st: _Static, x):
+    """``[B,S,K,H]`` -> ``[groups*nk, heads, Ck, H]``."""
     B, S, K, H = x.shape
     x = _pad_rows(x, S, st.block_k, "constant")
-    x = x.reshape(B, -1, st.block_k, K, H).transpose(1, 0, 3, 2, 4)
-    return x.reshape(x.shape[0], B * K, st.block_k, H)
+    x = x.reshape(B, -1, st.block_k, K, H).transpose(0, 3, 1, 2, 4)  # [B,K,nk,Ck,H]
+    return _group(st, x.reshape(B * K, -1, st.block_k, H))
+
+
+def _group(st: _Static, x):
+    """Per kv head ``[B*K, nb, ...]`` -> per tile ``[groups*nb, heads, ...]``."""
+    nb = x.shape[1]
+    x = x.reshape(st.groups, st.heads, nb, *x.shape[2:]).swapaxes(1, 2)
+    return x.reshape(st.groups * nb, st.heads, *x.shape[3:])
+
+
+def _ungroup(st: _Static, x):
+    """Inverse of ``_group``: ``[groups*nb, heads, ...]`` -> ``[B*K, nb, ...]``."""
+    x = x.reshape(st.groups, -1, st.heads, *x.shape[2:]).swapaxes(1, 2)
+    return x.reshape(st.B * st.K, -1, *x.shape[3:])
 
 
 def _untile(st: _Static, x):
-    """``[nq, B*K, G*Cq, E]`` -> ``[B, T, N, E]`` (padding rows dropped)."""
-    nq, BK, M, E = x.shape
-    B, G = BK // st.K, M // st.block_q
-    x = x.reshape(nq, B, st.K, G, st.block_q, E).transpose(1, 0, 4, 2, 3, 5)
-    return x.reshape(B, nq * st.block_q, st.K * G, E)[:, : st.T]
+    """Query tiles ``[groups*nq, heads, G*Cq, E]`` -> ``[B, T, N, E]`` (padding rows dropped)."""
+    E = x.shape[-1]
+    x = _ungroup(st, x).reshape(st.B, st.K, -1, st.G, st.block_q, E)
+    x = x.transpose(0, 2, 4, 1, 3, 5)  # [B,nq,Cq,K,G,E]
+    return x.reshape(st.B, -1, st.K * st.G, E)[:, : st.T]
 
 
-def _rows(x):
-    """Per-row ``[B, K, G, Cq]`` -> ``[B*K, G*Cq]``, the row layout of a tile."""
-    B, K, G, C = x.shape
-    return x.reshape(B * K, G * C)
+def _head_rows(st: _Static, x, length: int, block: int):
+    """Integer ``[B, L]`` (positions, segment ids) -> per tile ``[groups*nb, heads, C]``.
 
-
-def _row_blocks(xp, x, length: int, block: int):
-    """Integer ``[B, L]`` -> ``[nb, B, C]``; padding repeats the last entry.
-
-    Repeating the last position (or segment id) keeps every block's min/max, and
-    so the block classification, that of its real rows.
+    Padding repeats the last entry, which keeps every block's min/max, and so
+    the block classification, that of its real rows.
     """
-    B = x.shape[0]
-    pad = _num_blocks(length, block) * block - length
-    x = xp.pad(x, ((0, 0), (0, pad)), mode="edge")
-    return x.reshape(B, -1, block).transpose(1, 0, 2)
+    x = _pad_rows(x, length, block, "edge")
+    x = jnp.broadcast_to(x[:, None], (st.B, st.K, x.shape[1]))
+    return _group(st, x.reshape(st.B * st.K, -1, block))
 
 
 def _aux(st: _Static, c, raw) -> _Aux:
-    """Blocked positions, segment ids and padding, and the schedule (see module doc)."""
-    nk = _num_blocks(st.S, st.block_k)
+    """Per-tile positions, segment ids and padding, and the schedule (see module doc)."""
+    nq, nk = _num_blocks(st.T, st.block_q), _num_blocks(st.S, st.block_k)
     kv_valid = (np.arange(nk * st.block_k) < st.S).reshape(nk, st.block_k)
     rows = [(c.q_positions, st.T, st.block_q), (c.kv_positions, st.S, st.block_k)]
     if st.has_segments:
         rows += [(c.q_segment_ids, st.T, st.block_q), (c.kv_segment_ids, st.S, st.block_k)]
-    blocks = [_row_blocks(jnp, x, length, block) for x, length, block in rows]
     if not any(isinstance(x, jax.core.Tracer) for x in raw):
         # Known when tracing (default arange positions, or concrete arrays): a NumPy schedule.
-        bounds = []
-        for x, (_, length, block) in zip(raw[: len(rows)], rows, strict=True):
+        xp, values = np, []
+        for x, (_, length, _) in zip(raw[: len(rows)], rows, strict=True):
             x = np.arange(length) if x is None else np.asarray(x)
-            x = np.broadcast_to(x, (c.dims.B, length)).astype(np.int64)
-            bounds.append(_bounds(_row_blocks(np, x, length, block)))
-        kinds = _block_kinds(np, st, *bounds)
-        schedule = _compact(np, kinds, width=max(int((kinds != 0).sum(1).max()), 1))
+            values.append(np.broadcast_to(x, (st.B, length)).astype(np.int64))
     else:  # traced positions or segment ids: the schedule is decided at run time
-        kinds = _block_kinds(jnp, st, *[_bounds(b) for b in blocks])
-        schedule = _compact(jnp, kinds, width=nk)
-    q_pos, kv_pos, *segs = blocks
+        xp, values = jnp, [x for x, _, _ in rows]
+    bounds = [_bounds(xp, x, n, block) for x, (_, n, block) in zip(values, rows, strict=True)]
+    kinds = _block_kinds(xp, st, *bounds)  # [nq, nk]
+    width = max(int((kinds != 0).sum(1).max()), 1) if xp is np else nk
+    schedule = _for_groups(st, _compact(xp, kinds, width), nq, nk)
+    q_pos, kv_pos, *segs = [_head_rows(st, x, length, block) for x, length, block in rows]
     q_seg, kv_seg = segs if segs else (None, None)
-    return _Aux(schedule, q_pos, kv_pos, jnp.asarray(kv_valid), q_seg, kv_seg)
+    kv_valid = jnp.asarray(np.tile(kv_valid, (st.groups, 1)))
+    return _Aux(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)
 
 
-def _bounds(blocks):
-    """``[nb, B, C]`` -> (lo ``[nb]``, hi ``[nb]``) over the batch and the block."""
-    return blocks.min(axis=(1, 2)), blocks.max(axis=(1, 2))
+def _for_groups(st: _Static, sched: _Schedule, nq: int, nk: int) -> _Schedule:
+    """Repeats the schedule of the query blocks for each head group's tiles."""
+    offsets = jnp.arange(st.groups, dtype=jnp.int32)[:, None, None] * nk
+    index = (offsets + sched.index[None]).reshape(st.groups * nq, -1)
+    return _Schedule(index, jnp.tile(sched.kind, (st.groups, 1)), jnp.tile(sched.count, st.groups))
+
+
+def _bounds(xp, x, length: int, block: int):
+    """``[B, L]`` -> per block (lo ``[nb]``, hi ``[nb]``), over the batch and the block."""
+    pad = _num_blocks(length, block) * block - length
+    x = xp.pad(x, ((0, 0), (0, pad)), mode="edge").reshape(x.shape[0], -1, block)
+    return x.min(axis=(0, 2)), x.max(axis=(0, 2))
 
 
 def _block_kinds(xp, st: _Static, q_b, k_b, q_seg_b=None, k_seg_b=None):
@@ -385,10 +431,12 @@ def _compact(xp, kinds, width: int) -> _Schedule:
 
 
 # ----------------------------------------------------------------------------
-# Kernels. One tile is a (query block, key block) pair for every batch entry and
-# kv head at once, as 3-D matmul batches (BK = B*K, M = G*Cq rows):
-#   forward:  q [BK,M,H] @ kT [BK,H,Ck] -> scores [BK,M,Ck];  p [BK,M,Ck] @ v [BK,Ck,E]
-#   backward: k [BK,Ck,H] @ qT [BK,H,M] -> transposed scores [BK,Ck,M]
+# Kernels. A tile is a (query block, key block) pair for a group of kv heads
+# (st.heads of the B*K heads of all batch entries), as 3-D matmul batches. In the
+# einsums K is the tile's kv heads, C its M = G*Cq query rows (the G query heads
+# of each kv head stacked) and c its Ck keys:
+#   forward:  q [K,C,H] @ kT [K,H,c] -> scores [K,C,c];  p [K,C,c] @ v [K,c,E]
+#   backward: k [K,c,H] @ qT [K,H,C] -> transposed scores [K,c,C]
 # Every matmul is a plain (row-major x row-major) product: XLA:CPU runs products
 # with a transposed left operand several times slower, so the backward works on
 # transposed tiles (keys as rows), where dV, dK and dQ^T are all plain products.
@@ -397,17 +445,15 @@ def _compact(xp, kinds, width: int) -> _Schedule:
 
 
 def _tile_mask(st: _Static, aux: _Aux, q_pos_i, q_seg_i, j, keys_major: bool):
-    """Boolean visibility of tile (i, j): ``[BK, M, Ck]``, or ``[BK, Ck, M]`` keys-major."""
+    """Boolean visibility of tile (i, j): ``[heads, M, Ck]``, or ``[heads, Ck, M]`` keys-major."""
     k_seg_j = None if aux.kv_seg is None else aux.kv_seg[j]
     ok = visible(st.mask, q_pos_i, aux.kv_pos[j], q_seg_i, k_seg_j)
-    ok = ok & aux.kv_valid[j][None, None, :]  # [B,Cq,Ck]
-    B, Cq, Ck = ok.shape
-    G = st.G
-    if keys_major:
-        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, None, :, None, :], (B, st.K, Ck, G, Cq))
-        return ok.reshape(B * st.K, Ck, G * Cq)
-    ok = jnp.broadcast_to(ok[:, None, None], (B, st.K, G, Cq, Ck))
-    return ok.reshape(B * st.K, G * Cq, Ck)
+    ok = ok & aux.kv_valid[j][None, None, :]  # [heads,Cq,Ck]
+    h, Cq, Ck = ok.shape
+    if keys_major:  # the G query heads of a kv head share its visibility
+        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (h, Ck, st.G, Cq))
+        return ok.reshape(h, Ck, st.G * Cq)
+    return jnp.broadcast_to(ok[:, None], (h, st.G, Cq, Ck)).reshape(h, st.G * Cq, Ck)
 
 
 def _cap(st: _Static, s):
@@ -442,39 +488,33 @@ def _visit(index, kind, count, tile, combine, carry):
     return lax.fori_loop(0, count, body, carry)
 
 
-def _sink_rows(st: _Static, sink, BK: int):
-    """Sink logits ``[K,G]`` as per-row values ``[BK, M]``."""
-    B = BK // st.K
-    return _rows(jnp.broadcast_to(sink[None, :, :, None], (B, st.K, st.G, st.block_q)))
+def _sink_rows(st: _Static, sink):
+    """Sink logits ``[K,G]`` as per-row values of each head group: ``[groups, heads, M]``."""
+    rows = jnp.broadcast_to(sink[None, :, :, None], (st.B, st.K, st.G, st.block_q))
+    return rows.reshape(st.groups, st.heads, st.G * st.block_q)
 
 
 def _forward(st: _Static, q, kT, v, sink, aux: _Aux):
     """Online softmax over the schedule.
 
     Args:
-      q: ``[nq,BK,M,H]`` queries, already multiplied by the logit scale.
-      kT: ``[nk,BK,H,Ck]`` keys, transposed per block; v: ``[nk,BK,Ck,E]``.
+      q: ``[groups*nq, heads, M, H]`` query tiles, already multiplied by the logit scale.
+      kT: ``[groups*nk, heads, H, Ck]`` key tiles, transposed; v: ``[groups*nk, heads, Ck, E]``.
       sink: float32 ``[K,G]`` (ignored unless ``st.has_sink``); aux: integer inputs.
 
     Returns:
-      ``out [nq,BK,M,E]`` in the input dtype, ``lse [nq,BK,M]`` float32 and the
-      counts ``(full, partial)`` of tiles computed.
+      ``out [groups*nq, heads, M, E]`` in the input dtype, ``lse [groups*nq, heads, M]``
+      float32 and the counts ``(full, partial)`` of tiles computed.
     """
-    _, BK, M, _ = q.shape
+    n_tiles, h, M, _ = q.shape
     E = v.shape[-1]
-    if st.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
-        m0 = _sink_rows(st, sink, BK)
-        l0 = jnp.ones((BK, M), jnp.float32)
-    else:
-        m0 = jnp.full((BK, M), MASKED, jnp.float32)
-        l0 = jnp.zeros((BK, M), jnp.float32)
-    acc0 = jnp.zeros((BK, M, E), jnp.float32)
+    sink_rows = _sink_rows(st, sink)
 
     def q_block(counts, xs):
-        q_i, q_pos_i, q_seg_i, index, kind, count = xs
+        q_i, group, q_pos_i, q_seg_i, index, kind, count = xs
 
         def tile(j, masked):
-            s = jnp.einsum("BMH,BHc->BMc", q_i, kT[j], preferred_element_type=jnp.float32)
+            s = jnp.einsum("KCH,KHc->KCc", q_i, kT[j], preferred_element_type=jnp.float32)
             s = _cap(st, s)
             if masked:
                 ok = _tile_mask(st, aux, q_pos_i, q_seg_i, j, keys_major=False)
@@ -485,7 +525,7 @@ def _forward(st: _Static, q, kT, v, sink, aux: _Aux):
             p = jnp.exp(s - m_j[..., None])
             l_j = p.sum(-1)
             pv = jnp.einsum(
-                "BMc,BcE->BME", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32
+                "KCc,KcE->KCE", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32
             )
             if masked:
                 seen = m_j > MASKED
@@ -497,14 +537,19 @@ def _forward(st: _Static, q, kT, v, sink, aux: _Aux):
             m, l, acc = merge_unnormalized(m, l, acc, *part)
             return m, l, acc, n + jnp.stack([full, ~full]).astype(jnp.int32)
 
-        state = (m0, l0, acc0, jnp.zeros(2, jnp.int32))
+        if st.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
+            m0, l0 = sink_rows[group], jnp.ones((h, M), jnp.float32)
+        else:
+            m0, l0 = jnp.full((h, M), MASKED, jnp.float32), jnp.zeros((h, M), jnp.float32)
+        state = (m0, l0, jnp.zeros((h, M, E), jnp.float32), jnp.zeros(2, jnp.int32))
         m, l, acc, n = _visit(index, kind, count, tile, combine, state)
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         return counts + n, (out.astype(st.dtype), lse)
 
-    xs = (q, aux.q_pos, aux.q_seg, *aux.schedule)
+    groups = jnp.arange(n_tiles) // (n_tiles // st.groups)  # head group of each query tile
+    xs = (q, groups, aux.q_pos, aux.q_seg, *aux.schedule)
     counts, (out, lse) = lax.scan(q_block, jnp.zeros(2, jnp.int32), xs)
     return out, lse, (counts[0], counts[1])
 
@@ -515,10 +560,9 @@ def _backward(st: _Static, q, kT, v, sink, aux: _Aux, out, lse, d_out, d_lse):
     Arguments as ``_forward``'s, plus its outputs and their cotangents. Returns
     ``(dq, dkT, dv, dsink)`` in the layouts of q, kT, v (and ``[K,G]`` or None).
     """
-    nq, BK, M, H = q.shape
-    nk, E, Ck = v.shape[0], v.shape[-1], kT.shape[-1]
-    k = kT.swapaxes(-1, -2)  # [nk,BK,Ck,H]
-    qT = q.swapaxes(-1, -2)  # [nq,BK,H,M]
+    _, h, M, H = q.shape
+    k = kT.swapaxes(-1, -2)  # [groups*nk, heads, Ck, H]
+    qT = q.swapaxes(-1, -2)  # [groups*nq, heads, H, M]
     # D = rowsum(dO * O), less the lse cotangent: d lse / d logit = P, so both
     # enter dS = P * (dP - D + d_lse) the same way.
     delta = jnp.einsum("...E,...E->...", d_out.astype(jnp.float32), out.astype(jnp.float32))
@@ -528,11 +572,11 @@ def _backward(st: _Static, q, kT, v, sink, aux: _Aux, out, lse, d_out, d_lse):
 
     def q_block(dkv, xs):
         q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, index, kind, count = xs
-        doT_i = do_i.swapaxes(-1, -2)  # [BK,E,M]
-        lse_i, delta_i = lse_i[:, None], delta_i[:, None]  # [BK,1,M]: one per column
+        doT_i = do_i.swapaxes(-1, -2)  # [K,E,C]
+        lse_i, delta_i = lse_i[:, None], delta_i[:, None]  # [K,1,C]: one per column
 
         def tile(j, masked):
-            sT = jnp.einsum("BcH,BHM->BcM", k[j], qT_i, preferred_element_type=jnp.float32)
+            sT = jnp.einsum("KcH,KHC->KcC", k[j], qT_i, preferred_element_type=jnp.float32)
             xT = _cap(st, sT)
             cap_grad = _cap_grad(st, xT)  # from the unmasked logits: finite everywhere
             if masked:  # exp(MASKED - lse) = 0: no need to mask P itself
@@ -540,15 +584,15 @@ def _backward(st: _Static, q, kT, v, sink, aux: _Aux, out, lse, d_out, d_lse):
                 xT = jnp.where(ok, xT, MASKED)
             pT = jnp.exp(xT - lse_i)
             dv_j = jnp.einsum(
-                "BcM,BME->BcE", pT.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+                "KcC,KCE->KcE", pT.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
             )
-            dpT = jnp.einsum("BcE,BEM->BcM", v[j], doT_i, preferred_element_type=jnp.float32)
+            dpT = jnp.einsum("KcE,KEC->KcC", v[j], doT_i, preferred_element_type=jnp.float32)
             dsT = pT * (dpT - delta_i)
             if cap_grad is not None:
                 dsT = dsT * cap_grad
             dsT = dsT.astype(q.dtype)
-            dk_j = jnp.einsum("BcM,BMH->BcH", dsT, q_i, preferred_element_type=jnp.float32)
-            dqT_j = jnp.einsum("BHc,BcM->BHM", kT[j], dsT, preferred_element_type=jnp.float32)
+            dk_j = jnp.einsum("KcC,KCH->KcH", dsT, q_i, preferred_element_type=jnp.float32)
+            dqT_j = jnp.einsum("KHc,KcC->KHC", kT[j], dsT, preferred_element_type=jnp.float32)
             return dqT_j, dk_j, dv_j
 
         def combine(state, j, full, part):
@@ -558,19 +602,21 @@ def _backward(st: _Static, q, kT, v, sink, aux: _Aux, out, lse, d_out, d_lse):
             dv = lax.dynamic_update_index_in_dim(dv, dv[j] + dv_j, j, 0)
             return dqT_i + dqT_j, dk, dv
 
-        dqT_i = jnp.zeros((BK, H, M), jnp.float32)
+        dqT_i = jnp.zeros((h, H, M), jnp.float32)
         dqT_i, dk, dv = _visit(index, kind, count, tile, combine, (dqT_i, *dkv))
         return (dk, dv), dqT_i.swapaxes(-1, -2).astype(q.dtype)
 
-    dkv0 = (jnp.zeros((nk, BK, Ck, H), jnp.float32), jnp.zeros((nk, BK, Ck, E), jnp.float32))
+    dkv0 = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     xs = (q, qT, d_out, lse, delta, aux.q_pos, aux.q_seg, *aux.schedule)
     (dk, dv), dq = lax.scan(q_block, dkv0, xs)
     dsink = None
     if st.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * (D - d_lse).
-        p_sink = jnp.exp(_sink_rows(st, sink, BK)[None] - lse)  # [nq,BK,M]
-        per_row = (p_sink * delta).reshape(nq, BK // st.K, st.K, st.G, st.block_q)
-        dsink = -per_row.sum((0, 1, 4))
+        lse, delta = (x.reshape(st.groups, -1, h, M) for x in (lse, delta))
+        p_sink = jnp.exp(_sink_rows(st, sink)[:, None] - lse)
+        per_row = (p_sink * delta).reshape(st.groups, -1, h, st.G, st.block_q)
+        per_row = per_row.swapaxes(1, 2).reshape(st.B, st.K, -1, st.G, st.block_q)
+        dsink = -per_row.sum((0, 2, 4))
     return dq, dk.swapaxes(-1, -2).astype(kT.dtype), dv.astype(v.dtype), dsink
 
 

@@ -409,7 +409,8 @@ def markdown(result: dict) -> str:
         "",
         f"f32 matmul rate (jnp.dot {MATMUL_SIZE}x{MATMUL_SIZE}, best of 5): "
         f"**{result['matmul_gflops']:.0f} GFLOP/s**. Load average at start / end: "
-        f"{env['load_average_at_start'][0]:.2f} / {env['load_average_at_end'][0]:.2f}.",
+        f"{env['load_average_at_start'][0]:.2f} / {env['load_average_at_end'][0]:.2f} "
+        f"(niceness {env['nice']}; other processes on a shared machine slow some runs).",
         "",
     ]
     head = ["mask", "pass", "T", *(IMPL_LABELS[i] for i in impls)]
@@ -518,6 +519,7 @@ def main(cfg: Config) -> dict:
         "machine": platform_lib.machine(),
         "processor": platform_lib.processor(),
         "load_average_at_start": os.getloadavg(),
+        "nice": os.nice(0),  # a negative niceness gives the benchmark priority on a shared CPU
     }
     matmul_rate, rows = sweep(cfg, lengths, platform)
     env["load_average_at_end"] = os.getloadavg()

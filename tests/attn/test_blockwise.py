@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attn
-from attn import masks
+from attn import blockwise, masks
 from attn.blockwise import blockwise_attention, count_blocks
 from attn.merge import merge_attention, merge_partials
 from tests.util import np_attention, rel_err
@@ -107,6 +107,20 @@ def test_softcap_scale_and_sink_logits_with_their_gradient():
         q, k, v, mask=masks.causal(), softcap=2.5, scale=0.3, sink_logits=sinks
     )
     assert np.abs(np.asarray(grads[3])).min() > 0  # every sink logit gets a gradient
+
+
+def test_one_kv_head_per_tile(monkeypatch):
+    # Long sequences split the B*K kv heads into groups of tiles (TILE_SCORES);
+    # one head per tile exercises the grouping with GQA, sinks and segment ids.
+    monkeypatch.setattr(blockwise, "TILE_SCORES", 1)
+    q, k, v = qkv(20, **SHAPE)
+    seg = jnp.asarray(np.r_[np.full(20, 1), np.full(17, 2)], jnp.int32)[None].repeat(2, 0)
+    assert_matches_dense(
+        q, k, v, mask=MASKS["sinks_window"], sink_logits=jnp.array([0.5, -1.0, 2.0, 0.0]),
+        softcap=4.0, q_segment_ids=seg, kv_segment_ids=seg,
+    )  # fmt: skip
+    c = count_blocks(q, k, v, mask=masks.causal(), block_q=16, block_k=16)
+    assert (c.full, c.partial) == (3, 3)  # blocks, not tiles: the same for every head group
 
 
 def test_sink_gradient_by_finite_differences():
@@ -327,6 +341,14 @@ def test_dispatch_blockwise_and_auto():
     assert rel_err(got, want) <= TOL
     assert "blockwise" in attn.IMPLS
     assert rel_err(attn.attention(q, k, v, mask=masks.causal()), want) <= TOL
+    # auto picks blockwise on CPU where it measured faster: long enough queries.
+    choose = attn.dispatch._choose
+    long_q, short_q, one_q = (jnp.zeros((1, T, 2, 8)) for T in (128, 16, 1))
+    keys = jnp.zeros((1, 4096, 2, 8))
+    assert choose(long_q, keys, keys, {}) == "blockwise"
+    assert choose(short_q, keys, keys, {}) == "dense"  # short queries: dense
+    assert choose(one_q, keys, keys, {}) == "dense"  # decoding
+    assert choose(long_q, keys, keys, {"return_weights": True}) == "dense"
     with pytest.raises(ValueError, match="bias"):
         attn.attention(q, k, v, impl="blockwise", bias=jnp.zeros((1, 1, 37, 37)))
     with pytest.raises(ValueError, match="return_weights"):
