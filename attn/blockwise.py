@@ -216,13 +216,20 @@ def count_blocks(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    *_, (n_full, n_partial) = _forward(st, *_tiles(st, q, k, v), sink, aux)
+    n_full, n_partial = _count_tiles(st, q, k, v, sink, aux)
     # The loop counts tiles; each block pair is one tile per head group.
     n_full, n_partial = n_full // st.groups, n_partial // st.groups
     total = _num_blocks(st.T, st.block_q) * _num_blocks(st.S, st.block_k)
     if isinstance(n_full, jax.core.Tracer):  # under jit: the counts are arrays
         return BlockCounts(n_full, n_partial, total)
     return BlockCounts(int(n_full), int(n_partial), total)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _count_tiles(st: _Static, q, k, v, sink, aux: _Aux):
+    """The forward pass's tile counters (compiled as one program, not op by op)."""
+    *_, counts = _forward(st, *_tiles(st, q, k, v), sink, aux)
+    return counts
 
 
 # ----------------------------------------------------------------------------

@@ -16,16 +16,20 @@ from attn.dense import Call, check_call, dot_product_attention
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn")
 
-# impl="auto" on CPU: blockwise from this many score entries T*S per call on.
-# Measured with bench/attention.py on a 2-core AVX-512 CPU (f32, B=1, N=8,
-# H=64, causal and full, forward and forward+backward): blockwise was already
-# faster than dense at T = S = 1024 (dense materializes and re-reads [T,S]
-# float32 weights per head), and dense's memory grows as T*S beyond that.
-# Below it dense is as fast and has no loop overhead.
-BLOCKWISE_MIN_SCORES = 1024 * 1024
-
 # cuDNN's fused kernels take only half-precision inputs.
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+
+# impl="auto" on CPU picks blockwise where it measured faster than dense (f32,
+# B=1, N=8, H=64, causal, forward and forward+backward, 2-core AVX-512 CPU):
+# - T = S: from 128 on (1.7x at 128, 5-7x at 1024-2048; about equal at 32-64);
+# - short query blocks over long keys once T*S >= 2**18 with T >= 32 (T=64,
+#   S=4096: 1.1-1.3x; T=32, S=32768: 1.2x), while dense stays faster below
+#   (T=32, S=4096: 1.1-1.3x; T=64, S=1024: 1.15x; T=16, S=1024: 1.3x) and for
+#   decoding (T=1: 1.2-2.3x at S = 1K-16K), where blockwise's re-layout of K/V
+#   into tiles on every call costs as much as the attention itself.
+BLOCKWISE_MIN_T = 128
+BLOCKWISE_MIN_T_LONG_KEYS = 32
+BLOCKWISE_MIN_SCORES = 2**18
 
 
 def attention(q, k, v, *, impl: str = "auto", **kwargs):
@@ -39,7 +43,8 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         (``jax.nn.dot_product_attention``, only where its semantics equal ours:
         no sinks, soft-cap, segment ids or explicit positions, and causal or
         window masks only with T == S); ``"auto"`` picks the fastest correct one
-        for the platform (on CPU: blockwise from ``BLOCKWISE_MIN_SCORES`` = T*S on).
+        for the platform (on CPU: blockwise where it measured faster than dense, from
+        T = 128 on; see ``BLOCKWISE_MIN_T``).
       **kwargs: the keyword arguments of ``attn.dot_product_attention``.
 
     Returns:
@@ -60,10 +65,17 @@ def _choose(q, k, v, kwargs) -> str:
     if jax.default_backend() == "gpu" and _jax_nn_reason(q, k, v, kwargs) is None:
         return "cudnn" if q.dtype in _CUDNN_DTYPES else "xla"
     blockwise_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
-    long = _shape(q, 1) * _shape(k, 1) >= BLOCKWISE_MIN_SCORES
-    if jax.default_backend() == "cpu" and blockwise_ok and long:
+    if jax.default_backend() == "cpu" and blockwise_ok and _blockwise_faster(q, k):
         return "blockwise"
     return "dense"
+
+
+def _blockwise_faster(q, k) -> bool:
+    """Where blockwise beat dense on CPU (see BLOCKWISE_MIN_T)."""
+    T, S = _shape(q, 1), _shape(k, 1)
+    if T >= BLOCKWISE_MIN_T:
+        return True
+    return T >= BLOCKWISE_MIN_T_LONG_KEYS and T * S >= BLOCKWISE_MIN_SCORES
 
 
 def _shape(x, axis):
