@@ -1,0 +1,101 @@
+"""The attention benchmark's bookkeeping: skips, targets, the table, and one child run.
+
+Timing is never asserted (that is the benchmark's job, not a test's); these
+check that the script measures what it says and reports it faithfully.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "attention.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def row(impl, mask, mode, T, seconds, rss=300 * 2**20):
+    return dict(
+        impl=impl, mask=mask, mode=mode, T=T, status="ok", seconds=seconds, peak_rss_bytes=rss
+    )
+
+
+def test_skips_materialized_arrays_that_do_not_fit_and_long_projections(bench):
+    cfg = bench.Config(max_seconds=10.0)
+    gib = 2**30
+    # xla forward at T=8192 holds 2.5 [8, 8192, 8192] float32 arrays: 5 GiB.
+    assert bench.skip_reason(cfg, "xla", "causal", "fwd", 8192, {}, memory=20 * gib) is None
+    reason = bench.skip_reason(cfg, "xla", "causal", "fwd", 8192, {}, memory=4 * gib)
+    assert reason.startswith("[N,T,S] float32 arrays: ~5 GiB")
+    # Quadratic projection from the previous length: 3 s at 4K -> 12 s at 8K > 10 s.
+    done = {(("blockwise", "full", "fwd"), 4096): {"status": "ok", "seconds": 3.0}}
+    reason = bench.skip_reason(cfg, "blockwise", "full", "fwd", 8192, done, memory=gib)
+    assert reason == "projected 12 s > 10 s"
+    # ... except for the configurations the targets are about.
+    done = {(("blockwise", "causal", "fwd+bwd"), 32768): {"status": "ok", "seconds": 30.0}}
+    assert bench.skip_reason(cfg, "blockwise", "causal", "fwd+bwd", 65536, done, 1) is None
+    done = {(("torch", "causal", "fwd"), 4096): {"status": "skipped: x"}}
+    reason = bench.skip_reason(cfg, "torch", "causal", "fwd", 8192, done, memory=gib)
+    assert reason == "a shorter length was not measured"
+
+
+def test_targets_and_table_from_a_result(bench):
+    rows = [
+        row("blockwise", "causal", "fwd", 8192, 0.5),
+        row("tiles", "causal", "fwd", 8192, 0.3),
+        row("torch", "causal", "fwd", 8192, 0.4),
+        row("xla", "causal", "fwd", 8192, 5.0),
+        row("blockwise", "causal", "fwd+bwd", 8192, 1.5),
+        row("blockwise", "causal", "fwd+bwd", 65536, 100.0, rss=2 * 10**9),
+        dict(impl="xla", mask="causal", mode="fwd+bwd", T=65536, status="skipped: too big"),
+    ]
+    cfg = bench.Config(impls=("xla", "blockwise", "tiles", "torch"), masks=("causal",))
+    result = dict(
+        platform="cpu",
+        config=dict(vars(cfg)),
+        env=dict(cpu_count=2, load_average_at_start=(0.5,), load_average_at_end=(0.6,), nice=0),
+        matmul_gflops=100.0,
+        rows=rows,
+    )
+    for r in rows:
+        if r["status"] == "ok":
+            flops = bench.useful_flops(cfg, r["T"], r["mask"], r["mode"])
+            r["matmul_fraction"] = flops / r["seconds"] / 100e9
+    targets = {t["target"]: t for t in bench.targets(result)}
+    assert targets["T=8192 fwd: blockwise / torch SDPA time"]["value"] == pytest.approx(1.25)
+    assert targets["T=8192 fwd: blockwise / torch SDPA time"]["met"] is False
+    assert targets["T=8192 fwd: jax.nn (xla) / blockwise time"]["value"] == pytest.approx(10)
+    # 2 T^2 N H useful FLOPs at T=8192: 68.7 GFLOP in 0.5 s against 100 GFLOP/s.
+    fraction = targets["T=8192 fwd: blockwise useful FLOP/s / matmul rate"]["value"]
+    assert fraction == pytest.approx(2 * 8192**2 * 8 * 64 / 0.5 / 100e9)
+    assert targets["T=65536 fwd+bwd: blockwise peak RSS (GB)"]["value"] == pytest.approx(2.0)
+    assert targets["T=8192: blockwise fwd+bwd / fwd time"]["value"] == pytest.approx(3.0)
+    assert targets["T=8192: blockwise fwd+bwd / fwd time"]["met"] is True
+
+    result["targets"] = list(targets.values())
+    table = bench.markdown(result)
+    assert "| causal | fwd | 8192 | 5.000 s / 300 MB / 14% | 0.500 s / 300 MB / 137% |" in table
+    assert "| 1.25 | 10.00 |" in table  # blockwise / torch, xla / blockwise
+    assert "- xla causal fwd+bwd T=65536: skipped: too big" in table
+    assert "tile matmuls alone take 0.300 s: 0.75x torch SDPA's" in table
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "tiles"])
+def test_a_child_measurement(bench, impl, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # child_main sets it; restored afterwards
+    spec = dict(
+        platform="cpu", impl=impl, mask="causal", mode="fwd", T=64, batch=1, heads=2,
+        head_dim=8, repeats=1, dtype="float32",
+    )  # fmt: skip
+    result = bench.child_main(spec)
+    assert result["seconds"] > 0 and result["peak_rss_bytes"] > 0
+    assert "peak_device_bytes" not in result  # on a CPU, memory is the host's RSS
