@@ -67,6 +67,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/attention.py`
     sys.path.insert(0, str(ROOT))
 
+from bench._report import write_report  # noqa: E402
+
 IMPLS = ("xla", "cudnn", "dense", "blockwise", "tiles", "torch")
 IMPL_LABELS = {
     "xla": "jax.nn (xla)",
@@ -687,14 +689,7 @@ def main(cfg: Config) -> dict:
     }
     # The targets are for float32 on a CPU.
     result["targets"] = targets(result) if (platform, cfg.dtype) == ("cpu", "float32") else []
-    out = Path(cfg.out_dir)
-    out = out if out.is_absolute() else ROOT / out
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{name}.md").write_text(markdown(result))
-    plot(result, out / f"{name}.png")
-    print(markdown(result))
-    print(f"wrote {out / name}.{{json,md,png}} in {result['wall_seconds']:.0f} s")
+    write_report(result, cfg.out_dir, name, markdown, plot)
     return result
 
 

@@ -29,7 +29,6 @@ Writes ``<out_dir>/<name>.json``, ``.md`` (tables) and ``.png`` (log-log plots).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import resource
@@ -50,6 +49,7 @@ import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
 from attn.linear import init_linear_state, linear_attention, linear_attention_step  # noqa: E402
+from bench._report import write_report  # noqa: E402
 
 try:
     from attn import masks
@@ -456,13 +456,7 @@ def main(cfg: Config) -> dict:
     result["wall_seconds"] = time.perf_counter() - started
     result["env"]["load_average_at_end"] = os.getloadavg()
 
-    out = ROOT / cfg.out_dir if not Path(cfg.out_dir).is_absolute() else Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{cfg.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (out / f"{cfg.name}.md").write_text(markdown(result))
-    plot(result, out / f"{cfg.name}.png")
-    print(markdown(result))
-    print(f"wrote {out / cfg.name}.{{json,md,png}} in {result['wall_seconds']:.0f} s")
+    write_report(result, cfg.out_dir, cfg.name, markdown, plot)
     return result
 
 
