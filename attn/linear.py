@@ -132,7 +132,13 @@ def taylor(x):
     ``phi(q).phi(k) = 1 + q.k + (q.k)^2 / 2`` approximates ``exp(q.k)`` and is
     positive for every q, k.
     """
-    outer = (x[..., :, None] * x[..., None, :]).reshape(*x.shape[:-1], -1)
+    # The outer product is formed on rows [M, H] (leading axes flattened, a free
+    # reshape). Formed on the chunkwise layout [n,B,K,G,C,H] instead, its
+    # backward pass is a rank-7 multiply-reduce that jaxlib 0.10.2's CPU backend
+    # hands to YNNPACK, which segfaults on it when G == 1
+    # (tools/repro_jaxlib_0_10_2_segfault.py).
+    rows = x.reshape(-1, x.shape[-1])
+    outer = (rows[:, :, None] * rows[:, None, :]).reshape(*x.shape[:-1], -1)
     one = jnp.ones((*x.shape[:-1], 1), x.dtype)
     return jnp.concatenate([one, x, outer * (1.0 / math.sqrt(2.0))], axis=-1)
 

@@ -1,6 +1,7 @@
 """Benchmark: linear attention's three forms against softmax attention, and decoding.
 
-Measures, at B=1, N=8, H=E=64, causal, float32, feature map elu1:
+Measures, at B=1, N=8, H=E=64, causal, float32, feature map elu1 (by default;
+``--feature-map taylor --head-dim 16`` measures Based's second-order features):
 
 1. Forward time against T for the parallel, recurrent and chunkwise forms of
    ``attn.linear.linear_attention`` and for softmax attention at the same
@@ -24,6 +25,8 @@ Writes ``<out_dir>/<name>.json``, ``.md`` (tables) and ``.png`` (log-log plots).
     python bench/linear.py                  # the full run (a few minutes on 2 cores)
     python bench/linear.py --quick          # smoke test: short lengths, "-quick" files
     python bench/linear.py --max-len 16384
+    python bench/linear.py --feature-map taylor --head-dim 16 --max-len 8192 --no-rss \
+        --name linear-taylor-cpu
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-from attn.linear import init_linear_state, linear_attention, linear_attention_step  # noqa: E402
+from attn.linear import (  # noqa: E402
+    init_linear_state,
+    linear_attention,
+    linear_attention_step,
+    linear_feature_dim,
+)
 from bench._report import write_report  # noqa: E402
 
 try:
@@ -82,6 +90,7 @@ class Config:
     batch: int = 1
     heads: int = 8
     head_dim: int = 64
+    feature_map: str = "elu1"  # a name in attn.linear.FEATURE_MAPS (not "favor")
     chunk_size: int = 64
     repeats: int = 3
     max_seconds: float = 60.0  # skip a configuration projected to take longer
@@ -142,10 +151,11 @@ def softmax_fn():
 def forms_vs_length(cfg: Config, lengths) -> dict:
     """Forward seconds per method and length (None: skipped), and why skipped."""
     softmax_name, softmax = softmax_fn()
+    linear = partial(linear_attention, feature_map=cfg.feature_map)
     methods = {
-        "parallel": partial(linear_attention, form="parallel"),
-        "recurrent": partial(linear_attention, form="recurrent"),
-        "chunkwise": partial(linear_attention, form="chunkwise", chunk_size=cfg.chunk_size),
+        "parallel": partial(linear, form="parallel"),
+        "recurrent": partial(linear, form="recurrent"),
+        "chunkwise": partial(linear, form="chunkwise", chunk_size=cfg.chunk_size),
         "softmax": softmax,
     }
     times = {name: {} for name in methods}
@@ -196,7 +206,9 @@ def training_step(cfg: Config, T: int) -> dict:
     args = inputs(cfg, T)
     jobs = {}
     for form in ("recurrent", "chunkwise"):
-        attend = partial(linear_attention, form=form, chunk_size=cfg.chunk_size)
+        attend = partial(
+            linear_attention, form=form, chunk_size=cfg.chunk_size, feature_map=cfg.feature_map
+        )
         grads = jax.grad(lambda q, k, v, f=attend: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))
         jobs[form] = (grads, args)
     out = best_times(jobs, cfg.repeats)
@@ -220,7 +232,7 @@ def decode_vs_context(cfg: Config, contexts) -> dict:
 
     def linear_decode(state, q_t, k_t, v_t):
         def one(state, x):
-            out, state = linear_attention_step(state, *x)
+            out, state = linear_attention_step(state, *x, feature_map=cfg.feature_map)
             return state, out
 
         return jax.lax.scan(one, state, (q_t, k_t, v_t))
@@ -235,12 +247,15 @@ def decode_vs_context(cfg: Config, contexts) -> dict:
 
         return jax.lax.scan(one, None, q_t)[1]
 
-    prefill = jax.jit(partial(linear_attention, form="chunkwise", return_state=True))
+    prefill = jax.jit(
+        partial(linear_attention, form="chunkwise", return_state=True, feature_map=cfg.feature_map)
+    )
     linear, softmax = {}, {}
     for L in contexts:
         q, k, v = inputs(cfg, L, seed=2)
         # The state after a real prefill of L tokens (its size does not depend on L).
-        state = prefill(q, k, v)[1] if L else init_linear_state(B, N, H, H)
+        F = linear_feature_dim(cfg.feature_map, H)
+        state = prefill(q, k, v)[1] if L else init_linear_state(B, N, F, H)
         k_cache, v_cache = (jnp.asarray(x.transpose(0, 2, 1, 3)) for x in (k, v))
         jobs = {
             "linear": (linear_decode, (state, q_t, k_t, v_t)),
@@ -336,7 +351,8 @@ def markdown(result: dict) -> str:
         f"# Linear attention on CPU ({result['env']['devices']})",
         "",
         f"Forward time in ms, B={cfg['batch']}, N={cfg['heads']}, H=E={cfg['head_dim']}, causal, "
-        f"float32, elu1, chunk {cfg['chunk_size']}; softmax = {forms['softmax_impl']}. "
+        f"float32, {cfg['feature_map']}, chunk {cfg['chunk_size']}; "
+        f"softmax = {forms['softmax_impl']}. "
         "Best of at least 3 runs after warm-up (more for short runs). "
         f"{result['env']['cpu_count']} CPU cores; 1-minute load average "
         f"{result['env']['load_average_at_start'][0]:.1f} at start, "
