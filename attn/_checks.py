@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 
 def fail(arg: str, expected: str, got: object) -> None:
@@ -48,10 +49,21 @@ def qkv_dims(q, k, v) -> Dims:
     return Dims(B, T, S, N, K, N // K, H, v.shape[3])
 
 
-def positions(x, name: str, batch: int, length: int):
-    """Returns integer positions ``[B,L]`` from ``None`` (arange), ``[L]`` or ``[B,L]``."""
+def default_positions(length: int, offset: int = 0) -> np.ndarray:
+    """``arange(length) + offset``: the positions an implementation assumes when none are given.
+
+    Keys default to ``arange(S)`` and queries to the last T of them,
+    ``arange(T) + S - T`` (bottom-right alignment), so a decode step or a
+    prefill chunk attends like the last rows of the full pass.
+    """
+    return np.arange(length, dtype=np.int64) + offset
+
+
+def positions(x, name: str, batch: int, length: int, offset: int = 0):
+    """Integer positions ``[B,L]`` from ``[L]``, ``[B,L]`` or ``None`` (``arange(L) + offset``)."""
     if x is None:
-        return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        x = default_positions(length, offset).astype(np.int32)
+        return jnp.broadcast_to(jnp.asarray(x), (batch, length))
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         fail(name, "integer positions", f"dtype {x.dtype}")

@@ -33,12 +33,13 @@ from __future__ import annotations
 import functools
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attn._checks import fail
+from attn._checks import default_positions, fail
 from attn.dense import MASKED, check_call, visible
 from attn.masks import BlockKind, Mask
 from attn.merge import merge_unnormalized
@@ -157,7 +158,8 @@ def blockwise_attention(
       softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
         denominator without contributing a value.
-      q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T)``.
+      q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T) + S - T`` (the
+        last T key positions; see ``attn.dot_product_attention``).
       kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
       q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints (both or neither);
         queries see only keys with the same id.
@@ -310,7 +312,11 @@ def _tiles(st: _Static, q, k, v):
     q = _pad_rows(_scaled(q, st.scale), T, st.block_q, "constant")
     q = q.reshape(B, -1, st.block_q, K, G, H).transpose(0, 3, 1, 4, 2, 5)  # [B,K,nq,G,Cq,H]
     q = q.reshape(B * K, -1, G * st.block_q, H)
-    return _group(st, q), _kv_tiles(st, k).swapaxes(-1, -2), _kv_tiles(st, v)
+    q, kT, v = _group(st, q), _kv_tiles(st, k).swapaxes(-1, -2), _kv_tiles(st, v)
+    chex.assert_shape(q, (None, st.heads, G * st.block_q, H))
+    chex.assert_shape(kT, (None, st.heads, H, st.block_k))
+    chex.assert_equal_shape_prefix([kT, v], 2)
+    return q, kT, v
 
 
 def _scaled(q, scale: float):
@@ -375,8 +381,9 @@ def _aux(st: _Static, c, raw) -> _Aux:
     if not any(isinstance(x, jax.core.Tracer) for x in raw):
         # Known when tracing (default arange positions, or concrete arrays): a NumPy schedule.
         xp, values = np, []
-        for x, (_, length, _) in zip(raw[: len(rows)], rows, strict=True):
-            x = np.arange(length) if x is None else np.asarray(x)
+        offsets = [st.S - st.T, 0, 0, 0][: len(rows)]  # default queries: the last T keys
+        for x, (_, length, _), offset in zip(raw[: len(rows)], rows, offsets, strict=True):
+            x = default_positions(length, offset) if x is None else np.asarray(x)
             values.append(np.broadcast_to(x, (st.B, length)).astype(np.int64))
     else:  # traced positions or segment ids: the schedule is decided at run time
         xp, values = jnp, [x for x, _, _ in rows]
@@ -642,6 +649,9 @@ def _flash_bwd(st, res, cts):
     q, kT, v, sink, aux, out, lse = res
     d_out, d_lse = cts
     dq, dkT, dv, dsink = _backward(st, q, kT, v, sink, aux, out, lse, d_out, d_lse)
+    chex.assert_equal_shape([dq, q])
+    chex.assert_equal_shape([dkT, kT])
+    chex.assert_equal_shape([dv, v])
     return dq, dkT, dv, dsink, None
 
 

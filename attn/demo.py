@@ -1,4 +1,4 @@
-"""A one-minute tour: the note's worked example and our attention against jax.nn.
+"""A one-minute tour: a worked example by hand, our attention against jax.nn, cache sizes.
 
 Run with ``python -m attn.demo``.
 """
@@ -14,11 +14,17 @@ from attn import masks
 
 
 def worked_example() -> None:
-    """The note's 3 tokens with d_k = 2 and Q = K."""
+    """Scaled dot-product attention (Vaswani et al., 2017) worked by hand.
+
+    Three tokens, d_k = 2, Q = K = [[1, 0], [0, 1], [1, 1]] (identity
+    projections), V = [[1, 0], [0, 1], [0.5, 0.5]]: the weights round to
+    [[0.40, 0.20, 0.40], [0.20, 0.40, 0.40], [0.25, 0.25, 0.50]] and token 1's
+    output is 0.4 [1, 0] + 0.2 [0, 1] + 0.4 [0.5, 0.5] = [0.6, 0.4].
+    """
     x = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])[None, :, None]
     v = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])[None, :, None]
     out, w = attn.dot_product_attention(x, x, v, return_weights=True)
-    print("The note's worked example (3 tokens, d_k = 2):")
+    print("A worked example (3 tokens, d_k = 2, Q = K):")
     print("weights =\n", np.round(np.asarray(w[0, 0], np.float64), 2))
     print("outputs =\n", np.round(np.asarray(out[0, :, 0], np.float64), 2))
 
@@ -48,7 +54,8 @@ def against_jax_nn() -> None:
 
 
 def cache_sizes() -> None:
-    """The note's KV-cache arithmetic for Llama 3 8B."""
+    """KV-cache arithmetic for Llama 3 8B (32 layers, 8 KV heads of dim 128; Llama Team,
+    "The Llama 3 Herd of Models", 2024): 128 KiB per fp16 token, 1 GiB per 8K request."""
     llama = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": jnp.float16}
     per_token = attn.kv_cache_bytes(**llama)
     request = attn.kv_cache_bytes(**llama, num_tokens=8192)

@@ -11,12 +11,13 @@ import functools
 import numbers
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
 from attn import _checks
 from attn._checks import fail
-from attn.masks import Mask, full
+from attn.masks import Full, Mask, full
 
 # Masked logits are set to a large finite negative number rather than -inf, so
 # no `-inf - -inf` ever reaches exp() and gradients stay finite.
@@ -71,6 +72,23 @@ def check_call(
     """Validates the arguments every softmax implementation shares."""
     d = _checks.qkv_dims(q, k, v)
     mask, scale, softcap = check_static(mask, scale, softcap)
+    if q_positions is None and d.T != d.S and not isinstance(mask, Full):
+        # The default queries are the last T key positions: that needs T <= S,
+        # and it means nothing against keys placed by explicit kv_positions.
+        if d.T > d.S:
+            fail(
+                "q_positions",
+                f"explicit positions for T={d.T} queries over S={d.S} keys (T > S) with mask "
+                f"{mask!r}: by default the queries are the last T key positions",
+                None,
+            )
+        if kv_positions is not None:
+            fail(
+                "q_positions",
+                f"explicit positions with kv_positions and T={d.T} != S={d.S} under mask "
+                f"{mask!r} (the default, the last T key indices, ignores kv_positions)",
+                None,
+            )
     scale = d.H**-0.5 if scale is None else scale
     if sink_logits is not None:
         sink_logits = jnp.asarray(sink_logits)
@@ -83,7 +101,7 @@ def check_call(
         scale=scale,
         softcap=softcap,
         sink_logits=sink_logits,
-        q_positions=_checks.positions(q_positions, "q_positions", d.B, d.T),
+        q_positions=_checks.positions(q_positions, "q_positions", d.B, d.T, offset=d.S - d.T),
         kv_positions=_checks.positions(kv_positions, "kv_positions", d.B, d.S),
         q_segment_ids=_checks.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
         kv_segment_ids=_checks.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),
@@ -145,7 +163,10 @@ def dot_product_attention(
       softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
         denominator without contributing a value (gpt-oss style sinks).
-      q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T)``.
+      q_positions: ``[T]`` or ``[B,T]`` ints. Default ``arange(T) + S - T``: the
+        queries are the last T of the keys (bottom-right alignment, so a decode
+        step or a prefill chunk is right without positions). With T > S, or
+        with ``kv_positions`` and T != S, a mask other than ``full()`` needs them.
       kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
       q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints; queries see only
         keys with the same id (packing and padding).
@@ -213,6 +234,7 @@ def _dense(
     B, T, S, N, K, G, H, E = c.dims
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    chex.assert_shape(s, (B, K, G, T, S))
     s = shape_logits(s, c.scale, c.softcap)
     if bias is not None:
         s = s + _grouped_bias(bias, c.dims)
@@ -232,6 +254,7 @@ def _dense(
     w = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("BKGTS,BSKE->BTKGE", w, v.astype(jnp.float32))
     out = out.reshape(B, T, N, E).astype(q.dtype)
+    chex.assert_shape(w, (B, K, G, T, S))
 
     extras = []
     if return_weights:

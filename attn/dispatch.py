@@ -42,9 +42,11 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         ``return_weights``, and accepts ``block_q``/``block_k``); ``"xla"`` or ``"cudnn"``
         (``jax.nn.dot_product_attention``, only where its semantics equal ours:
         no sinks, soft-cap, segment ids or explicit positions, and causal or
-        window masks only with T == S); ``"auto"`` picks the fastest correct one
-        for the platform (on CPU: blockwise where it measured faster than dense, from
-        T = 128 on; see ``BLOCKWISE_MIN_T``).
+        window masks only with T == S, since jax.nn aligns them to the top-left
+        corner while our default queries are the last T key positions);
+        ``"auto"`` picks the fastest correct one for the platform (on CPU:
+        blockwise where it measured faster than dense, from T = 128 on; see
+        ``BLOCKWISE_MIN_T``).
       **kwargs: the keyword arguments of ``attn.dot_product_attention``.
 
     Returns:
@@ -103,9 +105,12 @@ def _jax_nn_reason(q, k, v, kwargs) -> str | None:
         return "return_weights/return_lse"
     if _window_args(kwargs.get("mask")) is None:
         return f"mask {kwargs.get('mask')!r} (jax.nn has full, causal and band masks only)"
-    causal, _ = _window_args(kwargs.get("mask"))
-    if causal and q.shape[1] != k.shape[1]:
-        return "a causal mask with T != S (jax.nn aligns it to the top-left corner)"
+    causal, window = _window_args(kwargs.get("mask"))
+    if (causal or window is not None) and q.shape[1] != k.shape[1]:
+        return (
+            "a causal or banded mask with T != S (jax.nn aligns it to the top-left corner; "
+            "ours puts the T queries at the last T key positions)"
+        )
     return None
 
 

@@ -69,6 +69,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -516,6 +517,9 @@ def _chunkwise(q, k, v, log_a, kv0, z0, phi, chunk_size: int):
             kv0 = jnp.zeros((B, K, G, F, E), jnp.float32)
             z0 = jnp.zeros((B, K, G, F), jnp.float32)
         num_in, den_in, (kv, z) = _chunk_inputs_decayed(qf, kf, v, log_a, weights, kv0, z0)
+    chex.assert_equal_shape([num, num_in])
+    chex.assert_equal_shape([den, den_in])
+    chex.assert_shape([kv, z], [(B, K, G, F, E), (B, K, G, F)])
     num = (num + num_in).transpose(1, 0, 4, 2, 3, 5).reshape(B, n * C, K, G, E)
     den = (den + den_in).transpose(1, 0, 4, 2, 3).reshape(B, n * C, K, G)
     return num[:, :T], den[:, :T], (kv, z)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import chex
 import jax.numpy as jnp
 
 from attn._checks import fail
@@ -40,6 +41,9 @@ def merge_unnormalized(m_a, l_a, acc_a, m_b, l_b, acc_b):
     Returns:
       ``(m, l, acc)`` of the union of the two key sets, same shapes.
     """
+    chex.assert_equal_shape([m_a, l_a, m_b, l_b])
+    chex.assert_equal_shape([acc_a, acc_b])
+    chex.assert_equal_shape_prefix([m_a, acc_a], m_a.ndim)
     m = jnp.maximum(m_a, m_b)
     # Where both parts are empty (m = -inf) any finite reference works: l is 0.
     ref = jnp.where(jnp.isneginf(m), 0.0, m)

@@ -33,7 +33,7 @@ slow some runs, for seconds to minutes at a time (the same run measured 0.59 s
 and 0.75 s half an hour apart here). So after the sweep, every run that took at
 most ``ROUND_SECONDS`` is measured again in ``rounds - 1`` more interleaved
 passes and keeps its best time; ratios of short runs then compare best against
-best. Running under ``nice -n -15`` helps too. The issue's CPU targets are
+best. Running under ``nice -n -15`` helps too. The CPU targets (``targets``) are
 checked at the end of the table.
 
 Writes ``bench/results/attention-<platform>.json``, ``.md`` (a table) and
@@ -100,7 +100,7 @@ MATERIALIZED_ARRAYS = {
     ("xla", "fwd+bwd"): 5.5,
     ("dense", "fwd+bwd"): 8.0,
 }
-# The configurations the issue's targets are about: measured whatever their
+# The configurations the CPU targets are about: measured whatever their
 # projected time (T = 65536 forward + backward takes minutes on 2 cores).
 ALWAYS_MEASURED = {("blockwise", "causal", "fwd+bwd", 65536)}
 MATMUL_SIZE = 4096
@@ -495,7 +495,7 @@ def _ratio(rows, a: str, b: str, **key) -> str:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's CPU targets (causal, f32, B=1, N=8, H=64), checked on this run."""
+    """The CPU targets (causal, f32, B=1, N=8, H=64), checked on this run."""
     rows = result["rows"]
 
     def get(impl, mode, T, key="seconds"):
@@ -687,7 +687,7 @@ def main(cfg: Config) -> dict:
         "rows": rows,
         "wall_seconds": time.perf_counter() - started,
     }
-    # The issue's targets are for float32 on a CPU.
+    # The targets are for float32 on a CPU.
     result["targets"] = targets(result) if (platform, cfg.dtype) == ("cpu", "float32") else []
     write_report(result, cfg.out_dir, name, markdown, plot)
     return result

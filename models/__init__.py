@@ -28,6 +28,7 @@ from models.cache import (
     LatentCache,
     bookkeeping_bytes,
     cache_bytes,
+    cache_overflow,
     latent_cache_bytes,
     linear_state_bytes,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "SelfAttention",
     "bookkeeping_bytes",
     "cache_bytes",
+    "cache_overflow",
     "generate",
     "latent_cache_bytes",
     "linear_state_bytes",

@@ -45,12 +45,16 @@ class KVCache:
       pos: ``[B,S]`` int32 absolute position of each slot's token, ``EMPTY`` if none.
       pinned: slots ``[0, pinned)`` hold positions ``[0, pinned)`` forever (sinks);
         the other ``S - pinned`` are a ring buffer. Static.
+      ring: True for a window layer's ring buffer, which never fills; False for
+        a full cache, which holds positions ``[0, S)`` and refuses more (see
+        ``cache_overflow``). Static.
     """
 
     k: jax.Array
     v: jax.Array
     pos: jax.Array
     pinned: int = struct.field(pytree_node=False, default=0)
+    ring: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -61,13 +65,14 @@ class LatentCache:
       c_kv: ``[B,S,R]`` compressed keys/values (after the latent norm).
       k_rope: ``[B,S,Hr]`` decoupled RoPE key shared by all heads (rotated).
       pos: ``[B,S]`` int32 positions, ``EMPTY`` if none.
-      pinned: as in ``KVCache``. Static.
+      pinned, ring: as in ``KVCache``. Static.
     """
 
     c_kv: jax.Array
     k_rope: jax.Array
     pos: jax.Array
     pinned: int = struct.field(pytree_node=False, default=0)
+    ring: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -97,6 +102,49 @@ class DecodeCache:
     layers: tuple
     lengths: jax.Array
     cross: tuple = ()
+
+
+# ----------------------------------------------------------------------------
+# Room left
+
+
+def cache_overflow(cache: DecodeCache, count):
+    """Rows whose next ``count`` tokens do not fit a full (non-ring) layer cache.
+
+    A full cache holds positions ``[0, S)``, one slot each. Writing past it
+    would cycle through the slots and silently turn full attention into a
+    window of S, so it is an error: with concrete lengths this raises; under a
+    trace it returns the rows that overflow, whose logits the caller makes NaN.
+
+    Args:
+      cache: the ``DecodeCache`` before the new tokens.
+      count: ``[B]`` or a Python int, new real tokens per row.
+
+    Returns:
+      ``[B]`` bool (True: overflows), or None if no layer has a full cache.
+
+    Raises:
+      ValueError: concrete lengths that overflow.
+    """
+    sizes = [
+        layer.pos.shape[1]
+        for layer in cache.layers
+        if isinstance(layer, KVCache | LatentCache) and not layer.ring
+    ]
+    if not sizes:
+        return None
+    room = min(sizes)
+    end = cache.lengths + count  # [B] one past the last new position
+    try:
+        value = np.asarray(end)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return end > room
+    if (value > room).any():
+        raise ValueError(
+            f"cache: expected room for positions up to {int(value.max()) - 1}, got a full cache "
+            f"of {room} slots (positions 0..{room - 1}); make it with a larger max_len"
+        )
+    return end > room
 
 
 # ----------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.cache import DecodeCache
+from models.cache import DecodeCache, KVCache, LatentCache
 from models.transformer import _check_lengths, _check_tokens, _fail
 
 
@@ -43,8 +43,9 @@ def generate(
       eos_id: once a row emits it, the row's later tokens are ``eos_id``.
       prompt_lengths: ``[B]`` real prompt tokens per row (default T).
       cache: an empty ``DecodeCache`` to use; default ``model.init_cache(B, T +
-        max_new_tokens)``. It must hold at least ``T + max_new_tokens`` positions
-        for layers with a full cache.
+        max_new_tokens)``. Its full (non-window) layer caches must hold the
+        ``T + max_new_tokens - 1`` positions that are fed back (the last token
+        generated is not); a smaller one is a ``ValueError``.
 
     Returns:
       ``[B, max_new_tokens]`` int32 tokens.
@@ -77,6 +78,8 @@ def generate(
         lengths = jnp.full((B,), T, jnp.int32)
     if cache is None and hasattr(model, "encoder_blocks"):
         _fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
+    if cache is not None:
+        _check_room(cache, T + int(max_new_tokens) - 1)
     key = jax.random.PRNGKey(0) if key is None else key
     graphdef, state = nnx.split(model)
     # Only shapes are static: sampling options are traced, so greedy, sampled
@@ -96,6 +99,21 @@ def generate(
 
 
 NO_EOS = -1  # never a token id
+
+
+def _check_room(cache, needed: int):
+    """Shapes are static here, so a full layer cache too small for the run is refused now."""
+    if not isinstance(cache, DecodeCache):
+        _fail("cache", "a DecodeCache (see model.init_cache)", type(cache).__name__)
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, KVCache | LatentCache) and not layer.ring:
+            slots = layer.pos.shape[1]
+            if slots < needed:
+                _fail(
+                    "cache",
+                    f"full layer caches of at least {needed} slots (prompt + max_new_tokens - 1)",
+                    f"{slots} slots in layer {i}",
+                )
 
 
 def _sample(logits, key, temperature, top_k):

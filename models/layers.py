@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -162,6 +163,8 @@ class SelfAttention(_Softmax):
                 attn.apply_rope, positions=positions, base=cfg.rope_base, rotary_dim=cfg.rotary_dim
             )
             q, k = rope(q), rope(k)
+        chex.assert_shape(q, (B, T, cfg.num_heads, cfg.head_dim))
+        chex.assert_equal_shape([k, v])
         return q, k, v
 
     def _output(self, out, head_gates):
@@ -213,6 +216,7 @@ class SelfAttention(_Softmax):
             v=jnp.zeros(shape, self.dtype),
             pos=jnp.full((batch, S), EMPTY, jnp.int32),
             pinned=pinned,
+            ring=max_len > S,  # a window's ring buffer; else one slot per position
         )
 
     def extend(self, x, cache: KVCache, start, lengths=None, *, head_gates=None):
@@ -255,7 +259,9 @@ class SelfAttention(_Softmax):
             capture=False,
             **self._cached_kwargs(positions, kv_pos),
         )
-        return self._output(out, head_gates), KVCache(new_k, new_v, new_pos, pinned=cache.pinned)
+        return self._output(out, head_gates), KVCache(
+            new_k, new_v, new_pos, pinned=cache.pinned, ring=cache.ring
+        )
 
 
 class LatentAttention(_Softmax):
@@ -350,6 +356,7 @@ class LatentAttention(_Softmax):
         q = jnp.concatenate([q_latent, q_rope], -1)  # [B,T,N,R+Hr]
         k = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]  # [B,S,1,R+Hr]: one kv head
         v = c_kv[:, :, None]  # [B,S,1,R]
+        chex.assert_equal_shape_suffix([q, k], 1)  # the query scores the latent key directly
         out_latent, w = self._attend(
             q, k, v, impl=impl, capture=capture, scale=self.scale, **kwargs
         )
@@ -399,6 +406,7 @@ class LatentAttention(_Softmax):
             k_rope=jnp.zeros((batch, S, cfg.rope_head_dim), self.dtype),
             pos=jnp.full((batch, S), EMPTY, jnp.int32),
             pinned=pinned,
+            ring=max_len > S,
         )
 
     def extend(self, x, cache: LatentCache, start, lengths=None, *, head_gates=None):
@@ -432,7 +440,7 @@ class LatentAttention(_Softmax):
             **self._cached_kwargs(positions, kv_pos),
         )
         return self._output(out, head_gates), LatentCache(
-            new_c, new_r, new_pos, pinned=cache.pinned
+            new_c, new_r, new_pos, pinned=cache.pinned, ring=cache.ring
         )
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from attn import masks
-from models.cache import DecodeCache
+from models.cache import DecodeCache, cache_overflow
 from models.config import AttentionConfig, ModelConfig
 from models.layers import Block
 
@@ -180,6 +180,11 @@ class _LM(nnx.Module):
         Returns:
           ``(logits [B,T,V] float32, cache)``; row b's next position is its old one
           plus ``lengths[b]``. Logits at padding are meaningless.
+
+        Raises:
+          ValueError: the tokens do not fit a full (non-window) layer cache and the
+            lengths are concrete. Under ``jit`` the overflowing rows' logits are NaN
+            instead (see ``models.cache.cache_overflow``).
         """
         tokens = _check_tokens(tokens)
         B, T = tokens.shape
@@ -188,6 +193,8 @@ class _LM(nnx.Module):
         if self.blocks[0].cross is not None and not cache.cross:
             _fail("cache", "a cache holding the source (init_cache(..., src=...))", "no cross K/V")
         lengths = _check_lengths(lengths, B, T)
+        count = T if lengths is None else lengths
+        overflow = cache_overflow(cache, count)  # raises when the lengths are concrete
         x = self.embed(tokens)
         start = cache.lengths
         memory = cache.cross or (None,) * len(self.blocks)
@@ -198,8 +205,10 @@ class _LM(nnx.Module):
         ):
             x, layer_cache = block.extend(x, layer_cache, start, lengths, memory=mem, head_gates=g)
             layers.append(layer_cache)
-        count = T if lengths is None else lengths
-        return self._logits(x), DecodeCache(tuple(layers), start + count, cache.cross)
+        logits = self._logits(x)
+        if overflow is not None:  # under a trace: rows past a full cache get NaN logits
+            logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
+        return logits, DecodeCache(tuple(layers), start + count, cache.cross)
 
     def decode_step(self, token, cache: DecodeCache, *, head_gates=None):
         """One token per row at the row's next position.
@@ -279,9 +288,10 @@ class Decoder(_LM):
     def init_cache(self, batch: int, max_len: int) -> DecodeCache:
         """An empty ``DecodeCache`` for ``batch`` rows of up to ``max_len`` tokens.
 
-        Full caches hold ``max_len`` slots (positions past it would wrap around,
-        like a window of ``max_len``); window layers hold ``sinks + window`` slots
-        whatever ``max_len``; linear layers a constant state.
+        Full caches hold ``max_len`` slots, one per position: going past them
+        raises (concrete lengths) or gives NaN logits (under ``jit``). Window
+        layers hold ``sinks + window`` slots whatever ``max_len``; linear layers a
+        constant state.
         """
         return self._empty_cache(batch, max_len)
 

@@ -1,4 +1,4 @@
-"""The dense reference: the note's worked example and claims, oracles, masking, bad input."""
+"""The dense reference: a worked example by hand, oracles, masking, bad input."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ TOL = 1e-5  # float32, simple function
 
 
 def seed_example():
-    """The note's 3-token example: Q = K, d_k = 2."""
+    """Three tokens, d_k = 2, Q = K (identity projections): small enough to do by hand."""
     x = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     v = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]])
     return x[None, :, None], x[None, :, None], v[None, :, None]
@@ -27,7 +27,7 @@ def test_seed_worked_example():
     np.testing.assert_array_equal(
         np.round(np.asarray(out[0, :, 0], np.float64), 2), [[0.6, 0.4], [0.4, 0.6], [0.5, 0.5]]
     )
-    # The scaled scores of the note: 1/sqrt(2) = 0.71 and 2/sqrt(2) = 1.41.
+    # The scaled scores by hand: 1/sqrt(2) = 0.71 and 2/sqrt(2) = 1.41.
     s = np.asarray(q[0, :, 0] @ k[0, :, 0].T, np.float64) / np.sqrt(2)
     np.testing.assert_array_equal(
         np.round(s, 2), [[0.71, 0, 0.71], [0, 0.71, 0.71], [0.71, 0.71, 1.41]]

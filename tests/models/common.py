@@ -35,7 +35,7 @@ REGISTRY["linear_favor"] = dataclasses.replace(
 REGISTRY["window_sinks_blockwise"] = dataclasses.replace(REGISTRY["window_sinks"], impl="blockwise")
 REGISTRY["gqa_blockwise"] = dataclasses.replace(REGISTRY["gqa"], impl="blockwise")
 
-# One decoder per kind the issue names; the hybrid mixes all three cache kinds.
+# One decoder per attention kind; the hybrid mixes all three cache kinds.
 KINDS = {
     "mha": ("mha", "mha"),
     "gqa": ("gqa", "gqa_softcap_sinks"),

@@ -1,6 +1,6 @@
 """Prefill + decode gives the full forward pass's logits, for every cache kind.
 
-The invariant of the design: for each kind, logits from prefilling a prompt
+The decoding invariant: for each kind, logits from prefilling a prompt
 (in chunks, rows of different lengths, padding in between) and then decoding
 one token at a time equal the logits of one teacher-forced forward pass over
 the same tokens (float32, relative error <= 1e-4).
@@ -319,3 +319,39 @@ def test_decode_errors():
     with pytest.raises(ValueError, match="tokens"):
         model.prefill(jnp.zeros((B, 3)), cache)
     assert config_for(("mha",)).layers[0] == models.PRESETS["mha"]
+
+
+def test_a_full_cache_refuses_positions_past_max_len():
+    """A full cache never silently becomes a window: concrete lengths raise..."""
+    model = model_for(KINDS["hybrid"])  # linear state, MLA latent cache, window ring
+    cache = init_cache(model)
+    _, cache = extend(model, tokens(1, (B, MAX_LEN)), cache, jnp.array([MAX_LEN, 10]))
+    with pytest.raises(ValueError, match=rf"cache: .*full cache of {MAX_LEN} slots"):
+        model.decode_step(tokens(2, (B,)), cache)
+    with pytest.raises(ValueError, match=r"cache: .*up to 16"):
+        model.prefill(tokens(3, (B, MAX_LEN + 1)), init_cache(model))
+    # A window layer whose ring would be longer than max_len gets a plain full cache.
+    window = model_for(WINDOW_SINKS)
+    small = window.init_cache(B, 4)
+    assert not small.layers[0].ring and window.init_cache(B, 10_000).layers[0].ring
+    with pytest.raises(ValueError, match="full cache of 4 slots"):
+        window.prefill(tokens(4, (B, 5)), small)
+
+
+def test_a_full_cache_overflowing_under_jit_gives_nan_logits():
+    """...and under jit the rows that overflow get NaN logits, the others are untouched."""
+    model = model_for(KINDS["hybrid"])
+    seq = tokens(1, (B, MAX_LEN))
+    _, cache = extend(model, seq, init_cache(model), jnp.array([MAX_LEN, 10]))
+    logits, cache = extend(model, seq[:, :1], cache)
+    assert bool(jnp.all(jnp.isnan(logits[0]))), "row 0 is past the cache"
+    assert bool(jnp.all(jnp.isfinite(logits[1])))
+    full = forward(model, jnp.concatenate([seq[1:, :10], seq[1:, :1]], 1))
+    assert rel_err(logits[1, 0], full[0, 10]) <= RTOL
+
+
+def test_generate_checks_the_cache_it_is_given():
+    model = model_for(KINDS["mha"])
+    prompt = tokens(7, (B, 8))
+    with pytest.raises(ValueError, match=r"cache: .*at least 15 slots.*got 10 slots"):
+        models.generate(model, prompt, 8, cache=model.init_cache(B, 10))

@@ -274,8 +274,24 @@ def test_untied_head_and_bf16():
     logits = forward(model, tokens(42, (B, 6)))
     assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()
     f32 = model_for(("mqa", "linear"), tied_embeddings=False)
-    # Same parameters (same seed), bf16 activations: close to float32.
-    assert rel_err(logits, forward(f32, tokens(42, (B, 6)))) <= 5e-2
+    # Same float32 parameters (same seed); only the compute dtype differs.
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(model, nnx.Param)),
+        jax.tree.leaves(nnx.state(f32, nnx.Param)),
+        strict=True,
+    ):
+        assert a.dtype == jnp.float32 and np.array_equal(a, b)
+    # The float32 model (highest matmul precision) stands in for a float64
+    # reference: measured 3.9e-7 from a float64 forward of the same weights.
+    # The bf16 model is 9.5e-3 from float64 (and from float32) here; 9.7e-3 on
+    # average and 1.4e-2 at most (jitted, as here) over 4 model seeds x 4 token
+    # draws. The error is bf16's own rounding, not a missing upcast (norm,
+    # softmax, rope, linear-attention and head statistics are float32): the
+    # weights rounded to bf16 for the matmuls alone give 6.5e-3 (float32
+    # compute), the bf16 activations alone 7.6e-3, adding up in quadrature over
+    # ~20 roundings in two layers. The lower bound checks that it computes in bf16.
+    err = rel_err(logits, forward(f32, tokens(42, (B, 6))))
+    assert 1e-3 < err <= 1.5e-2
 
 
 def test_decoder_packing_and_positions():
