@@ -72,9 +72,11 @@ class Mask:
         xp = _xp(q_lo, q_hi, k_lo, k_hi)
         nonempty, full = self._bounds(xp, q_lo, q_hi, k_lo, k_hi)
         kind = _kind(xp, nonempty, full)
-        if xp is np and np.ndim(kind) == 0:
+        # Some masks ignore some bounds (full() all of them): broadcast to all four.
+        shape = np.broadcast_shapes(*(np.shape(x) for x in (q_lo, q_hi, k_lo, k_hi)))
+        if xp is np and shape == ():
             return BlockKind(int(kind))
-        return kind
+        return xp.broadcast_to(xp.asarray(kind, xp.int32), shape)
 
     def _allowed(self, xp, q, k):
         raise NotImplementedError  # abstract: every concrete mask defines it

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,8 +248,7 @@ def test_forms_agree_forward_and_gradients(case):
         for i in used:
             assert_trees_rel_close(grads[i], want_grads[i], what=f"{form} grad of arg {i}")
     for form in FORMS:
-        for g in jax.tree.leaves(results[form][1]):
-            assert bool(jnp.all(jnp.isfinite(g))), form
+        chex.assert_tree_all_finite(results[form][1])
 
     want_out, (want_kv, want_z) = np_reference(
         q,
@@ -427,8 +427,8 @@ def test_feature_maps_exported():
     x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, H)
     names = ("identity", "elu1", "relu", "taylor")
     features = jit(lambda x: [FEATURE_MAPS[name](x) for name in names])(x)
-    for name, got in zip(names, features, strict=True):
-        np.testing.assert_allclose(got, np_features(name, x.astype(np.float64)), 1e-6)
+    want = [np_features(name, x.astype(np.float64)) for name in names]
+    chex.assert_trees_all_close(features, want, rtol=1e-6)
     # Taylor features give the second-order expansion of exp(q.k).
     qk = float(x[0] @ x[1])
     taylor_kernel = float(np.dot(features[-1][0], features[-1][1]))

@@ -164,3 +164,15 @@ def test_segment_ids_from_lengths():
     assert ids.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
     with pytest.raises(ValueError, match="lengths"):
         masks.segment_ids_from_lengths(jnp.ones((2, 2)), 4)
+
+
+def test_classify_broadcasts_over_all_four_bounds():
+    lo = jnp.arange(4)
+    assert masks.full().classify(lo, lo + 2, lo, lo + 1).shape == (4,)
+    kinds = masks.sinks(2).classify(lo[:, None], lo[:, None], lo[None, :], lo[None, :])
+    assert kinds.shape == (4, 4) and kinds.dtype == jnp.int32
+    assert (np.asarray(kinds) == np.where(np.arange(4) < 2, 1, 0)[None, :]).all()
+    np_kinds = masks.causal().classify(np.arange(4), np.arange(4), 0, 3)
+    assert np_kinds.dtype == np.int32 and np_kinds.tolist() == [2, 2, 2, 1]
+    assert masks.full().classify(np.arange(3), np.arange(3), 0, 3).tolist() == [1, 1, 1]
+    assert masks.causal().classify(0, 3, 4, 5) is masks.BlockKind.EMPTY

@@ -1,11 +1,14 @@
 """RoPE: relative positions in the score, norms preserved, both layouts."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 import attn
+from tests.chex_util import VariantTestCase
 from tests.util import normal, rel_err
 
 LAYOUTS = ["half", "interleaved"]
@@ -33,7 +36,7 @@ def test_norm_preserved_and_gradient_is_the_inverse_rotation(layout, rotary_dim)
     y = attn.apply_rope(x, pos, layout=layout, rotary_dim=rotary_dim)
     assert rel_err(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1)) <= 1e-6
     if rotary_dim:
-        np.testing.assert_array_equal(np.asarray(y[..., 8:]), np.asarray(x[..., 8:]))
+        chex.assert_trees_all_equal(y[..., 8:], x[..., 8:])
     # RoPE is a rotation R: d<R x, g>/dx = R^T g, the rotation by -position.
     g = normal(3, x.shape)
     grad = jax.grad(
@@ -55,7 +58,7 @@ def test_position_zero_is_identity_and_bfloat16_keeps_dtype():
     x = normal(5, (1, 3, 2, 8), jnp.bfloat16)
     y = attn.apply_rope(x, jnp.zeros(3, int))
     assert y.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(x, np.float32))
+    chex.assert_trees_all_equal(y, x, strict=True)  # same dtype, same values
 
 
 def test_matches_the_paper_formula():
@@ -83,3 +86,44 @@ def test_bad_input(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         attn.apply_rope(args.pop("x"), args.pop("positions"), **args)
+
+
+def np_rope(x, positions, *, base=10000.0, rotary_dim=None, layout="half"):
+    """Float64 RoPE: channel pairs (a, b) rotated by ``position * base ** (-2i / rotary_dim)``."""
+    x = np.asarray(x, np.float64)
+    R = rotary_dim or x.shape[-1]
+    angle = np.asarray(positions, np.float64)[..., None, None] * base ** (-np.arange(0, R, 2) / R)
+    if layout == "half":
+        ia, ib = np.arange(R // 2), np.arange(R // 2) + R // 2
+    else:
+        ia, ib = np.arange(0, R, 2), np.arange(1, R, 2)
+    a, b = x[..., ia], x[..., ib]
+    out = x.copy()
+    out[..., ia] = a * np.cos(angle) - b * np.sin(angle)
+    out[..., ib] = a * np.sin(angle) + b * np.cos(angle)
+    return out
+
+
+class RopeVariantsTest(VariantTestCase):
+    # Positions up to 64: float32 angles are then within ~1e-6 of exact.
+    POSITIONS = np.array([[0, 1, 2, 3, 31, 64], [64, 63, 7, 7, 5, 0]], np.int32)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("half", "half", None, 10000.0),
+        ("half_partial", "half", 6, 10000.0),
+        ("interleaved", "interleaved", None, 500000.0),  # Llama 3's base
+        ("interleaved_partial", "interleaved", 6, 10000.0),
+    )
+    def test_matches_numpy_rotation_and_gradient(self, layout, rotary_dim, base):
+        x, g = normal(40, (2, 6, 3, 10)), normal(41, (2, 6, 3, 10))
+        kw = dict(layout=layout, rotary_dim=rotary_dim, base=base)
+        rope = self.traced_variant(lambda x, pos: attn.apply_rope(x, pos, **kw))
+        want = np_rope(x, self.POSITIONS, **kw)
+        chex.assert_trees_all_close(rope(x, self.POSITIONS), want, rtol=1e-5, atol=1e-6)
+        # d<R x, g>/dx = R^T g: the rotation by minus the positions.
+        grad = self.traced_variant(
+            jax.grad(lambda x, pos: (attn.apply_rope(x, pos, **kw) * g).sum())
+        )
+        want_grad = np_rope(g, -self.POSITIONS, **kw)
+        chex.assert_trees_all_close(grad(x, self.POSITIONS), want_grad, rtol=1e-5, atol=1e-6)
