@@ -348,7 +348,7 @@ def markdown(result: dict) -> str:
     forms = result["forms"]
     s = forms["seconds"]
     lines = [
-        f"# Linear attention on CPU ({result['env']['devices']})",
+        f"# Linear attention on CPU ({result['env']['devices']}, jax {result['env']['jax']})",
         "",
         f"Forward time in ms, B={cfg['batch']}, N={cfg['heads']}, H=E={cfg['head_dim']}, causal, "
         f"float32, {cfg['feature_map']}, chunk {cfg['chunk_size']}; "

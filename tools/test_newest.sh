@@ -5,10 +5,12 @@
 # CI's pass/fail: CI installs the pinned versions.
 #
 #   tools/test_newest.sh                       # install the newest, test, show what moved
-#   tools/test_newest.sh --update-constraints  # ...and, if the suite passed, pin them
+#   tools/test_newest.sh --update-constraints  # ...minus requirements/holds.txt; pin if it passed
 #
-# The second form is how requirements/constraints.txt is regenerated: it only
-# rewrites the file after the whole suite passed with exactly those versions.
+# The second form is how requirements/constraints.txt is regenerated: it
+# resolves the newest versions except the releases held back in
+# requirements/holds.txt, and only rewrites the file after the whole suite
+# passed with exactly those versions.
 # Extra arguments after the flag go to pytest (e.g. `-- -x tests/attn`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,11 +27,14 @@ python3 -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 python -m pip install --quiet --upgrade pip
-python -m pip install --quiet --upgrade -e ".[test,dev]"
+holds=()
+[[ $update -eq 1 && -f requirements/holds.txt ]] && holds=(-c requirements/holds.txt)
+python -m pip install --quiet --upgrade "${holds[@]}" -e ".[test,dev]"
 freeze=$(mktemp)
 {
   echo "# The exact versions the test suite passed with (Python $(python -c 'import platform; print(platform.python_version(), platform.machine())'))."
   echo "# Regenerate: tools/test_newest.sh --update-constraints (rewrites this file only if the suite passes)."
+  echo "# Newest releases except those held back in requirements/holds.txt (which says why)."
   python -m pip freeze --exclude-editable | grep -v '^-e ' | sort -f
 } >"$freeze"
 
