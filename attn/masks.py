@@ -31,6 +31,7 @@ import dataclasses
 import enum
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,7 +56,16 @@ def _kind(xp, nonempty, full):
 
 
 class Mask:
-    """Base class of the mask algebra; subclasses are frozen dataclasses."""
+    """Base class of the mask algebra; subclasses are frozen dataclasses.
+
+    Every mask is a static pytree: it has no leaves and is its own (hashable)
+    aux data, so it passes through ``jax.jit``, ``vmap``, ``grad`` and
+    ``shard_map`` as an ordinary argument, and a new mask means a new trace.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_static(cls)
 
     def allowed(self, q_pos, k_pos):
         """Boolean ``[..., T, S]`` from positions ``[..., T]`` and ``[..., S]``."""

@@ -40,7 +40,10 @@ def apply_rope(
     if getattr(x, "ndim", None) != 4:
         fail("x", "a rank-4 array [B,T,N,H]", getattr(x, "shape", type(x).__name__))
     B, T, _, H = x.shape
-    rotary_dim = H if rotary_dim is None else rotary_dim
+    if rotary_dim is None:
+        if H % 2:  # the default rotates every channel, in pairs
+            fail("x", "an even head dim H (or pass an even rotary_dim < H)", f"H = {H}")
+        rotary_dim = H
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > H:
         fail("rotary_dim", f"an even int in [2, {H}]", repr(rotary_dim))
     if layout not in LAYOUTS:

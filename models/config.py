@@ -335,10 +335,13 @@ class ModelConfig:
         _positive_int(self.mlp_width, "mlp_width", allow_none=True)
         for field in ("layers", "encoder_layers"):
             value = getattr(self, field)
+            if isinstance(value, list | tuple):  # any sequence; stored as a tuple (hashable)
+                value = tuple(value)
+                object.__setattr__(self, field, value)
             if not isinstance(value, tuple) or not all(
                 isinstance(a, AttentionConfig) for a in value
             ):
-                _fail(field, "a tuple of AttentionConfig (see pattern())", value)
+                _fail(field, "a sequence of AttentionConfig (see pattern())", value)
         if not self.layers:
             _fail("layers", "at least one AttentionConfig", self.layers)
         _positive_float(self.norm_eps, "norm_eps")

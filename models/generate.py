@@ -50,7 +50,7 @@ def generate(
     Returns:
       ``[B, max_new_tokens]`` int32 tokens.
     """
-    prompt = _check_tokens(prompt, "prompt")
+    prompt = _check_tokens(prompt, "prompt", vocab=model.config.vocab_size)
     B, T = prompt.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         _fail("max_new_tokens", "a positive int", repr(max_new_tokens))

@@ -16,6 +16,8 @@ Rows may have different prompt lengths: row b continues at position
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,12 +41,20 @@ def _concrete(x):
         return None
 
 
-def _check_tokens(tokens, name: str = "tokens"):
+def _check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
+    """Integer ids ``[B,T]``; with ``vocab``, values in ``[0, vocab)`` when concrete.
+
+    Under a trace the values cannot be checked; ``_LM._embed`` then gives an
+    out-of-range id a NaN embedding, so its logits are NaN rather than plausible.
+    """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         _fail(name, "integer token ids of shape [B,T]", f"{tokens.dtype} {tokens.shape}")
     if tokens.shape[1] == 0:
         _fail(name, "at least one token per row", f"shape {tokens.shape}")
+    value = None if vocab is None else _concrete(tokens)
+    if value is not None and ((value < 0).any() or (value >= vocab).any()):
+        _fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
     return tokens
 
 
@@ -105,6 +115,12 @@ def _padding(tokens, lengths, segment_ids, layers, name="lengths"):
 
 class _LM(nnx.Module):
     """What the three models share: embeddings, output head, running a stack of blocks."""
+
+    def _embed(self, tokens):
+        """``[B,T]`` ids -> ``[B,T,D]``. Ids outside ``[0, V)`` (only possible under a
+        trace, where they are not checked) embed as NaN instead of wrapping around."""
+        tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens)
+        return self.embed(tokens)  # an id >= V gathers NaN (jnp.take's "fill" mode)
 
     def _init_embeddings(self, config: ModelConfig, rngs: nnx.Rngs):
         self.config = config
@@ -186,16 +202,25 @@ class _LM(nnx.Module):
             lengths are concrete. Under ``jit`` the overflowing rows' logits are NaN
             instead (see ``models.cache.cache_overflow``).
         """
-        tokens = _check_tokens(tokens)
+        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
         B, T = tokens.shape
         if not isinstance(cache, DecodeCache) or cache.lengths.shape != (B,):
             _fail("cache", f"a DecodeCache for batch {B} (see init_cache)", type(cache).__name__)
         if self.blocks[0].cross is not None and not cache.cross:
             _fail("cache", "a cache holding the source (init_cache(..., src=...))", "no cross K/V")
         lengths = _check_lengths(lengths, B, T)
+        cache_overflow(cache, T if lengths is None else lengths)  # raises when concrete
+        # Jitted at the boundary: eager calls compile once per shape instead of
+        # dispatching op by op; inside a caller's jit it is inlined.
+        graphdef, state = nnx.split(self)
+        return _jit_prefill(graphdef, state, tokens, cache, lengths, head_gates)
+
+    def _prefill(self, tokens, cache: DecodeCache, lengths, head_gates):
+        """``prefill`` after its checks, traced."""
+        T = tokens.shape[1]
         count = T if lengths is None else lengths
-        overflow = cache_overflow(cache, count)  # raises when the lengths are concrete
-        x = self.embed(tokens)
+        overflow = cache_overflow(cache, count)  # [B] rows past a full cache, or None
+        x = self._embed(tokens)
         start = cache.lengths
         memory = cache.cross or (None,) * len(self.blocks)
         layers = []
@@ -228,6 +253,11 @@ class _LM(nnx.Module):
             _fail("token", "shape [B] or [B, 1]", token.shape)
         logits, cache = self.prefill(token, cache, head_gates=head_gates)
         return logits[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _jit_prefill(graphdef, state, tokens, cache, lengths, head_gates):
+    return nnx.merge(graphdef, state)._prefill(tokens, cache, lengths, head_gates)
 
 
 class Decoder(_LM):
@@ -267,7 +297,7 @@ class Decoder(_LM):
           tuple of L entries: ``[B,N,T,T]`` float32 for softmax/MLA layers, None for
           linear ones.
         """
-        tokens = _check_tokens(tokens)
+        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
         segment_ids, _ = _padding(tokens, None, segment_ids, self.config.layers)
         if positions is not None:
             positions = jnp.asarray(positions)
@@ -275,7 +305,7 @@ class Decoder(_LM):
                 _fail("positions", f"shape {tokens.shape}", positions.shape)
         x, weights, _ = self._run(
             self.blocks,
-            self.embed(tokens),
+            self._embed(tokens),
             self.config.layers,
             head_gates=head_gates,
             capture_weights=capture_weights,
@@ -318,11 +348,11 @@ class Encoder(_LM):
 
         Returns ``(hidden, weights)``.
         """
-        tokens = _check_tokens(tokens)
+        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
         segment_ids, valid = _padding(tokens, lengths, segment_ids, self.config.layers)
         x, weights, _ = self._run(
             self.blocks,
-            self.embed(tokens),
+            self._embed(tokens),
             self.config.layers,
             head_gates=head_gates,
             capture_weights=capture_weights,
@@ -384,13 +414,13 @@ class EncoderDecoder(_LM):
     def encode(self, src, *, src_lengths=None, capture_weights=False):
         """Encoder output ``[B,S,D]``, source segment ids ``[B,S]`` (1 real, 0 padding)
         and the encoder's weights."""
-        src = _check_tokens(src, "src")
+        src = _check_tokens(src, "src", vocab=self.config.vocab_size)
         B, S = src.shape
         src_lengths = _check_lengths(src_lengths, B, S, "src_lengths")
         seg, valid = _padding(src, src_lengths, None, self.config.encoder_layers, "src_lengths")
         x, weights, _ = self._run(
             self.encoder_blocks,
-            self.embed(src),
+            self._embed(src),
             self.config.encoder_layers,
             head_gates=None,
             capture_weights=capture_weights,
@@ -419,10 +449,10 @@ class EncoderDecoder(_LM):
         memory, seg, enc_w = self.encode(
             src, src_lengths=src_lengths, capture_weights=capture_weights
         )
-        tgt = _check_tokens(tgt, "tgt")
+        tgt = _check_tokens(tgt, "tgt", vocab=self.config.vocab_size)
         if tgt.shape[0] != memory.shape[0]:
             _fail("tgt", f"batch {memory.shape[0]} like src", tgt.shape)
-        x = self.embed(tgt)
+        x = self._embed(tgt)
         gates = _layer_gates(head_gates, self.config.layers)
         dec_w, cross_w = [], []
         for block, mem, g in zip(self.blocks, self._memories(memory, seg), gates, strict=True):
@@ -442,7 +472,7 @@ class EncoderDecoder(_LM):
           max_len: target tokens to decode (prompt + generated).
           src: ``[B,S]`` ints; src_lengths: ``[B]`` or None.
         """
-        src = _check_tokens(src, "src")
+        src = _check_tokens(src, "src", vocab=self.config.vocab_size)
         if src.shape[0] != batch:
             _fail("src", f"batch {batch}", src.shape)
         memory, seg, _ = self.encode(src, src_lengths=src_lengths)

@@ -2,13 +2,16 @@
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import attn
 from attn import masks
 from attn.masks import BlockKind
+from tests.util import qkv, rel_err
 
 # Masks whose classification is exact on contiguous boxes (primitives).
 PRIMITIVES = {
@@ -176,3 +179,41 @@ def test_classify_broadcasts_over_all_four_bounds():
     assert np_kinds.dtype == np.int32 and np_kinds.tolist() == [2, 2, 2, 1]
     assert masks.full().classify(np.arange(3), np.arange(3), 0, 3).tolist() == [1, 1, 1]
     assert masks.causal().classify(0, 3, 4, 5) is masks.BlockKind.EMPTY
+
+
+def test_masks_are_static_pytrees_through_jax_transforms():
+    q, k, v = qkv(11, B=2, T=6, N=2, H=4)
+    mask = masks.causal() & (masks.sliding_window(3) | masks.sinks(1))
+    assert jax.tree.leaves(mask) == []
+    want = attn.dot_product_attention(q, k, v, mask=mask)
+    # jit with the mask as an argument: no static_argnames needed; equal masks share a trace.
+    traces = []
+
+    def f(q, k, v, mask):
+        traces.append(mask)
+        return attn.attention(q, k, v, mask=mask)
+
+    jitted = jax.jit(f)
+    assert rel_err(jitted(q, k, v, mask), want) <= 1e-6
+    jitted(q, k, v, masks.causal() & (masks.sliding_window(3) | masks.sinks(1)))
+    assert len(traces) == 1
+    assert rel_err(jax.jit(attn.attention)(q, k, v, mask=mask), want) <= 1e-6
+    # vmap over the batch with the mask unmapped, grad with the mask as an argument.
+    per_row = jax.vmap(
+        lambda q, k, v, m: attn.dot_product_attention(q[None], k[None], v[None], mask=m)[0],
+        in_axes=(0, 0, 0, None),
+    )(q, k, v, mask)
+    assert rel_err(per_row, want) <= 1e-6
+    g = jax.grad(lambda q, m: jnp.sin(attn.dot_product_attention(q, k, v, mask=m)).sum())(q, mask)
+    g_closed = jax.grad(lambda q: jnp.sin(attn.dot_product_attention(q, k, v, mask=mask)).sum())(q)
+    chex.assert_trees_all_close(g, g_closed)
+    # shard_map over a one-device mesh: the mask crosses the boundary like any argument.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec("data")
+    sharded = jax.shard_map(
+        lambda q, k, v, m: attn.dot_product_attention(q, k, v, mask=m),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
+        out_specs=spec,
+    )(q, k, v, mask)
+    assert rel_err(sharded, want) <= 1e-6

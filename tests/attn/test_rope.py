@@ -127,3 +127,11 @@ class RopeVariantsTest(VariantTestCase):
         )
         want_grad = np_rope(g, -self.POSITIONS, **kw)
         chex.assert_trees_all_close(grad(x, self.POSITIONS), want_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_odd_head_dim_blames_x_unless_rotary_dim_is_passed():
+    x = jnp.ones((1, 2, 1, 7))
+    with pytest.raises(ValueError, match=r"x: expected an even head dim H .*H = 7"):
+        attn.apply_rope(x, jnp.arange(2))
+    out = attn.apply_rope(x, jnp.arange(2), rotary_dim=6)  # partial rotary works with H odd
+    np.testing.assert_array_equal(np.asarray(out[..., 6]), np.ones((1, 2, 1)))

@@ -78,7 +78,7 @@ MODEL_ERRORS = [
     ({"tied_embeddings": 1}, "tied_embeddings", 1),
     ({"dtype": "int32"}, "dtype", "int32"),
     ({"param_dtype": "nope"}, "param_dtype", "nope"),
-    ({"encoder_layers": [AttentionConfig()]}, "encoder_layers", [AttentionConfig()]),
+    ({"encoder_layers": "mha"}, "encoder_layers", "mha"),
     ({"cross_attention": AttentionConfig(kind="mla")}, "cross_attention", "kind='mla'"),
     ({"cross_attention": AttentionConfig()}, "cross_attention", "rope=True"),
 ]
@@ -132,3 +132,12 @@ def test_model_errors():
         models.Decoder("mha", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="encoder_layers"):
         models.EncoderDecoder(ModelConfig(), rngs=nnx.Rngs(0))
+
+
+def test_layers_accept_any_sequence_and_are_stored_as_a_tuple():
+    layers = [models.PRESETS["mha"], models.PRESETS["linear"]]
+    config = models.ModelConfig(layers=layers)
+    assert config.layers == tuple(layers) and isinstance(config.layers, tuple)
+    assert hash(config) == hash(models.ModelConfig(layers=tuple(layers)))
+    with pytest.raises(ValueError, match="layers: expected a sequence of AttentionConfig"):
+        models.ModelConfig(layers=["mha"])

@@ -18,6 +18,7 @@ import models
 from tests.models.common import (
     KINDS,
     MAX_LEN,
+    VOCAB,
     B,
     config_for,
     extend,
@@ -355,3 +356,16 @@ def test_generate_checks_the_cache_it_is_given():
     prompt = tokens(7, (B, 8))
     with pytest.raises(ValueError, match=r"cache: .*at least 15 slots.*got 10 slots"):
         models.generate(model, prompt, 8, cache=model.init_cache(B, 10))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_or_nan():
+    model = model_for(KINDS["mha"])
+    bad = tokens(8, (B, 3)).at[0, 1].set(VOCAB)
+    with pytest.raises(ValueError, match=rf"tokens: expected token ids in \[0, {VOCAB}\)"):
+        model.prefill(bad, init_cache(model))
+    with pytest.raises(ValueError, match="prompt: expected token ids"):
+        models.generate(model, bad.at[0, 1].set(-1), 2)
+    # Under jit the values cannot be checked: the row's logits are NaN, never plausible.
+    logits = forward(model, bad)
+    assert bool(jnp.all(jnp.isnan(logits[0, 1:]))) and bool(jnp.all(jnp.isfinite(logits[1])))
+    assert bool(jnp.all(jnp.isnan(forward(model, bad.at[0, 1].set(-1))[0, 1:])))
