@@ -4,8 +4,14 @@
 - ``train.config``: the frozen ``TrainConfig`` a ``configs/*.py`` file returns.
 - ``train.loop``: ``train(config, workdir)``: AdamW, ``nnx.jit`` steps, evaluation,
   orbax checkpoints and exact resume, ``metrics.jsonl``.
+- ``train.run``: ``load_run(workdir, step=None) -> (model, config)``, a trained run
+  rebuilt from its own record, for analysis.
 - ``train.compare``: the main job, every variant on the same task and budget.
 
 Command lines: ``python -m train --config configs/mqar.py --workdir runs/x`` and
 ``python -m train.compare``.
 """
+
+from train.run import load_run
+
+__all__ = ["load_run"]

@@ -15,9 +15,17 @@ import pytest
 from flax import nnx
 
 from tests.train.tiny_config import get_config
+from train import load_run
 from train.checkpoint import Checkpointer, snapshot
 from train.config import OptimConfig
-from train.loop import NonFiniteLossError, build_model, make_optimizer, read_metrics, train
+from train.loop import (
+    NonFiniteLossError,
+    build_model,
+    evaluate,
+    make_optimizer,
+    read_metrics,
+    train,
+)
 from train.tasks import make_task
 
 REPO = Path(__file__).resolve().parents[2]
@@ -168,3 +176,22 @@ def test_resume_after_sigkill_is_exact(tmp_path, compilation_cache_dir):
     assert ref.wait(timeout=300) == 0
     _assert_bitwise_equal(_final_state(config, killed), _final_state(config, straight))
     assert _train_records(killed) == _train_records(straight)
+
+
+def test_load_run_rebuilds_the_trained_model_from_its_record(tmp_path):
+    config = dataclasses.replace(
+        get_config(), steps=20, ckpt_every=10, eval_every=20, keep_checkpoints=3
+    )
+    summary = train(config, tmp_path, progress=False)
+    model, loaded = load_run(tmp_path)
+    assert loaded == config
+    # The newest checkpoint is the trained model: it reproduces the run's last evaluation.
+    again = evaluate(model, make_task(config.task), config)
+    assert again["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
+    assert again["test_accuracy"] == summary["test_accuracy"]
+    earlier, _ = load_run(tmp_path, step=10)
+    assert evaluate(earlier, make_task(config.task), config)["test_loss"] > again["test_loss"]
+    with pytest.raises(ValueError, match=r"step: expected one of the saved steps \[10, 20\]"):
+        load_run(tmp_path, step=15)
+    with pytest.raises(ValueError, match="workdir: expected a run folder"):
+        load_run(tmp_path / "nothing")
