@@ -5,18 +5,25 @@ as ``--task.data PATH``).
 
 Trains one run (resuming it if the workdir holds checkpoints) and prints its
 summary as JSON. ``--stop-at N`` stops after N updates with a checkpoint, as an
-interruption would. A non-finite loss exits with status 1 and a message naming
-the step; the last good checkpoint is left as it was.
+interruption would (the summary then says ``"partial": true``). A non-finite
+loss exits with status 1 and a message naming the step; the last good
+checkpoint is left as it was. Ctrl-C finishes any checkpoint being written,
+prints the last one and the command that resumes, and exits with status 130;
+a bad config or a workdir holding another run's config is one line on stderr
+and status 2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import sys
 
 from train.cli import enable_compilation_cache, parse
-from train.loop import NonFiniteLossError, train
+from train.loop import NonFiniteLossError, TrainingInterrupted, train
+
+EXIT_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 
 def main(argv=None) -> int:
@@ -46,6 +53,13 @@ def main(argv=None) -> int:
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:
+        command = shlex.join(["python", "-m", "train", *(sys.argv[1:] if argv is None else argv)])
+        print(f"{e}. Resume with: {command}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except ValueError as e:  # e.g. a workdir holding a run of another config: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(json.dumps(summary, indent=2))
     return 0
 

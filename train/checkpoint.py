@@ -124,6 +124,11 @@ class Checkpointer:
         """The newest complete checkpoint's step, or None."""
         return self._manager.latest_step()
 
+    def refresh(self) -> None:
+        """Re-reads the steps on disk (after an interrupted ``save``, the manager's own
+        list can miss a checkpoint that its background write then completed)."""
+        self._manager.reload()
+
     def all_steps(self) -> list[int]:
         """Steps of the checkpoints on disk, oldest first."""
         return sorted(self._manager.all_steps())

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +75,24 @@ class NonFiniteLossError(FloatingPointError):
             f"non-finite loss or gradient at step {step} (loss {loss}, grad norm {grad_norm}); "
             f"stopped without saving; the last checkpoint is {saved}"
         )
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped the run between two steps; pending checkpoint writes finished.
+
+    The step in flight is dropped, not saved: the run resumes exactly from
+    ``last_checkpoint``, as after any interruption.
+
+    Attributes:
+      step: updates completed when the interrupt arrived.
+      last_checkpoint: the newest checkpoint on disk, or None.
+      steps: the run's total updates.
+    """
+
+    def __init__(self, step: int, last_checkpoint: int | None, steps: int):
+        self.step, self.last_checkpoint, self.steps = step, last_checkpoint, steps
+        saved = "none" if last_checkpoint is None else f"step {last_checkpoint} of {steps}"
+        super().__init__(f"interrupted after {step} updates; the last checkpoint is {saved}")
 
 
 # ----------------------------------------------------------------------------
@@ -348,6 +367,7 @@ def train(
         start = load_state(model, optimizer, tree)
         totals.update(meta["totals"])
         window = [tuple(x) for x in meta["window"]]
+        tqdm.write(f"{workdir}: resuming from step {start} of {config.steps}", file=sys.stderr)
     metrics_path = workdir / "metrics.jsonl"
     _truncate_metrics(metrics_path, start)
     end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))
@@ -368,6 +388,7 @@ def train(
     )
     train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
     eval_step = nnx.cached_partial(_jit_eval_step, model)
+    done = start
     try:
         with metrics_path.open("a") as log:
             if start < end:
@@ -418,6 +439,10 @@ def train(
                     meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
                     ckpt.save(done, snapshot(model, optimizer, done), meta)
         ckpt.wait()
+    except KeyboardInterrupt as e:
+        ckpt.wait()  # a checkpoint being written is completed, never left half-way
+        ckpt.refresh()
+        raise TrainingInterrupted(done, ckpt.latest_step(), config.steps) from e
     finally:
         bar.close()
         ckpt.close()
@@ -440,6 +465,7 @@ def _summary(workdir, config, model, step, tokens_per_s, wall_s) -> dict[str, An
         "test_accuracy": last["eval"].get("test_accuracy"),
         "tokens_per_s": tokens_per_s,
         "wall_s": wall_s,
+        "partial": step < config.steps,  # stopped early (--stop-at): resume to finish
     }
     if step == config.steps:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,6 +1,13 @@
 """The command line: config files, tyro overrides, ``--data`` and errors."""
 
 import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +60,59 @@ def test_errors(tmp_path, capsys):
     assert "--workdir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", TINY_CONFIG, "--workdir", str(tmp_path), "--no-such-field", "1"])
+
+
+def _run_cli(workdir, *extra):
+    return [sys.executable, "-m", "train", "--config", TINY_CONFIG, "--workdir", str(workdir),
+            "--no-progress", *extra]  # fmt: skip
+
+
+def test_ctrl_c_prints_the_last_checkpoint_and_how_to_resume(tmp_path, compilation_cache_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env["JAX_COMPILATION_CACHE_DIR"] = compilation_cache_dir
+    run = tmp_path / "run"
+    args = ("--steps", "100000", "--ckpt-every", "10", "--eval-every", "100000")
+    proc = subprocess.Popen(
+        _run_cli(run, *args), cwd=REPO, env=env, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        ckpts = run / "checkpoints"
+        if ckpts.exists() and any(p.name.isdigit() for p in ckpts.iterdir()):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    pattern = r"the last checkpoint is step (\d+) of 100000\. Resume with: (.+)$"
+    match = re.search(pattern, err, re.M)
+    assert match, err
+    last = int(match.group(1))
+    assert last >= 10 and f"--workdir {run}" in match.group(2)
+    # The printed command resumes, and says so; --stop-at marks the summary partial.
+    resumed = subprocess.run(
+        [sys.executable, *shlex.split(match.group(2))[1:], "--stop-at", str(last + 5)],
+        cwd=REPO, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    summary = json.loads(resumed.stdout)
+    assert summary["step"] == last + 5 and summary["partial"] is True
+
+
+def test_resume_says_so_and_a_config_mismatch_is_one_line(tmp_path, capsys, monkeypatch,
+                                                          compilation_cache_dir):  # fmt: skip
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir)
+    run = str(tmp_path / "run")
+    assert main(["--config", TINY_CONFIG, "--workdir", run, "--steps", "10", "--stop-at", "5"]) == 0
+    first = capsys.readouterr()
+    assert json.loads(first.out)["partial"] is True and "resuming" not in first.err
+    assert main(["--config", TINY_CONFIG, "--workdir", run, "--steps", "10"]) == 0
+    second = capsys.readouterr()
+    assert "resuming from step 5 of 10" in second.err
+    assert json.loads(second.out)["partial"] is False
+    assert main(["--config", TINY_CONFIG, "--workdir", run, "--model.width", "32"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "error: workdir:" in err and "model" in err
+    assert "new workdir" in err
