@@ -7,8 +7,9 @@ Trains one run (resuming it if the workdir holds checkpoints) and prints its
 summary as JSON. ``--stop-at N`` stops after N updates with a checkpoint, as an
 interruption would (the summary then says ``"partial": true``). A non-finite
 loss exits with status 1 and a message naming the step; the last good
-checkpoint is left as it was. Ctrl-C finishes any checkpoint being written,
-prints the last one and the command that resumes, and exits with status 130;
+checkpoint is left as it was. Ctrl-C lets the current step finish, saves a
+checkpoint of it, prints it and the command that resumes, and exits with
+status 130 (a second Ctrl-C stops at once, keeping the checkpoints written);
 a bad config or a workdir holding another run's config is one line on stderr
 and status 2.
 """

@@ -45,7 +45,15 @@ from train.cli import enable_compilation_cache, parse
 from train.config import TrainConfig, to_json
 from train.loop import NonFiniteLossError, read_metrics, train
 
-__all__ = ["VARIANTS", "CompareConfig", "cache_sizes", "main", "run_comparison", "variant_layers"]
+__all__ = [
+    "VARIANTS",
+    "CompareConfig",
+    "cache_sizes",
+    "chance_accuracy",
+    "main",
+    "run_comparison",
+    "variant_layers",
+]
 
 # name -> (description, layer pattern for L layers). The names of the pattern
 # are the presets of models.config.presets.
@@ -320,8 +328,19 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
         "config": to_json(config),
         "runs": runs,
         "best": best,
+        "chance_accuracy": chance_accuracy(config.train.task),
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def chance_accuracy(task) -> float | None:
+    """Test accuracy of a model that knows the task's format but recalls nothing, or None.
+
+    On MQAR every answer is one of the ``num_pairs`` values in its sequence, so
+    picking one of them at random scores ``1 / num_pairs``: a fixed-state model
+    that reaches only that has learned the format, not the associations.
+    """
+    return 1.0 / task.num_pairs if task.name == "mqar" else None
 
 
 def _best(config: CompareConfig, variant: str, per_lr: dict[float, list]) -> dict[str, Any]:
@@ -419,6 +438,14 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
         "caches grow per token, windows and recurrent states are fixed. Tokens/s excludes "
         "compilation and evaluation; wall time is one run's, compilation included"
         + (f"; {config.jobs} runs trained at once, one core each." if config.jobs > 1 else "."),
+    ]
+    chance = results.get("chance_accuracy")
+    if chance is not None:
+        lines[-1] += (
+            f" Chance is {chance:.3f}: a random one of the {config.train.task.num_pairs} values "
+            "in the sequence (the format learned, no association recalled)."
+        )
+    lines += [
         "",
         f"Total wall time of the comparison: {results['wall_s']:.0f} s "
         f"({len(results['runs'])} runs).",
@@ -444,6 +471,9 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         ax.scatter([i] * len(others), others, color="black", s=10, zorder=3)
         ax.text(i, accs[i] + 0.02, f"{accs[i]:.2f}", ha="center", fontsize=8)
     ax.scatter([], [], color="black", s=10, label="each lr")
+    chance = results.get("chance_accuracy")
+    if chance is not None:
+        ax.axhline(chance, color="gray", ls="--", lw=1, label=f"chance ({chance:.2f})")
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylim(0, 1.1)
     ax.set_ylabel("test accuracy")
@@ -466,6 +496,8 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
     ax_acc.set_xlabel("step")
     ax_acc.set_ylabel("test accuracy")
     ax_acc.set_ylim(0, 1.05)
+    if chance is not None:
+        ax_acc.axhline(chance, color="gray", ls="--", lw=1, label="chance")
     ax_acc.legend(fontsize=8)
     fig.suptitle(f"{results['config']['name']}: best learning rate per variant, seed 0")
     fig.tight_layout()

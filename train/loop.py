@@ -29,7 +29,9 @@ import dataclasses
 import functools
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -78,10 +80,12 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) stopped the run between two steps; pending checkpoint writes finished.
+    """Ctrl-C (SIGINT) stopped the run between two steps.
 
-    The step in flight is dropped, not saved: the run resumes exactly from
-    ``last_checkpoint``, as after any interruption.
+    The first Ctrl-C lets the step in flight finish and saves a checkpoint of
+    it, so nothing is lost and the run resumes exactly from ``last_checkpoint``;
+    a second one stops at once, keeping the checkpoints already written (a write
+    in progress is completed first).
 
     Attributes:
       step: updates completed when the interrupt arrived.
@@ -93,6 +97,33 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.step, self.last_checkpoint, self.steps = step, last_checkpoint, steps
         saved = "none" if last_checkpoint is None else f"step {last_checkpoint} of {steps}"
         super().__init__(f"interrupted after {step} updates; the last checkpoint is {saved}")
+
+
+class _StopOnSigint:
+    """Within the block, the first SIGINT only sets ``requested``; the loop reads it
+    between steps, so an interrupt never lands inside a step or a checkpoint write.
+    A second SIGINT raises ``KeyboardInterrupt`` as usual. Signal handlers can only
+    be set from the main thread; elsewhere this does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+        return False
 
 
 # ----------------------------------------------------------------------------
@@ -389,11 +420,18 @@ def train(
     train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
     eval_step = nnx.cached_partial(_jit_eval_step, model)
     done = start
+    stop = _StopOnSigint()
     try:
-        with metrics_path.open("a") as log:
+        with metrics_path.open("a") as log, stop:
             if start < end:
                 batch = task.batch(config.seed, "train", start, config.batch_size)
             for step in range(start, end):
+                if stop.requested:  # Ctrl-C: stop between steps, with a checkpoint of the last
+                    if ckpt.latest_step() != done:
+                        log.flush()
+                        meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
+                        ckpt.save(done, snapshot(model, optimizer, done), meta)
+                    break
                 t0 = time.perf_counter()
                 out = train_step(batch)
                 if step + 1 < end:  # built while the step runs: dispatch is asynchronous
@@ -439,8 +477,14 @@ def train(
                     meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
                     ckpt.save(done, snapshot(model, optimizer, done), meta)
         ckpt.wait()
+        if stop.requested and done < end:
+            raise TrainingInterrupted(done, ckpt.latest_step(), config.steps)
     except KeyboardInterrupt as e:
-        ckpt.wait()  # a checkpoint being written is completed, never left half-way
+        if isinstance(e, TrainingInterrupted):
+            raise
+        # A second Ctrl-C (or one outside the main thread's handler): no new checkpoint,
+        # but one being written is completed, never left half-way.
+        ckpt.wait()
         ckpt.refresh()
         raise TrainingInterrupted(done, ckpt.latest_step(), config.steps) from e
     finally:

@@ -86,14 +86,16 @@ def test_ctrl_c_prints_the_last_checkpoint_and_how_to_resume(tmp_path, compilati
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
-    pattern = r"the last checkpoint is step (\d+) of 100000\. Resume with: (.+)$"
+    pattern = r"after (\d+) updates; the last checkpoint is step (\d+) of 100000\. "
+    pattern += r"Resume with: (.+)$"
     match = re.search(pattern, err, re.M)
     assert match, err
-    last = int(match.group(1))
-    assert last >= 10 and f"--workdir {run}" in match.group(2)
+    done, last = int(match.group(1)), int(match.group(2))
+    assert last == done >= 10, "the step in flight finishes and is saved: nothing is lost"
+    assert f"--workdir {run}" in match.group(3)
     # The printed command resumes, and says so; --stop-at marks the summary partial.
     resumed = subprocess.run(
-        [sys.executable, *shlex.split(match.group(2))[1:], "--stop-at", str(last + 5)],
+        [sys.executable, *shlex.split(match.group(3))[1:], "--stop-at", str(last + 5)],
         cwd=REPO, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr

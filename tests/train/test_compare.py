@@ -65,6 +65,9 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     assert results["best"]["mha"]["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
     assert results["best"]["mha"]["cache_bytes_fixed"] == 0
     assert results["best"]["hybrid"]["cache_bytes_fixed"] > 0
+    num_pairs = results["config"]["train"]["task"]["num_pairs"]
+    assert results["chance_accuracy"] == 1 / num_pairs  # MQAR: a random value of the sequence
+    assert f"Chance is {1 / num_pairs:.3f}" in table
     for png in ("accuracy.png", "loss.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
