@@ -108,6 +108,16 @@ class DecodeCache:
 # Room left
 
 
+def full_cache_slots(cache: DecodeCache) -> int | None:
+    """Slots of the smallest full (non-ring) layer cache: the positions it can hold, or None."""
+    sizes = [
+        layer.pos.shape[1]
+        for layer in cache.layers
+        if isinstance(layer, KVCache | LatentCache) and not layer.ring
+    ]
+    return min(sizes) if sizes else None
+
+
 def cache_overflow(cache: DecodeCache, count):
     """Rows whose next ``count`` tokens do not fit a full (non-ring) layer cache.
 
@@ -126,14 +136,9 @@ def cache_overflow(cache: DecodeCache, count):
     Raises:
       ValueError: concrete lengths that overflow.
     """
-    sizes = [
-        layer.pos.shape[1]
-        for layer in cache.layers
-        if isinstance(layer, KVCache | LatentCache) and not layer.ring
-    ]
-    if not sizes:
+    room = full_cache_slots(cache)
+    if room is None:
         return None
-    room = min(sizes)
     end = cache.lengths + count  # [B] one past the last new position
     try:
         value = np.asarray(end)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.cache import DecodeCache, KVCache, LatentCache
+from models.cache import DecodeCache, full_cache_slots
 from models.transformer import _check_lengths, _check_tokens, _fail
 
 
@@ -105,15 +105,13 @@ def _check_room(cache, needed: int):
     """Shapes are static here, so a full layer cache too small for the run is refused now."""
     if not isinstance(cache, DecodeCache):
         _fail("cache", "a DecodeCache (see model.init_cache)", type(cache).__name__)
-    for i, layer in enumerate(cache.layers):
-        if isinstance(layer, KVCache | LatentCache) and not layer.ring:
-            slots = layer.pos.shape[1]
-            if slots < needed:
-                _fail(
-                    "cache",
-                    f"full layer caches of at least {needed} slots (prompt + max_new_tokens - 1)",
-                    f"{slots} slots in layer {i}",
-                )
+    slots = full_cache_slots(cache)
+    if slots is not None and slots < needed:
+        _fail(
+            "cache",
+            f"full layer caches of at least {needed} slots (prompt + max_new_tokens - 1)",
+            f"{slots} slots",
+        )
 
 
 def _sample(logits, key, temperature, top_k):
