@@ -29,8 +29,10 @@ reshapes q to ``[B,T,K,G,H]``; K/V are never repeated in memory.
 from attn import masks
 from attn.blockwise import blockwise_attention
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
+from attn.conv import short_conv, short_conv_step
 from attn.dense import dot_product_attention
 from attn.dispatch import IMPLS, attention
+from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
     FEATURE_MAPS,
     FORMS,
@@ -49,6 +51,7 @@ __all__ = [
     "FEATURE_MAPS",
     "FORMS",
     "IMPLS",
+    "LATENT_FORMS",
     "LinearState",
     "Mask",
     "apply_rope",
@@ -58,6 +61,7 @@ __all__ = [
     "favor_projection",
     "init_linear_state",
     "kv_cache_bytes",
+    "latent_attention",
     "latent_cache_bytes",
     "linear_attention",
     "linear_attention_step",
@@ -65,4 +69,6 @@ __all__ = [
     "linear_state_bytes",
     "masks",
     "merge_attention",
+    "short_conv",
+    "short_conv_step",
 ]

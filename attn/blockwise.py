@@ -140,9 +140,9 @@ def blockwise_attention(
     """Softmax attention computed block by block, never materializing ``[T,S]``.
 
     Computes exactly ``attn.dot_product_attention``'s function (same masks,
-    positions, segment ids, soft-cap and sinks; a query with no visible key gets
-    zeros and zero gradients), with memory linear in T and S in the forward and
-    the backward pass, and work proportional to the non-empty blocks of the mask.
+    positions, segment ids, soft-cap and learned sink logits; a query with no visible
+    key gets zeros and zero gradients), with memory linear in T and S in the forward
+    and the backward pass, and work proportional to the non-empty blocks of the mask.
 
     Args:
       q: ``[B,T,N,H]`` queries.
@@ -239,7 +239,7 @@ def _count_tiles(st: _Static, q, k, v, sink, aux: _Aux):
 
 
 def _prepare(q, k, v, block_q, block_k, **kwargs) -> tuple[_Static, _Aux, jax.Array]:
-    """Checks a call; returns its static configuration, integer inputs and ``[K,G]`` sinks."""
+    """Checks a call; returns its static configuration, integer inputs and ``[K,G]`` sink logits."""
     c = check_call(q, k, v, **kwargs)
     if (c.q_segment_ids is None) != (c.kv_segment_ids is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")

@@ -162,7 +162,7 @@ def dot_product_attention(
       scale: logit scale, default ``1/sqrt(H)``.
       softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
-        denominator without contributing a value (gpt-oss style sinks).
+        denominator without contributing a value (learned sink logits, gpt-oss style).
       q_positions: ``[T]`` or ``[B,T]`` ints. Default ``arange(T) + S - T``: the
         queries are the last T of the keys (bottom-right alignment, so a decode
         step or a prefill chunk is right without positions). With T > S, or

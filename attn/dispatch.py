@@ -41,7 +41,7 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         memory linear in T and S, skips masked blocks; no ``bias`` or
         ``return_weights``, and accepts ``block_q``/``block_k``); ``"xla"`` or ``"cudnn"``
         (``jax.nn.dot_product_attention``, only where its semantics equal ours:
-        no sinks, soft-cap, segment ids or explicit positions, and causal or
+        no learned sink logits, soft-cap, segment ids or explicit positions, and causal or
         window masks only with T == S, since jax.nn aligns them to the top-left
         corner while our default queries are the last T key positions);
         ``"auto"`` picks the fastest correct one for the platform (on CPU:

@@ -18,11 +18,13 @@ Each mask answers two questions:
 
 Masks combine with ``&`` (both allow) and ``|`` (either allows). Examples::
 
-    causal()                                   # GPT: k <= q
-    sliding_window(4096)                       # Mistral: the last 4096 positions, itself included
-    causal() & (sliding_window(w) | sinks(4))  # StreamingLLM: window plus attention sinks
-    global_tokens((0,)) | sliding_window(w)    # Longformer-style local + global (bidirectional: use
-                                               # bidirectional_window for a two-sided band)
+    causal()                                    # GPT: k <= q
+    sliding_window(4096)                        # Mistral: the last 4096 positions, itself included
+    causal() & (sliding_window(w)
+                | initial_tokens(4))            # StreamingLLM: the window plus the first 4
+                                                # tokens (which it calls "attention sinks")
+    global_tokens((0,)) | sliding_window(w)     # Longformer-style local + global (bidirectional:
+                                                # use bidirectional_window for a two-sided band)
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -167,8 +170,12 @@ class BidirectionalWindow(Mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class Sinks(Mask):
-    """Every query sees the first ``n`` positions (``k < n``), the attention sinks."""
+class InitialTokens(Mask):
+    """Every query sees the first ``n`` positions (``k < n``).
+
+    StreamingLLM keeps these initial tokens visible beside a sliding window
+    because models learn to park attention on them ("attention sinks").
+    """
 
     n: int
 
@@ -299,12 +306,27 @@ def bidirectional_window(radius: int) -> Mask:
     return BidirectionalWindow(int(radius))
 
 
-def sinks(n: int) -> Mask:
+def initial_tokens(n: int) -> Mask:
     """The first ``n`` positions (``k_pos < n``) are visible to every query.
 
-    Alone it ignores causality; StreamingLLM is ``causal() & (sliding_window(w) | sinks(n))``.
+    Alone it ignores causality; StreamingLLM is
+    ``causal() & (sliding_window(w) | initial_tokens(n))``.
     """
-    return Sinks(_positive_int(n, "n"))
+    return InitialTokens(_positive_int(n, "n"))
+
+
+# Deprecated names, kept for one release.
+Sinks = InitialTokens
+
+
+def sinks(n: int) -> Mask:
+    """Deprecated alias of ``initial_tokens(n)``."""
+    warnings.warn(
+        "attn.masks.sinks is deprecated; use attn.masks.initial_tokens (the same mask)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return initial_tokens(n)
 
 
 def chunked(c: int) -> Mask:

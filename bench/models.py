@@ -52,7 +52,7 @@ PRESETS = models.presets(
     head_dim=32,
     gqa_kv_heads=2,
     window=64,
-    num_sinks=4,
+    num_initial_tokens=4,
     global_positions=(0,),
     kv_rank=64,
     q_rank=128,
@@ -64,10 +64,10 @@ KINDS = {
     "gqa (K=2)": ("gqa",) * LAYERS,
     "mqa": ("mqa",) * LAYERS,
     "mla (R=64)": ("mla",) * LAYERS,
-    "window 64 + 4 sinks": ("window_sinks",) * LAYERS,
+    "window 64 + 4 initial tokens": ("streaming",) * LAYERS,
     "linear (elu+1)": ("linear",) * LAYERS,
     "linear + decay": ("linear_decay",) * LAYERS,
-    "hybrid": ("linear_decay", "window_sinks", "mla", "gqa"),
+    "hybrid": ("linear_decay", "streaming", "mla", "gqa"),
 }
 QUICK_KINDS = ("gqa (K=2)", "hybrid")
 
@@ -98,7 +98,7 @@ def cache_sizes(model) -> tuple[int, int]:
     def size(max_len):
         return models.cache_bytes(jax.eval_shape(lambda: model.init_cache(1, max_len)))
 
-    # Ring buffers stop growing once max_len passes sinks + window; measure beyond.
+    # Ring buffers stop growing once max_len passes initial tokens + window; measure beyond.
     a, b = size(CONTEXT), size(2 * CONTEXT)
     per_token = (b - a) // CONTEXT
     return per_token, a - per_token * CONTEXT
@@ -125,7 +125,7 @@ def markdown(rows, meta) -> str:
         f"(load average {meta['load_before']} before, {meta['load_after']} after).",
         "",
         "Cache bytes per token grow with the context; fixed bytes do not (ring buffers "
-        f"of window + sinks slots, linear-attention states). Total: one {CONTEXT}-token "
+        f"of window + initial-token slots, linear-attention states). Total: one {CONTEXT}-token "
         "sequence. Stored positions (int32 per slot) are bookkeeping, not counted.",
         "",
         "| model | layers | params | cache B/token | cache fixed B | cache @4096 | "

@@ -15,7 +15,7 @@ Runtime, measured twice on a 2-core CPU shared with other jobs (load average
 
 Result (test accuracy; chance, guessing among the example's 8 values, is 0.125):
 
-    mha 0.98 | gqa 0.60 | mla 0.13 | window 0.09 | window_sinks 0.12
+    mha 0.98 | gqa 0.60 | mla 0.13 | window 0.09 | streaming 0.12
     linear 0.14 | linear_decay 0.14 | hybrid (linear, then softmax) 0.14
 
 Only full softmax attention forms the recall circuit within this budget (its
@@ -24,10 +24,10 @@ later and is still climbing at step 400. With 3x the steps (``--train.steps
 1200 --lrs 3e-3``) GQA and MLA reach 1.00 while linear attention stays at
 chance (0.14) and the hybrid reaches 0.24: the fixed-state models fall short,
 the compressed caches only learn slower. A sliding window of 8 cannot see the
-context from the queries at all; sinks keep the first 2 pairs visible. The
-hybrid's softmax layer sits on a linear layer, which cannot provide the
-previous-token feature the lookup needs. ``--quick`` (4 pairs in 32 tokens,
-500 steps): mha 0.99, linear 0.26 (chance 0.25).
+context from the queries at all; streaming's 4 initial tokens keep the first
+2 pairs visible. The hybrid's softmax layer sits on a linear layer, which
+cannot provide the previous-token feature the lookup needs. ``--quick`` (4
+pairs in 32 tokens, 500 steps): mha 0.99, linear 0.26 (chance 0.25).
 """
 
 import dataclasses
@@ -37,7 +37,7 @@ from train.compare import CompareConfig
 from train.config import OptimConfig, TrainConfig
 from train.tasks import TaskConfig
 
-VARIANTS = ("mha", "gqa", "mla", "window", "window_sinks", "linear", "linear_decay", "hybrid")
+VARIANTS = ("mha", "gqa", "mla", "window", "streaming", "linear", "linear_decay", "hybrid")
 
 
 def get_config(quick: bool = False) -> CompareConfig:
@@ -64,7 +64,7 @@ def get_config(quick: bool = False) -> CompareConfig:
         num_heads=4,
         gqa_kv_heads=2,
         window=8,
-        num_sinks=4,
+        num_initial_tokens=4,
         kv_rank=16,
         rope_head_dim=8,
         chunk_size=48,  # one chunk per sequence: the fastest chunkwise form at T = 48

@@ -9,15 +9,15 @@ F linear feature dim, L layers, V vocabulary.
     import models
 
     config = models.ModelConfig(
-        vocab_size=256, width=256, layers=models.pattern(("window_sinks", "linear", "mla") * 2)
+        vocab_size=256, width=256, layers=models.pattern(("streaming", "linear", "mla") * 2)
     )
     model = models.Decoder(config, rngs=nnx.Rngs(0))
     logits = model(tokens)                                  # [B,T,V] float32
     new_tokens = models.generate(model, prompt, 64)         # greedy, jitted
 
 Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
-ring buffers for sliding windows with sinks, MLA latent caches, linear-attention
-states, mixed freely across layers.
+ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
+linear-attention states, mixed freely across layers.
 """
 
 from models.cache import (

@@ -6,11 +6,11 @@ Attention reads the stored positions with the layer's position-based mask, so
 one layout serves every mask:
 
 * full cache: ``slots = max_len``, entry of position p in slot p;
-* ring buffer (sliding window ``w``, optionally ``n`` StreamingLLM sinks):
+* ring buffer (sliding window ``w``, optionally the ``n`` initial tokens of StreamingLLM):
   ``slots = n + w``; positions ``p < n`` are pinned in slot p, later ones cycle
   through slots ``n + (p - n) % w``. Generation then continues far past the
   window with constant memory, and the mask
-  ``causal() & (sliding_window(w) | sinks(n))`` on the stored positions picks
+  ``causal() & (sliding_window(w) | initial_tokens(n))`` on the stored positions picks
   exactly the entries the full forward pass would see.
 
 Linear-attention layers keep ``attn.linear.LinearState`` (kv ``[B,N,F,E]``,
@@ -43,7 +43,7 @@ class KVCache:
       k: ``[B,S,K,H]`` keys (RoPE already applied at their positions).
       v: ``[B,S,K,E]`` values.
       pos: ``[B,S]`` int32 absolute position of each slot's token, ``EMPTY`` if none.
-      pinned: slots ``[0, pinned)`` hold positions ``[0, pinned)`` forever (sinks);
+      pinned: slots ``[0, pinned)`` hold positions ``[0, pinned)`` forever (initial tokens);
         the other ``S - pinned`` are a ring buffer. Static.
       ring: True for a window layer's ring buffer, which never fills; False for
         a full cache, which holds positions ``[0, S)`` and refuses more (see

@@ -65,7 +65,10 @@ def _positive_float(value, field: str, *, allow_none: bool = False) -> None:
 class AttentionConfig:
     """One attention layer.
 
-    Common fields:
+    Fields come in groups: common ones, the softmax/MLA mask, linear attention
+    and MLA; a field of another kind's group must keep its default.
+
+    Attributes:
       kind: ``"softmax"`` (MHA/GQA/MQA through ``attn.attention``), ``"mla"``
         (multi-head latent attention, DeepSeek-V2) or ``"linear"`` (``attn.linear``).
       num_heads: N, query heads.
@@ -76,34 +79,33 @@ class AttentionConfig:
       rope: rotate queries and keys by position (for MLA: the decoupled key).
       rope_base: RoPE frequency base.
       rotary_dim: leading channels that rotate (partial RoPE); None means all H.
-
-    Softmax and MLA masks (the model decides causal vs bidirectional):
-      window: causal sliding window of ``window`` positions (itself included);
-        in a bidirectional encoder a band of radius ``window``. None: unbounded.
-      sinks: the first ``sinks`` positions stay visible (StreamingLLM); needs a window.
-      global_tokens: positions that see and are seen by all (Longformer); needs a window.
-      impl: ``attn.attention``'s implementation; never changes the math.
-      softcap: logit soft-cap (Gemma 2), or None.
-      sink_logits: a learned per-head logit joins each softmax denominator (gpt-oss).
-
-    Linear attention:
-      feature_map: a name in ``attn.linear.FEATURE_MAPS``.
-      form: ``"parallel"``, ``"recurrent"`` or ``"chunkwise"`` (same function).
-      decay: fixed per-head decay gamma in (0, 1]: a number, a tuple of N numbers,
-        ``"retnet"`` (gamma_n = 1 - 2^(-5-n)), or None.
-      gating: data-dependent per-head log-gates from a projection of the input
-        (gated linear attention / Mamba-2 style); combines with ``decay``.
-      chunk_size: C for the chunkwise form.
-      normalize: divide by ``phi(q).z`` (use False with ``"identity"``).
-      num_features: F for ``"favor"`` (random features).
-
-    Multi-head latent attention:
-      kv_rank: R, rank of the shared key/value latent (what the cache holds).
-      q_rank: rank of the query latent, or None for a direct query projection.
-      rope_head_dim: width of the decoupled RoPE key shared by all heads (and of
-        each head's RoPE query part).
-      nope_head_dim: per-head query/key channels without RoPE; None means H.
-      v_head_dim: E, per-head value dim; None means H.
+      window: (softmax, MLA) a causal sliding window of ``window`` positions (itself
+        included); in a bidirectional encoder a band of radius ``window`` (the
+        model decides which). None: unbounded.
+      initial_tokens: (softmax, MLA) the first ``initial_tokens`` positions stay
+        visible to every query (StreamingLLM, which calls them attention sinks);
+        needs a window.
+      global_tokens: (softmax, MLA) positions that see and are seen by all
+        (Longformer); needs a window.
+      impl: (softmax, MLA) ``attn.attention``'s implementation; never changes the math.
+      softcap: (softmax, MLA) logit soft-cap (Gemma 2), or None.
+      sink_logits: (softmax, MLA) a learned per-head logit joins each softmax
+        denominator (gpt-oss).
+      feature_map: (linear) a name in ``attn.linear.FEATURE_MAPS``.
+      form: (linear) ``"parallel"``, ``"recurrent"`` or ``"chunkwise"`` (same function).
+      decay: (linear) fixed per-head decay gamma in (0, 1]: a number, a tuple of N
+        numbers, ``"retnet"`` (gamma_n = 1 - 2^(-5-n)), or None.
+      gating: (linear) data-dependent per-head log-gates from a projection of the
+        input (gated linear attention / Mamba-2 style); combines with ``decay``.
+      chunk_size: (linear) C for the chunkwise form.
+      normalize: (linear) divide by ``phi(q).z`` (use False with ``"identity"``).
+      num_features: (linear) F for ``"favor"`` (random features).
+      kv_rank: (MLA) R, rank of the shared key/value latent (what the cache holds).
+      q_rank: (MLA) rank of the query latent, or None for a direct query projection.
+      rope_head_dim: (MLA) width of the decoupled RoPE key shared by all heads (and
+        of each head's RoPE query part).
+      nope_head_dim: (MLA) per-head query/key channels without RoPE; None means H.
+      v_head_dim: (MLA) E, per-head value dim; None means H.
     """
 
     kind: str = "softmax"
@@ -114,7 +116,7 @@ class AttentionConfig:
     rope_base: float = 10000.0
     rotary_dim: int | None = None
     window: int | None = None
-    sinks: int = 0
+    initial_tokens: int = 0
     global_tokens: tuple[int, ...] = ()
     impl: str = "auto"
     softcap: float | None = None
@@ -159,12 +161,15 @@ class AttentionConfig:
         if not isinstance(self.impl, str) or self.impl not in attn.IMPLS:
             _fail("impl", f"one of {attn.IMPLS}", self.impl)
         if self.impl in JAX_NN_IMPLS and (
-            self.sinks or self.global_tokens or self.softcap is not None or self.sink_logits
+            self.initial_tokens
+            or self.global_tokens
+            or self.softcap is not None
+            or self.sink_logits
         ):
             # jax.nn has causal and band masks only, and no soft-cap or sink logits.
             _fail(
                 "impl",
-                "'auto' or 'dense' with sinks, global tokens, softcap or sink logits",
+                "'auto' or 'dense' with initial tokens, global tokens, softcap or sink logits",
                 self.impl,
             )
         _positive_float(self.softcap, "softcap", allow_none=True)
@@ -175,10 +180,11 @@ class AttentionConfig:
 
     def _check_mask(self):
         _positive_int(self.window, "window", allow_none=True)
-        if not _is_int(self.sinks) or self.sinks < 0:
-            _fail("sinks", "a non-negative int", self.sinks)
-        if self.sinks and self.window is None:
-            _fail("sinks", "0 without a window (every position is visible anyway)", self.sinks)
+        n = self.initial_tokens
+        if not _is_int(n) or n < 0:
+            _fail("initial_tokens", "a non-negative int", n)
+        if n and self.window is None:
+            _fail("initial_tokens", "0 without a window (every position is visible anyway)", n)
         g = self.global_tokens
         if not isinstance(g, tuple) or not all(_is_int(p) and p >= 0 for p in g):
             _fail("global_tokens", "a tuple of non-negative ints", g)
@@ -212,7 +218,7 @@ class AttentionConfig:
         if self.kind == "linear":
             for field, off in (
                 ("window", None),
-                ("sinks", 0),
+                ("initial_tokens", 0),
                 ("global_tokens", ()),
                 ("softcap", None),
                 ("sink_logits", False),
@@ -278,8 +284,8 @@ class AttentionConfig:
         local = (
             masks.sliding_window(self.window) if causal else masks.bidirectional_window(self.window)
         )
-        if self.sinks:
-            local = local | masks.sinks(self.sinks)
+        if self.initial_tokens:
+            local = local | masks.initial_tokens(self.initial_tokens)
         if self.global_tokens:
             local = local | masks.global_tokens(self.global_tokens)
         return masks.causal() & local if causal else local
@@ -287,15 +293,16 @@ class AttentionConfig:
     def cache_layout(self, max_len: int) -> tuple[int, int]:
         """``(slots, pinned)`` of this layer's decode cache for sequences up to ``max_len``.
 
-        A causal window (optionally with sinks) needs only ``sinks + window``
-        slots: the first ``pinned = sinks`` hold the sink positions forever and
-        the rest are a ring buffer of the latest ``window`` positions. Global
-        tokens make a query see everything before it, so they need every slot.
+        A causal window (optionally with initial tokens) needs only
+        ``initial_tokens + window`` slots: the first ``pinned = initial_tokens``
+        hold the initial positions forever and the rest are a ring buffer of the
+        latest ``window`` positions. Global tokens make a query see everything
+        before it, so they need every slot.
         """
         if self.window is not None and not self.global_tokens:
-            slots = self.sinks + self.window
+            slots = self.initial_tokens + self.window
             if slots < max_len:
-                return slots, self.sinks
+                return slots, self.initial_tokens
         return max_len, 0
 
 
@@ -303,7 +310,7 @@ class AttentionConfig:
 class ModelConfig:
     """A model: embeddings, a per-layer pattern of attention configs, SwiGLU MLPs.
 
-    Fields:
+    Attributes:
       vocab_size: V.
       width: D, the residual stream width.
       mlp_width: hidden width of the SwiGLU MLP; None means 4 D.
@@ -389,7 +396,7 @@ def presets(
     head_dim: int = 8,
     gqa_kv_heads: int = 2,
     window: int = 4,
-    num_sinks: int = 2,
+    num_initial_tokens: int = 2,
     global_positions: tuple[int, ...] = (0, 5),
     kv_rank: int = 8,
     q_rank: int | None = 16,
@@ -400,13 +407,16 @@ def presets(
 
     Names: ``mha``/``softmax``/``global`` (full causal softmax, the "global"
     layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv heads), ``mqa``,
-    ``mla``, ``window``, ``window_sinks`` (StreamingLLM), ``global_tokens``
-    (window plus Longformer global positions), ``linear`` (elu+1),
-    ``linear_decay`` (RetNet gammas), ``linear_gated`` (data-dependent gates).
+    ``mla``, ``window``, ``streaming`` (StreamingLLM: window plus the first
+    ``num_initial_tokens`` positions), ``global_tokens`` (window plus Longformer
+    global positions), ``linear`` (elu+1), ``linear_decay`` (RetNet gammas),
+    ``linear_gated`` (data-dependent gates). ``window_sinks`` is a deprecated
+    alias of ``streaming``, kept for one release.
     """
     base = AttentionConfig(num_heads=num_heads, head_dim=head_dim)
     linear = dataclasses.replace(base, kind="linear", rope=False, chunk_size=chunk_size)
     mha = base
+    streaming = dataclasses.replace(base, window=window, initial_tokens=num_initial_tokens)
     return {
         "mha": mha,
         "softmax": mha,
@@ -417,7 +427,8 @@ def presets(
             base, kind="mla", kv_rank=kv_rank, q_rank=q_rank, rope_head_dim=rope_head_dim
         ),
         "window": dataclasses.replace(base, window=window),
-        "window_sinks": dataclasses.replace(base, window=window, sinks=num_sinks),
+        "streaming": streaming,
+        "window_sinks": streaming,  # deprecated alias of "streaming"
         "global_tokens": dataclasses.replace(
             base, window=window, global_tokens=tuple(global_positions)
         ),

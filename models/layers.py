@@ -97,7 +97,7 @@ class _Softmax(nnx.Module):
         )
 
     def _attend(self, q, k, v, *, impl, capture, scale=None, **kwargs):
-        """``attn.attention`` with this layer's mask, soft-cap and sinks.
+        """``attn.attention`` with this layer's mask, soft-cap and learned sink logits.
 
         Weights are only materialized by the dense implementation, so capture
         uses it (every implementation computes the same function).
@@ -274,7 +274,9 @@ class LatentAttention(_Softmax):
     ``[q_nope, rope(q_rope)]`` per head, from ``x`` directly or through a query
     latent of rank ``q_rank``.
 
-    Two equal ways to compute it (``absorbed``):
+    Two equal ways to compute it (``absorbed``), the two forms of
+    ``attn.latent_attention``; this module owns the parameters, projections,
+    RoPE and the cache:
 
     * naive: materialize per-head keys ``[B,S,N,Hn+Hr]`` and values ``[B,S,N,E]``
       and run MHA;
@@ -338,29 +340,35 @@ class LatentAttention(_Softmax):
         k_rope = attn.apply_rope(h[..., R:][:, :, None], positions, base=self.cfg.rope_base)
         return c_kv, k_rope[:, :, 0]
 
-    def _naive(self, q_nope, q_rope, c_kv, k_rope, *, impl, capture, **kwargs):
-        """Per-head keys and values materialized; MHA. Returns ``(out [B,T,N,E], weights)``."""
-        B, S, _ = c_kv.shape
-        N, Hr = self.cfg.num_heads, self.cfg.rope_head_dim
-        w_uk, w_uv = self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype)
-        k_nope = jnp.einsum("BSR,RNH->BSNH", c_kv, w_uk)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None], (B, S, N, Hr))], -1)
-        v = jnp.einsum("BSR,RNE->BSNE", c_kv, w_uv)
-        q = jnp.concatenate([q_nope, q_rope], -1)
-        return self._attend(q, k, v, impl=impl, capture=capture, scale=self.scale, **kwargs)
+    def _mla(self, q_nope, q_rope, c_kv, k_rope, *, form, impl, capture, **kwargs):
+        """``attn.latent_attention`` with this layer's up-projections, mask, soft-cap and
+        learned sink logits (what ``_attend`` adds to ``attn.attention``). Returns
+        ``(out [B,T,N,E], w)``.
 
-    def _absorbed(self, q_nope, q_rope, c_kv, k_rope, *, impl, capture, **kwargs):
-        """Scores in latent space: MQA over ``[c_kv, k_rope]``. Returns ``(out [B,T,N,E], w)``."""
+        Weights are only materialized by the dense implementation, so capture uses it.
+        """
+        extra = dict(kwargs)
+        if self.cfg.softcap is not None:
+            extra["softcap"] = self.cfg.softcap
+        if self.sink_logits is not None:
+            extra["sink_logits"] = self.sink_logits[...]
         w_uk, w_uv = self.w_uk[...].astype(self.dtype), self.w_uv[...].astype(self.dtype)
-        q_latent = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)  # W_uk absorbed into the query
-        q = jnp.concatenate([q_latent, q_rope], -1)  # [B,T,N,R+Hr]
-        k = jnp.concatenate([c_kv, k_rope], -1)[:, :, None]  # [B,S,1,R+Hr]: one kv head
-        v = c_kv[:, :, None]  # [B,S,1,R]
-        chex.assert_equal_shape_suffix([q, k], 1)  # the query scores the latent key directly
-        out_latent, w = self._attend(
-            q, k, v, impl=impl, capture=capture, scale=self.scale, **kwargs
+        call = functools.partial(
+            attn.latent_attention,
+            q_nope,
+            q_rope,
+            c_kv,
+            k_rope,
+            w_uk,
+            w_uv,
+            form=form,
+            mask=self.cfg.mask(self.causal),
+            scale=self.scale,
+            **extra,
         )
-        return jnp.einsum("BTNR,RNE->BTNE", out_latent, w_uv), w  # W_uv on the output side
+        if capture:
+            return call(impl="dense", return_weights=True)
+        return call(impl=impl), None
 
     def _output(self, out, head_gates):
         B, T, N, E = out.shape
@@ -385,12 +393,12 @@ class LatentAttention(_Softmax):
         rope_pos = jnp.arange(x.shape[1]) if positions is None else positions
         q_nope, q_rope = self._queries(x, rope_pos)
         c_kv, k_rope = self._latent(x, rope_pos)
-        path = self._absorbed if absorbed else self._naive
-        out, w = path(
+        out, w = self._mla(
             q_nope,
             q_rope,
             c_kv,
             k_rope,
+            form="absorbed" if absorbed else "naive",
             impl=self.cfg.impl,
             capture=capture_weights,
             **self._full_kwargs(positions, segment_ids),
@@ -430,11 +438,12 @@ class LatentAttention(_Softmax):
             (new_c, new_r), new_pos = write_tokens(
                 old, cache.pos, (c_kv, k_rope), start, count, cache.pinned
             )
-        out, _ = self._absorbed(
+        out, _ = self._mla(
             q_nope,
             q_rope,
             all_c,
             all_r,
+            form="absorbed",
             impl=_cached_impl(self.cfg.impl),
             capture=False,
             **self._cached_kwargs(positions, kv_pos),

@@ -320,8 +320,8 @@ class Decoder(_LM):
 
         Full caches hold ``max_len`` slots, one per position: going past them
         raises (concrete lengths) or gives NaN logits (under ``jit``). Window
-        layers hold ``sinks + window`` slots whatever ``max_len``; linear layers a
-        constant state.
+        layers hold ``initial_tokens + window`` slots whatever ``max_len``; linear
+        layers a constant state.
         """
         return self._empty_cache(batch, max_len)
 

@@ -21,7 +21,9 @@ import json
 import shlex
 import sys
 
+from models.config import PRESETS
 from train.cli import enable_compilation_cache, parse
+from train.config import TrainConfig
 from train.loop import NonFiniteLossError, TrainingInterrupted, train
 
 EXIT_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
@@ -29,20 +31,31 @@ EXIT_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 def main(argv=None) -> int:
     """Entry point; returns the exit status."""
-    config, args = parse(
-        "python -m train",
-        "Trains one run (resuming it if the workdir holds checkpoints) and prints its summary. "
-        "Flags of this command: --workdir DIR (required), --stop-at N, --data PATH, "
-        "--no-progress; every field below overrides the config file.",
-        argv,
-        default_config=None,
-        extra=(
-            (("--workdir",), {"help": "run folder (resumed if it exists); required"}),
-            (("--stop-at",), {"type": int, "default": None, "help": "stop after N updates"}),
-            (("--data",), {"default": None, "help": "text file or folder (same as --task.data)"}),
-            (("--no-progress",), {"action": "store_true", "help": "hide the progress bar"}),
-        ),
-    )
+    try:
+        config, args = parse(
+            "python -m train",
+            "Trains one run (resuming it if the workdir holds checkpoints) and prints its "
+            "summary. Flags of this command: --config FILE (required), --workdir DIR "
+            "(required), --stop-at N (stop after N updates, with a checkpoint), --data PATH "
+            "(same as --task.data), --no-progress, --model.pattern NAME,NAME,... (the layers "
+            f"from preset names, one per layer: {', '.join(sorted(PRESETS))}; sized by the "
+            "first layer's heads and head dim) and --model.depth L (repeat the pattern to L "
+            "layers); they apply before the field overrides below, so --model.layers.I.FIELD "
+            "refers to the new layers. A larger --steps on a finished run extends it.",
+            argv,
+            default_config=None,
+            default_type=TrainConfig,
+            layer_flags=True,
+            extra=(
+                (("--workdir",), {"default": None}),
+                (("--stop-at",), {"type": int, "default": None}),
+                (("--data",), {"default": None}),
+                (("--no-progress",), {"action": "store_true"}),
+            ),
+        )
+    except ValueError as e:  # a bad config file, pattern or override: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.data is not None:
         config = dataclasses.replace(config, task=dataclasses.replace(config.task, data=args.data))
     if args.workdir is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import inspect
 import os
@@ -12,7 +13,10 @@ from pathlib import Path
 import jax
 import tyro
 
-__all__ = ["enable_compilation_cache", "load_config", "parse"]
+from models.config import ModelConfig, pattern, presets
+from train.config import TrainConfig
+
+__all__ = ["enable_compilation_cache", "load_config", "parse", "with_pattern"]
 
 
 def load_config(path: str | Path, **kwargs):
@@ -42,14 +46,17 @@ def parse(
     argv,
     *,
     default_config: str | None,
+    default_type=None,
     extra=(),
     config_kwargs=None,
+    layer_flags: bool = False,
 ):
     """Parses ``--config FILE [own flags] [field overrides]``.
 
     The config file's dataclass is the default of ``tyro.cli``, so any field can
     be overridden (``--model.width 128``, ``--optim.lr 3e-3``, ``--steps 500``).
-    ``--help`` after ``--config`` lists every field with its current value.
+    ``--help`` lists every field with its current value (the file's, or
+    ``default_type()``'s without ``--config``).
 
     Args:
       prog: the program name for messages.
@@ -57,30 +64,118 @@ def parse(
       argv: the arguments (default ``sys.argv[1:]``).
       default_config: the config file used when ``--config`` is absent, or None
         to require it.
+      default_type: the config class whose defaults ``--help`` shows when
+        ``--config`` is required and absent.
       extra: ``(flags, kwargs)`` pairs of additional ``argparse`` options.
       config_kwargs: keyword arguments for the file's ``get_config``.
+      layer_flags: accept ``--model.pattern NAME,...`` and ``--model.depth L``
+        (see ``with_pattern``); they apply before the field overrides, so
+        ``--model.layers.I.FIELD`` then refers to the new layers.
 
     Returns:
       ``(config, namespace of the extra options)``.
+
+    Raises:
+      ValueError: a bad config file, layer pattern or vocabulary override.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
-    parser.add_argument("--config", default=default_config, required=default_config is None)
+    parser.add_argument("--config", default=default_config)
     for flags, kwargs in extra:
         parser.add_argument(*flags, **kwargs)
-    if argv in (["-h"], ["--help"]) and default_config is None:
-        parser.print_help()
-        raise SystemExit(0)
+    if layer_flags:
+        parser.add_argument("--model.pattern", dest="pattern", default=None)
+        parser.add_argument("--model.depth", dest="depth", type=int, default=None)
     args, rest = parser.parse_known_args(argv)
-    config = load_config(args.config, **(config_kwargs or {}))
-    config = tyro.cli(
+    helping = "-h" in rest or "--help" in rest
+    if args.config is None:
+        if not (helping and default_type is not None):
+            raise ValueError(
+                f"--config: expected a Python file with get_config(), got none "
+                f"(usage: {prog} --config FILE ...)"
+            )
+        config, shown = default_type(), f"{prog} --config FILE"
+        description += (
+            f" Defaults shown are {default_type.__name__}()'s; --config FILE sets its own."
+        )
+    else:
+        config, shown = (
+            load_config(args.config, **(config_kwargs or {})),
+            f"{prog} --config {args.config}",
+        )
+    config = _check_vocab(config, config)  # the help shows the vocabulary a run uses
+    if layer_flags and (args.pattern is not None or args.depth is not None):
+        config = dataclasses.replace(
+            config, model=with_pattern(config.model, args.pattern, args.depth)
+        )
+    overridden = tyro.cli(
         type(config),
         default=config,
         args=rest,
-        prog=f"{prog} --config {args.config}",
+        prog=shown,
         description=description,
+        # An optional nested config (a cross-attention config or None) would become a
+        # positional subcommand; it keeps the file's value instead.
+        config=(tyro.conf.AvoidSubcommands,),
     )
-    return config, args
+    return _check_vocab(config, overridden), args
+
+
+def with_pattern(model: ModelConfig, names: str | None, depth: int | None) -> ModelConfig:
+    """``model`` with layers from preset names and/or repeated to ``depth`` layers.
+
+    Args:
+      model: the model config; its first layer's heads and head dim size the presets.
+      names: comma-separated preset names (``models.PRESETS``), one per layer,
+        e.g. ``"gqa,streaming,linear"``; None keeps the layers.
+      depth: L; the pattern repeats (or is cut) to L layers. None: one per name.
+
+    Raises:
+      ValueError: an unknown name or a depth < 1, naming the flag.
+    """
+    layers = model.layers
+    if names is not None:
+        first = layers[0]
+        registry = presets(
+            num_heads=first.num_heads,
+            head_dim=first.head_dim,
+            gqa_kv_heads=first.num_heads // 2 if first.num_heads % 2 == 0 else 1,
+        )
+        parts = [n.strip() for n in names.split(",") if n.strip()]
+        unknown = [n for n in parts if n not in registry]
+        if not parts or unknown:
+            raise ValueError(
+                f"--model.pattern: expected comma-separated names from {sorted(registry)}, "
+                f"got {names!r}"
+            )
+        layers = pattern(parts, registry)
+    if depth is not None:
+        if depth < 1:
+            raise ValueError(f"--model.depth: expected an int >= 1, got {depth}")
+        layers = tuple(layers[i % len(layers)] for i in range(depth))
+    return dataclasses.replace(model, layers=layers)
+
+
+def _check_vocab(before, after):
+    """Rejects a model vocabulary that differs from the task's; sets it where implied.
+
+    A run's model always uses its task's vocabulary, so ``--model.vocab-size``
+    can only repeat it; any other value is refused rather than ignored.
+    """
+    for path in ("", "train"):
+        old, new = (getattr(c, path) if path else c for c in (before, after))
+        if not isinstance(new, TrainConfig):
+            continue
+        flag = f"--{path + '.' if path else ''}model.vocab-size"
+        if new.model.vocab_size != old.model.vocab_size and new.model.vocab_size != new.task.vocab:
+            raise ValueError(
+                f"{flag}: expected the task's vocabulary {new.task.vocab} (the model always "
+                f"uses it; set --{path + '.' if path else ''}task.vocab-size instead), "
+                f"got {new.model.vocab_size}"
+            )
+        fixed = new.with_task_vocab()
+        return dataclasses.replace(after, train=fixed) if path else fixed
+    return after
 
 
 def enable_compilation_cache() -> None:

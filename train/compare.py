@@ -63,7 +63,7 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "mqa": ("softmax, multi-query", lambda L: ("mqa",) * L),
     "mla": ("multi-head latent", lambda L: ("mla",) * L),
     "window": ("sliding window", lambda L: ("window",) * L),
-    "window_sinks": ("sliding window + sinks", lambda L: ("window_sinks",) * L),
+    "streaming": ("sliding window + initial tokens", lambda L: ("streaming",) * L),
     "local_global": ("windows + one global layer", lambda L: ("window",) * (L - 1) + ("mha",)),
     "linear": ("linear, elu+1", lambda L: ("linear",) * L),
     "linear_decay": ("linear, RetNet decay", lambda L: ("linear_decay",) * L),
@@ -79,7 +79,7 @@ class CompareConfig:
     Attributes:
       train: the shared task, model width, budget and bookkeeping. Its
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
-      variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, window_sinks,
+      variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
         local_global, linear, linear_decay, linear_gated, hybrid.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
@@ -87,7 +87,7 @@ class CompareConfig:
       num_heads: N query heads; head dim is ``width / N``.
       gqa_kv_heads: K for ``gqa``.
       window: sliding-window length (itself included) for window variants.
-      num_sinks: sink positions for ``window_sinks``.
+      num_initial_tokens: the always-visible first positions of ``streaming``.
       kv_rank: MLA latent rank R.
       q_rank: MLA query latent rank (None: direct query projection).
       rope_head_dim: MLA decoupled RoPE key width.
@@ -109,7 +109,7 @@ class CompareConfig:
     num_heads: int = 4
     gqa_kv_heads: int = 2
     window: int = 16
-    num_sinks: int = 4
+    num_initial_tokens: int = 4
     kv_rank: int = 16
     q_rank: int | None = None
     rope_head_dim: int = 4
@@ -156,7 +156,7 @@ def variant_layers(config: CompareConfig, variant: str):
         head_dim=config.train.model.width // config.num_heads,
         gqa_kv_heads=config.gqa_kv_heads,
         window=config.window,
-        num_sinks=config.num_sinks,
+        num_initial_tokens=config.num_initial_tokens,
         kv_rank=config.kv_rank,
         q_rank=config.q_rank,
         rope_head_dim=config.rope_head_dim,

@@ -7,12 +7,14 @@ Every field can be overridden on the command line through tyro, e.g.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 
 from models.config import ModelConfig
 from train.tasks import TaskConfig
 
-__all__ = ["OptimConfig", "TrainConfig", "to_json"]
+__all__ = ["OptimConfig", "TrainConfig", "differences", "from_json", "to_json"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,10 @@ class OptimConfig:
       warmup_fraction: fraction of the steps spent warming up linearly from 0
         (a fraction, so a shorter run keeps the same schedule shape).
       final_lr_fraction: the cosine decays to ``lr * final_lr_fraction``.
+      decay_steps: the step at which the cosine ends (warmup is a fraction of
+        it); the learning rate then stays at ``lr * final_lr_fraction``. None: the
+        run's ``steps``. Extending a run's ``steps`` on resume pins it to the
+        original length, so the steps already taken keep their schedule.
       weight_decay: decoupled weight decay, on matrices only (not norms or biases).
       b1, b2, eps: Adam's moments and epsilon.
       clip_norm: gradients are rescaled to at most this global norm.
@@ -37,6 +43,7 @@ class OptimConfig:
     b2: float = 0.98
     eps: float = 1e-8
     clip_norm: float = 1.0
+    decay_steps: int | None = None
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -53,14 +60,21 @@ class OptimConfig:
             raise ValueError(f"optim.weight_decay: expected >= 0, got {self.weight_decay}")
         if not self.clip_norm > 0:
             raise ValueError(f"optim.clip_norm: expected a float > 0, got {self.clip_norm}")
+        d = self.decay_steps
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise ValueError(f"optim.decay_steps: expected None or an int >= 1, got {d!r}")
+
+    def horizon(self, steps: int) -> int:
+        """The schedule's length for a run of ``steps`` updates."""
+        return steps if self.decay_steps is None else self.decay_steps
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run: task, model, optimizer, budget and bookkeeping.
 
-    The model's vocabulary is taken from the task (``task.vocab``); the model
-    config's own ``vocab_size`` is replaced by it.
+    The model's vocabulary is the task's (``task.vocab``): ``with_task_vocab()``
+    sets ``model.vocab_size`` to it, and that is what a run builds and records.
 
     Attributes:
       task: which batches to train and test on.
@@ -100,6 +114,13 @@ class TrainConfig:
         if self.seed < 0:
             raise ValueError(f"seed: expected an int >= 0, got {self.seed}")
 
+    def with_task_vocab(self) -> TrainConfig:
+        """This config with ``model.vocab_size`` set to the task's vocabulary."""
+        if self.model.vocab_size == self.task.vocab:
+            return self
+        model = dataclasses.replace(self.model, vocab_size=self.task.vocab)
+        return dataclasses.replace(self, model=model)
+
 
 # Fields that change what a run computes: a run cannot resume under a config
 # that differs in any of them (the others only change logging and saving).
@@ -109,3 +130,59 @@ RESULT_FIELDS = ("task", "model", "optim", "steps", "batch_size", "seed")
 def to_json(config) -> dict:
     """A dataclass config as JSON-able nested dicts (tuples become lists)."""
     return dataclasses.asdict(config)
+
+
+def from_json(cls, data: dict):
+    """Rebuilds a nested frozen dataclass config from ``train.config.to_json``'s dicts.
+
+    Lists become tuples where the field is a tuple, nested dicts become the
+    field's dataclass, and every config validates itself again on the way.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a dict of fields, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: expected fields of {sorted(names)}, got {unknown}")
+    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+
+
+def _value(tp, value):
+    """``value`` (JSON) as an instance of the annotation ``tp``."""
+    if value is None:
+        return None
+    if dataclasses.is_dataclass(tp):
+        return from_json(tp, value)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):  # e.g. float | tuple[float, ...] | None
+        arms = [a for a in args if a is not type(None)]
+        if isinstance(value, dict):
+            return from_json(next(a for a in arms if dataclasses.is_dataclass(a)), value)
+        if isinstance(value, list):
+            return _value(next((a for a in arms if typing.get_origin(a) is tuple), tuple), value)
+        return value
+    if origin is tuple or tp is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_value(args[0], x) for x in value)
+        if args:
+            return tuple(_value(a, x) for a, x in zip(args, value, strict=True))
+        return tuple(value)
+    return value
+
+
+def differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
+    """``(dotted field, old, new)`` for every leaf where two ``to_json`` trees differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return [
+            d
+            for k in sorted(set(old) | set(new), key=list({**old, **new}).index)
+            for d in differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        ]
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [
+            d
+            for i, (a, b) in enumerate(zip(old, new, strict=True))
+            for d in differences(a, b, f"{prefix}{i}.")
+        ]
+    return [] if old == new else [(prefix[:-1], old, new)]

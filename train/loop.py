@@ -9,8 +9,10 @@ count), and the restored arrays are the saved bits.
 
 Files in the workdir:
 
-- ``config.json``: the run's config; resuming under a config that changes the
-  result (task, model, optimizer, steps, batch, seed) is refused.
+- ``config.json``: the run's config, as the model is built (``model.vocab_size``
+  is the task's). Resuming under a config that changes the result (task, model,
+  optimizer, batch, seed) is refused; ``steps`` may grow, which extends the run
+  with the schedule of the steps taken kept (see ``_check_config``).
 - ``checkpoints/<step>/``: the last ``keep_checkpoints`` orbax checkpoints.
 - ``metrics.jsonl``: one JSON record per line, ``{"step", "kind": "train", ...}``
   every ``log_every`` steps and ``{"step", "kind": "eval", ...}`` at each
@@ -45,7 +47,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from train.checkpoint import Checkpointer, load_state, snapshot
-from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, to_json
+from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, differences, from_json, to_json
 from train.tasks import Task, make_task
 
 __all__ = [
@@ -133,19 +135,23 @@ class _StopOnSigint:
 def make_schedule(optim: OptimConfig, steps: int, peak=None) -> optax.Schedule:
     """Linear warmup from 0 to the peak, then cosine decay to ``peak * final_lr_fraction``.
 
+    The schedule spans ``optim.horizon(steps)`` updates (``optim.decay_steps``,
+    default ``steps``) and holds its final value after them.
+
     Args:
       optim: the optimizer config.
       steps: the run's length.
       peak: the peak learning rate (a float or a traced scalar); default ``optim.lr``.
     """
     peak = optim.lr if peak is None else peak
-    warmup = int(optim.warmup_fraction * steps)
+    horizon = optim.horizon(steps)
+    warmup = int(optim.warmup_fraction * horizon)
     # Shape of the schedule with peak 1; the peak multiplies it, so it may be an array.
     shape = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=1.0,
         warmup_steps=warmup,
-        decay_steps=max(steps, warmup + 1),
+        decay_steps=max(horizon, warmup + 1),
         end_value=optim.final_lr_fraction,
     )
     return lambda count: peak * shape(count)
@@ -328,19 +334,52 @@ def _truncate_metrics(path: Path, through_step: int) -> None:
         tmp.replace(path)  # atomic: a crash here leaves the old or the new file, never half
 
 
-def _check_config(workdir: Path, config: TrainConfig) -> None:
-    """Refuses to resume a run under a config that would change its result."""
+def _with_horizon(config: TrainConfig) -> TrainConfig:
+    optim = dataclasses.replace(config.optim, decay_steps=config.optim.horizon(config.steps))
+    return dataclasses.replace(config, optim=optim)
+
+
+def _check_config(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int | None]:
+    """The config to resume ``workdir``'s run under, and the recorded steps if it grows.
+
+    A run cannot resume under a config that changes its result, with one
+    exception: ``steps`` may grow, which continues the run. The schedule's
+    horizon (``optim.decay_steps``) is then pinned to the recorded one, so the
+    steps already taken keep their learning rates and the result equals an
+    uninterrupted run of the extended config.
+
+    Raises:
+      ValueError: in one line, naming the differing fields and the way out.
+    """
     path = workdir / "config.json"
-    new = to_json(config)
+    extended_from = None
     if path.exists():
-        old = json.loads(path.read_text())
-        changed = [k for k in RESULT_FIELDS if old.get(k) != json.loads(json.dumps(new[k]))]
+        old = from_json(TrainConfig, json.loads(path.read_text())).with_task_vocab()
+        if config.steps > old.steps and config.optim.decay_steps is None:
+            optim = dataclasses.replace(config.optim, decay_steps=old.optim.horizon(old.steps))
+            config = dataclasses.replace(config, optim=optim)
+        if config.steps > old.steps:
+            extended_from = old.steps
+        # Compared with each schedule's horizon resolved: None and the run's steps agree.
+        old_json, new_json = (
+            json.loads(json.dumps(to_json(_with_horizon(c)))) for c in (old, config)
+        )
+        changed = [
+            d
+            for k in RESULT_FIELDS
+            for d in differences(old_json[k], new_json[k], f"{k}.")
+            if not (d[0] == "steps" and extended_from is not None)
+        ]
         if changed:
+            shown = ", ".join(f"{name} (recorded {a!r}, got {b!r})" for name, a, b in changed[:3])
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
             raise ValueError(
-                f"workdir: {str(workdir)!r} holds a run with a different {', '.join(changed)}; "
-                "use a new workdir (or delete this one) to change them"
+                f"workdir: {str(workdir)!r} holds a run with a different {shown}{more}; "
+                "use a new workdir for a different run, or resume with the recorded values "
+                "(only --steps may grow: that extends the run)"
             )
-    path.write_text(json.dumps(new, indent=2) + "\n")
+    path.write_text(json.dumps(to_json(config), indent=2) + "\n")
+    return config, extended_from
 
 
 # ----------------------------------------------------------------------------
@@ -357,6 +396,9 @@ def train(
     desc: str | None = None,
 ) -> dict[str, Any]:
     """Trains (or resumes) the run in ``workdir`` up to ``config.steps`` updates.
+
+    A finished or interrupted run resumes under a larger ``config.steps``: the
+    run continues, with ``optim.decay_steps`` pinned to the recorded length.
 
     Args:
       config: the run.
@@ -376,12 +418,13 @@ def train(
 
     Raises:
       NonFiniteLossError: the loss or gradient norm became NaN or infinite.
-      ValueError: the workdir holds a run with a different config.
+      ValueError: the workdir holds a run with a different config (other than
+        more ``steps``).
     """
     t_begin = time.perf_counter()
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _check_config(workdir, config)
+    config, extended_from = _check_config(workdir, config.with_task_vocab())
     task = make_task(config.task)
     model, optimizer = init_state(config, task.vocab_size, model_fn)
     schedule = jax.jit(make_schedule(config.optim, config.steps))  # one compile, not one per op
@@ -398,7 +441,16 @@ def train(
         start = load_state(model, optimizer, tree)
         totals.update(meta["totals"])
         window = [tuple(x) for x in meta["window"]]
-        tqdm.write(f"{workdir}: resuming from step {start} of {config.steps}", file=sys.stderr)
+        note = ""
+        if extended_from is not None:
+            horizon = config.optim.horizon(config.steps)
+            note = (
+                f" (extended from {extended_from} steps; the learning rate holds its final "
+                f"value after step {horizon})"
+            )
+        tqdm.write(
+            f"{workdir}: resuming from step {start} of {config.steps}{note}", file=sys.stderr
+        )
     metrics_path = workdir / "metrics.jsonl"
     _truncate_metrics(metrics_path, start)
     end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))

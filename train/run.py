@@ -10,56 +10,14 @@ needed to get the model back for analysis::
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import types
-import typing
 from pathlib import Path
 
 from train.checkpoint import Checkpointer, load_state, snapshot
-from train.config import TrainConfig
+from train.config import TrainConfig, from_json
 from train.loop import ModelFn, init_state
 
 __all__ = ["from_json", "load_run"]
-
-
-def from_json(cls, data: dict):
-    """Rebuilds a nested frozen dataclass config from ``train.config.to_json``'s dicts.
-
-    Lists become tuples where the field is a tuple, nested dicts become the
-    field's dataclass, and every config validates itself again on the way.
-    """
-    if not isinstance(data, dict):
-        raise ValueError(f"{cls.__name__}: expected a dict of fields, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: expected fields of {sorted(names)}, got {unknown}")
-    return cls(**{name: _value(hints[name], value) for name, value in data.items()})
-
-
-def _value(tp, value):
-    """``value`` (JSON) as an instance of the annotation ``tp``."""
-    if value is None:
-        return None
-    if dataclasses.is_dataclass(tp):
-        return from_json(tp, value)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):  # e.g. float | tuple[float, ...] | None
-        arms = [a for a in args if a is not type(None)]
-        if isinstance(value, dict):
-            return from_json(next(a for a in arms if dataclasses.is_dataclass(a)), value)
-        if isinstance(value, list):
-            return _value(next((a for a in arms if typing.get_origin(a) is tuple), tuple), value)
-        return value
-    if origin is tuple or tp is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_value(args[0], x) for x in value)
-        if args:
-            return tuple(_value(a, x) for a, x in zip(args, value, strict=True))
-        return tuple(value)
-    return value
 
 
 def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn | None = None):

@@ -20,7 +20,7 @@ BLOCKS = {"block_q": 8, "block_k": 16}
 MASKS = {
     "causal": masks.causal(),
     "window": masks.sliding_window(6),
-    "window_sinks": masks.causal() & (masks.sliding_window(6) | masks.sinks(2)),
+    "streaming": masks.causal() & (masks.sliding_window(6) | masks.initial_tokens(2)),
 }
 IMPLS = {
     "dense": attn.dot_product_attention,
@@ -47,7 +47,7 @@ def test_default_queries_are_the_last_rows_of_the_full_pass(T, mask, impl):
 
 def test_blockwise_gradients_follow_the_same_default():
     q, k, v = qkv(4, B=2, T=S, N=4, K=2, H=8)
-    mask = MASKS["window_sinks"]
+    mask = MASKS["streaming"]
 
     def loss(fn):
         return lambda q, k, v: jnp.sum(jnp.sin(fn(q[:, -7:], k, v, mask=mask)))

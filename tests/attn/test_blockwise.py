@@ -80,7 +80,7 @@ MASKS = {
     "full": masks.full(),
     "causal": masks.causal(),
     "window": masks.sliding_window(9),
-    "sinks_window": masks.causal() & (masks.sliding_window(7) | masks.sinks(3)),
+    "streaming": masks.causal() & (masks.sliding_window(7) | masks.initial_tokens(3)),
     "chunked": masks.causal() & masks.chunked(12),
     "global": masks.global_tokens((0, 20)) | masks.sliding_window(5),
     "bidirectional_band": masks.bidirectional_window(6),
@@ -102,21 +102,21 @@ def test_mha_and_mqa(N, K):
 def test_softcap_scale_and_sink_logits_with_their_gradient():
     q, k, v = qkv(3, **SHAPE)
     q = 3 * q  # large logits, so the cap matters
-    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    sink_logits = jnp.array([0.5, -1.0, 2.0, 0.0])
     _, grads = assert_matches_dense(
-        q, k, v, mask=masks.causal(), softcap=2.5, scale=0.3, sink_logits=sinks
+        q, k, v, mask=masks.causal(), softcap=2.5, scale=0.3, sink_logits=sink_logits
     )
     assert np.abs(np.asarray(grads[3])).min() > 0  # every sink logit gets a gradient
 
 
 def test_one_kv_head_per_tile(monkeypatch):
     # Long sequences split the B*K kv heads into groups of tiles (TILE_SCORES);
-    # one head per tile exercises the grouping with GQA, sinks and segment ids.
+    # one head per tile exercises the grouping with GQA, sink logits and segment ids.
     monkeypatch.setattr(blockwise, "TILE_SCORES", 1)
     q, k, v = qkv(20, **SHAPE)
     seg = jnp.asarray(np.r_[np.full(20, 1), np.full(17, 2)], jnp.int32)[None].repeat(2, 0)
     assert_matches_dense(
-        q, k, v, mask=MASKS["sinks_window"], sink_logits=jnp.array([0.5, -1.0, 2.0, 0.0]),
+        q, k, v, mask=MASKS["streaming"], sink_logits=jnp.array([0.5, -1.0, 2.0, 0.0]),
         softcap=4.0, q_segment_ids=seg, kv_segment_ids=seg,
     )  # fmt: skip
     c = count_blocks(q, k, v, mask=masks.causal(), block_q=16, block_k=16)
@@ -133,12 +133,12 @@ def test_sink_gradient_by_finite_differences():
         out = blockwise_attention(q, k, v, mask=masks.causal(), sink_logits=s, block_q=8, block_k=8)
         return (out * cot).sum()
 
-    sinks = jnp.array([0.3, -0.7])
-    g = jax.jit(jax.grad(f))(sinks)
+    sink_logits = jnp.array([0.3, -0.7])
+    g = jax.jit(jax.grad(f))(sink_logits)
     eps = 1e-2
     for n in range(2):
         e = jnp.zeros(2).at[n].set(eps)
-        fd = (f(sinks + e) - f(sinks - e)) / (2 * eps)
+        fd = (f(sink_logits + e) - f(sink_logits - e)) / (2 * eps)
         assert abs(float(g[n]) - float(fd)) <= 1e-3 * max(1.0, abs(float(fd)))
 
 

@@ -160,30 +160,30 @@ def reference(q, k, v, allowed, *, scale=None, softcap=None, sink_logits=None):
     return jnp.einsum("bnts,bsne->btne", w, v)
 
 
-def test_sinks_softcap_scale_and_positions_match_an_independent_oracle():
+def test_sink_logits_softcap_scale_and_positions_match_an_independent_oracle():
     q, k, v = qkv(6, B=2, T=5, S=12, N=4, K=2, H=8)
     q = q * 3  # large logits so the cap matters
-    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    sink_logits = jnp.array([0.5, -1.0, 2.0, 0.0])
     q_pos = jnp.array([7, 8, 9, 10, 11])  # chunked prefill: the last 5 of 12 positions
     mask = masks.causal() & masks.sliding_window(6)
     allowed = mask.allowed(
         jnp.broadcast_to(q_pos, (2, 5)), jnp.broadcast_to(jnp.arange(12), (2, 12))
     )
-    kw = dict(scale=0.3, softcap=2.5, sink_logits=sinks)
+    kw = dict(scale=0.3, softcap=2.5, sink_logits=sink_logits)
     ours = lambda q, k, v, s: attn.dot_product_attention(  # noqa: E731
         q, k, v, mask=mask, q_positions=q_pos, scale=0.3, softcap=2.5, sink_logits=s
     )
     theirs = lambda q, k, v, s: reference(q, k, v, allowed, scale=0.3, softcap=2.5, sink_logits=s)  # noqa: E731
-    assert rel_err(ours(q, k, v, sinks), theirs(q, k, v, sinks)) <= TOL
-    assert rel_err(ours(q, k, v, sinks), np_attention(q, k, v, allowed, **kw)) <= TOL
+    assert rel_err(ours(q, k, v, sink_logits), theirs(q, k, v, sink_logits)) <= TOL
+    assert rel_err(ours(q, k, v, sink_logits), np_attention(q, k, v, allowed, **kw)) <= TOL
     cot = normal(1, (2, 5, 4, 8))
     loss = lambda f: lambda *a: (f(*a) * cot).sum()  # noqa: E731
     for a, b in zip(
-        jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, sinks),
-        jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(q, k, v, sinks),
+        jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, sink_logits),
+        jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(q, k, v, sink_logits),
         strict=True,
     ):
-        assert rel_err(a, b) <= 1e-4  # composed: cap, sinks and masking
+        assert rel_err(a, b) <= 1e-4  # composed: cap, sink logits and masking
 
 
 def test_decode_query_equals_last_row_of_the_full_pass():

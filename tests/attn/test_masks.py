@@ -20,13 +20,13 @@ PRIMITIVES = {
     "window1": masks.sliding_window(1),
     "window5": masks.sliding_window(5),
     "band3": masks.bidirectional_window(3),
-    "sinks2": masks.sinks(2),
+    "initial2": masks.initial_tokens(2),
     "chunked4": masks.chunked(4),
     "global": masks.global_tokens((0, 5, 6, 7, 19)),
 }
 # Compositions: classification must be sound (never claims EMPTY/FULL wrongly).
 COMPOSED = {
-    "streaming": masks.causal() & (masks.sliding_window(4) | masks.sinks(3)),
+    "streaming": masks.causal() & (masks.sliding_window(4) | masks.initial_tokens(3)),
     "chunked_causal": masks.causal() & masks.chunked(6),
     "longformer": masks.bidirectional_window(2) | masks.global_tokens((3, 11)),
     "causal_global": masks.causal() & (masks.sliding_window(3) | masks.global_tokens((0, 8))),
@@ -96,7 +96,7 @@ def test_rules_on_positions():
     # Window of 3: position 5 sees exactly 3, 4, 5.
     row = np.asarray(masks.sliding_window(3).allowed(np.array([5]), q))[0]
     assert np.flatnonzero(row).tolist() == [3, 4, 5]
-    row = np.asarray(masks.sinks(2).allowed(np.array([6]), q))[0]
+    row = np.asarray(masks.initial_tokens(2).allowed(np.array([6]), q))[0]
     assert np.flatnonzero(row).tolist() == [0, 1]
     row = np.asarray(masks.chunked(3).allowed(np.array([4]), q))[0]
     assert np.flatnonzero(row).tolist() == [3, 4, 5]
@@ -108,14 +108,14 @@ def test_rules_on_positions():
 
 
 def test_algebra_is_hashable_and_composes():
-    a = masks.causal() & (masks.sliding_window(4) | masks.sinks(2))
-    b = masks.causal() & (masks.sliding_window(4) | masks.sinks(2))
+    a = masks.causal() & (masks.sliding_window(4) | masks.initial_tokens(2))
+    b = masks.causal() & (masks.sliding_window(4) | masks.initial_tokens(2))
     assert a == b and hash(a) == hash(b)
     q = np.arange(12)
     got = np.asarray(a.allowed(q, q))
-    want = np.asarray(masks.causal().allowed(q, q)) & (
-        np.asarray(masks.sliding_window(4).allowed(q, q)) | np.asarray(masks.sinks(2).allowed(q, q))
-    )
+    window = np.asarray(masks.sliding_window(4).allowed(q, q))
+    initial = np.asarray(masks.initial_tokens(2).allowed(q, q))
+    want = np.asarray(masks.causal().allowed(q, q)) & (window | initial)
     np.testing.assert_array_equal(got, want)
 
 
@@ -144,7 +144,7 @@ def test_block_schedule_handles_ragged_edges():
         (masks.sliding_window, -1, "w"),
         (masks.sliding_window, 0, "w"),
         (masks.sliding_window, 2.5, "w"),
-        (masks.sinks, 0, "n"),
+        (masks.initial_tokens, 0, "n"),
         (masks.chunked, True, "c"),
         (masks.bidirectional_window, -2, "radius"),
         (masks.global_tokens, [], "positions"),
@@ -155,6 +155,16 @@ def test_block_schedule_handles_ragged_edges():
 def test_bad_arguments(make, arg, name):
     with pytest.raises(ValueError, match=name):
         make(arg)
+
+
+def test_sinks_is_a_deprecated_alias_of_initial_tokens():
+    with pytest.warns(DeprecationWarning, match="use attn.masks.initial_tokens"):
+        old = masks.sinks(2)
+    assert old == masks.initial_tokens(2) and hash(old) == hash(masks.initial_tokens(2))
+    assert isinstance(old, masks.InitialTokens) and masks.Sinks is masks.InitialTokens
+    assert repr(masks.initial_tokens(4)) == "InitialTokens(n=4)"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="n"):
+        masks.sinks(0)
 
 
 def test_combining_with_a_non_mask_fails():
@@ -172,7 +182,7 @@ def test_segment_ids_from_lengths():
 def test_classify_broadcasts_over_all_four_bounds():
     lo = jnp.arange(4)
     assert masks.full().classify(lo, lo + 2, lo, lo + 1).shape == (4,)
-    kinds = masks.sinks(2).classify(lo[:, None], lo[:, None], lo[None, :], lo[None, :])
+    kinds = masks.initial_tokens(2).classify(lo[:, None], lo[:, None], lo[None, :], lo[None, :])
     assert kinds.shape == (4, 4) and kinds.dtype == jnp.int32
     assert (np.asarray(kinds) == np.where(np.arange(4) < 2, 1, 0)[None, :]).all()
     np_kinds = masks.causal().classify(np.arange(4), np.arange(4), 0, 3)
@@ -183,7 +193,7 @@ def test_classify_broadcasts_over_all_four_bounds():
 
 def test_masks_are_static_pytrees_through_jax_transforms():
     q, k, v = qkv(11, B=2, T=6, N=2, H=4)
-    mask = masks.causal() & (masks.sliding_window(3) | masks.sinks(1))
+    mask = masks.causal() & (masks.sliding_window(3) | masks.initial_tokens(1))
     assert jax.tree.leaves(mask) == []
     want = attn.dot_product_attention(q, k, v, mask=mask)
     # jit with the mask as an argument: no static_argnames needed; equal masks share a trace.
@@ -195,7 +205,7 @@ def test_masks_are_static_pytrees_through_jax_transforms():
 
     jitted = jax.jit(f)
     assert rel_err(jitted(q, k, v, mask), want) <= 1e-6
-    jitted(q, k, v, masks.causal() & (masks.sliding_window(3) | masks.sinks(1)))
+    jitted(q, k, v, masks.causal() & (masks.sliding_window(3) | masks.initial_tokens(1)))
     assert len(traces) == 1
     assert rel_err(jax.jit(attn.attention)(q, k, v, mask=mask), want) <= 1e-6
     # vmap over the batch with the mask unmapped, grad with the mask as an argument.

@@ -30,7 +30,7 @@ leaf_masks = st.one_of(
     st.just(masks.full()),
     st.just(masks.causal()),
     st.integers(1, 24).map(masks.sliding_window),
-    st.integers(1, 24).map(masks.sinks),
+    st.integers(1, 24).map(masks.initial_tokens),
     st.integers(1, 16).map(masks.chunked),
     st.integers(0, 24).map(masks.bidirectional_window),
     st.lists(st.integers(0, MAX_POS), min_size=1, max_size=6).map(masks.global_tokens),
@@ -109,7 +109,7 @@ def test_classify_on_array_bounds_matches_int_bounds(mask, qs, ks):
     for xp in (jnp, np):
         got = mask.classify(*(xp.asarray(b, np.int32) for b in (q_lo, q_hi, k_lo, k_hi)))
         assert isinstance(got, jax.Array) == (xp is jnp), type(got)  # the jnp path ran
-        # Masks that ignore a side (full, sinks) give a smaller shape: broadcast.
+        # Masks that ignore a side (full, initial_tokens) give a smaller shape: broadcast.
         got = np.broadcast_to(np.asarray(got), want.shape)
         chex.assert_trees_all_equal(got, want)
 

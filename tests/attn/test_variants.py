@@ -48,11 +48,12 @@ class DenseAttentionVariantsTest(VariantTestCase):
     @parameterized.named_parameters(
         ("causal_gqa", masks.causal(), 4, 2, {}),
         ("window_mqa", masks.sliding_window(3), 4, 1, {}),
-        ("streaming_softcap", masks.causal() & (masks.sliding_window(4) | masks.sinks(2)), 4, 2,
+        ("streaming_softcap",
+         masks.causal() & (masks.sliding_window(4) | masks.initial_tokens(2)), 4, 2,
          {"softcap": 2.5}),
         ("longformer_mha", masks.bidirectional_window(2) | masks.global_tokens((0, 7)), 2, 2, {}),
         ("chunked_causal_scale", masks.causal() & masks.chunked(4), 4, 4, {"scale": 0.3}),
-        ("full_sinks", masks.full(), 4, 2, {"sink_logits": np.array([0.5, -1.0, 2.0, 0.0])}),
+        ("full_sink_logits", masks.full(), 4, 2, {"sink_logits": np.array([0.5, -1.0, 2.0, 0.0])}),
     )  # fmt: skip
     def test_matches_numpy_oracle(self, mask, N, K, kwargs):
         B, T, S = 2, 7, 12
@@ -129,7 +130,7 @@ def partials(q, k, v, q_pos, parts, mask):
 
 class MergeVariantsTest(VariantTestCase):
     # StreamingLLM over queries 20..25: some parts are empty for some rows.
-    MASK = masks.causal() & (masks.sliding_window(8) | masks.sinks(2))
+    MASK = masks.causal() & (masks.sliding_window(8) | masks.initial_tokens(2))
 
     def setUp(self):
         super().setUp()

@@ -25,29 +25,29 @@ B, MAX_LEN = 2, 16
 # The presets plus variants that switch on the remaining options in one place.
 REGISTRY = dict(models.PRESETS)
 REGISTRY["mla_direct_q"] = dataclasses.replace(REGISTRY["mla"], q_rank=None)
-REGISTRY["gqa_softcap_sinks"] = dataclasses.replace(
+REGISTRY["gqa_softcap_sink_logits"] = dataclasses.replace(
     REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4
 )
 # FAVOR+ random features, GQA (K=2) and RetNet decay in one linear layer.
 REGISTRY["linear_favor"] = dataclasses.replace(
     REGISTRY["linear_decay"], feature_map="favor", num_features=16, num_kv_heads=2
 )
-REGISTRY["window_sinks_blockwise"] = dataclasses.replace(REGISTRY["window_sinks"], impl="blockwise")
+REGISTRY["streaming_blockwise"] = dataclasses.replace(REGISTRY["streaming"], impl="blockwise")
 REGISTRY["gqa_blockwise"] = dataclasses.replace(REGISTRY["gqa"], impl="blockwise")
 
 # One decoder per attention kind; the hybrid mixes all three cache kinds.
 KINDS = {
     "mha": ("mha", "mha"),
-    "gqa": ("gqa", "gqa_softcap_sinks"),
+    "gqa": ("gqa", "gqa_softcap_sink_logits"),
     "mqa": ("mqa", "mqa"),
     "mla": ("mla", "mla_direct_q"),
     "window": ("window", "window"),
-    "window_sinks": ("window_sinks", "window_sinks"),
+    "streaming": ("streaming", "streaming"),
     "global_tokens": ("global_tokens", "global_tokens"),
     "linear": ("linear", "linear"),
     "linear_decay": ("linear_decay", "linear_favor"),
-    "hybrid": ("linear_gated", "mla", "window_sinks"),
-    "blockwise": ("window_sinks_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
+    "hybrid": ("linear_gated", "mla", "streaming"),
+    "blockwise": ("streaming_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
 }
 
 

@@ -26,13 +26,14 @@ ATTENTION_ERRORS = [
     ({"rope": 1}, "rope", 1),
     ({"rope_base": -1.0}, "rope_base", -1.0),
     ({"window": 0}, "window", 0),
-    ({"sinks": 2}, "sinks", 2),  # without a window
-    ({"window": 4, "sinks": -1}, "sinks", -1),
+    ({"initial_tokens": 2}, "initial_tokens", 2),  # without a window
+    ({"window": 4, "initial_tokens": -1}, "initial_tokens", -1),
+    ({"window": 4, "initial_tokens": 1.5}, "initial_tokens", 1.5),
     ({"global_tokens": (1,)}, "global_tokens", (1,)),  # without a window
     ({"window": 4, "global_tokens": (-1,)}, "global_tokens", (-1,)),
     ({"window": 4, "global_tokens": [0]}, "global_tokens", [0]),
     ({"impl": "flash"}, "impl", "flash"),
-    ({"impl": "xla", "window": 4, "sinks": 2}, "impl", "xla"),
+    ({"impl": "xla", "window": 4, "initial_tokens": 2}, "impl", "xla"),
     ({"softcap": 0.0}, "softcap", 0.0),
     ({"sink_logits": "yes"}, "sink_logits", "yes"),
     ({"feature_map": "cos"}, "feature_map", "cos"),
@@ -68,6 +69,17 @@ def test_attention_config_errors(kwargs, field, value):
     assert repr(value) in str(err.value)
 
 
+def test_initial_tokens_messages_name_the_field():
+    with pytest.raises(ValueError, match=r"^initial_tokens: expected a non-negative int, got -1$"):
+        AttentionConfig(window=4, initial_tokens=-1)
+    with pytest.raises(ValueError, match=r"^initial_tokens: expected 0 without a window"):
+        AttentionConfig(initial_tokens=2)
+    with pytest.raises(ValueError, match="initial tokens"):
+        AttentionConfig(impl="xla", window=4, initial_tokens=2)
+    with pytest.raises(TypeError, match="sinks"):  # renamed without an alias
+        AttentionConfig(window=4, sinks=2)
+
+
 MODEL_ERRORS = [
     ({"vocab_size": 0}, "vocab_size", 0),
     ({"width": -1}, "width", -1),
@@ -98,9 +110,9 @@ def test_pattern_and_presets():
     hybrid = pattern(("linear", "linear", "softmax") * 2)
     assert [a.kind for a in hybrid] == ["linear", "linear", "softmax"] * 2
     big = models.presets(num_heads=8, head_dim=32, gqa_kv_heads=2, window=128)
-    assert big["gqa"].num_kv_heads == 2 and big["window_sinks"].window == 128
+    assert big["gqa"].num_kv_heads == 2 and big["streaming"].window == 128
     assert big["linear_decay"].decay_values()[0] == 1 - 2**-5
-    config = ModelConfig(layers=pattern(("mla", "window_sinks", "linear_decay")))
+    config = ModelConfig(layers=pattern(("mla", "streaming", "linear_decay")))
     assert hash(config) == hash(dataclasses.replace(config))  # hashable: static under jit
     assert config.hidden_width == 4 * config.width
     with pytest.raises(ValueError, match="names") as err:
@@ -110,9 +122,18 @@ def test_pattern_and_presets():
         pattern("mha")
 
 
+def test_window_sinks_is_a_deprecated_alias_of_streaming():
+    assert models.presets()["window_sinks"] == models.presets()["streaming"]
+    assert models.PRESETS["window_sinks"] is models.PRESETS["streaming"]
+    custom = models.presets(window=8, num_initial_tokens=3)
+    assert custom["streaming"].initial_tokens == 3 and custom["streaming"].window == 8
+    assert custom["window_sinks"] == custom["streaming"]
+    assert pattern(("window_sinks",)) == pattern(("streaming",))
+
+
 def test_masks_and_cache_layouts():
-    w = models.PRESETS["window_sinks"]
-    assert w.cache_layout(100) == (w.sinks + w.window, w.sinks)
+    w = models.PRESETS["streaming"]
+    assert w.cache_layout(100) == (w.initial_tokens + w.window, w.initial_tokens)
     assert w.cache_layout(4) == (4, 0)  # shorter than the ring: a plain full cache
     assert models.PRESETS["global_tokens"].cache_layout(100) == (100, 0)
     assert models.PRESETS["mha"].cache_layout(100) == (100, 0)
@@ -122,7 +143,7 @@ def test_masks_and_cache_layouts():
 
     enc = w.mask(causal=False)
     assert allowed(enc, 0, 3) and not allowed(enc, 0, 9)  # a two-sided band
-    assert allowed(enc, 9, 1)  # a sink
+    assert allowed(enc, 9, 1)  # an initial token
     dec = w.mask(causal=True)
     assert not allowed(dec, 0, 3) and allowed(dec, 9, 1)
 

@@ -91,21 +91,21 @@ def test_blockwise_impl_computes_the_dense_function():
     """``impl`` never changes the math: same parameters (same seed), same logits."""
     seq = tokens(9, (B, MAX_LEN))
     blockwise = forward(model_for(KINDS["blockwise"]), seq)
-    dense = forward(model_for(("window_sinks", "gqa")), seq)
+    dense = forward(model_for(("streaming", "gqa")), seq)
     assert rel_err(blockwise, dense) <= 1e-5
 
 
-WINDOW_SINKS = ("window_sinks", "window_sinks")
+STREAMING = ("streaming", "streaming")
 
 
-def test_window_sinks_generates_far_past_the_window_with_constant_cache():
-    """StreamingLLM: 5x the window decoded through a ring of sinks + window slots."""
-    model = model_for(WINDOW_SINKS)
+def test_streaming_generates_far_past_the_window_with_constant_cache():
+    """StreamingLLM: 5x the window decoded through a ring of initial + window slots."""
+    model = model_for(STREAMING)
     layer = model.config.layers[0]
-    w, n = layer.window, layer.sinks
+    w, n = layer.window, layer.initial_tokens
     steps = 5 * w
     seq = tokens(5, (B, 1 + steps))
-    full = forward(model, seq)  # the same mask, causal & (window | sinks), on arange positions
+    full = forward(model, seq)  # the same mask, causal & (window | initial), on arange positions
 
     cache = init_cache(model, max_len=1 + steps)
     shapes = jax.tree.map(jnp.shape, cache)
@@ -115,15 +115,15 @@ def test_window_sinks_generates_far_past_the_window_with_constant_cache():
         logits, cache = extend(model, seq[:, t : t + 1], cache)
         _check_rows(logits, full, [t, t], [1, 1])
         assert jax.tree.map(jnp.shape, cache) == shapes
-    # The sinks stay pinned; the ring holds the latest w positions.
+    # The initial tokens stay pinned; the ring holds the latest w positions.
     np.testing.assert_array_equal(cache.layers[0].pos[0, :n], np.arange(n))
     assert sorted(np.asarray(cache.layers[0].pos[0, n:]).tolist()) == list(
         range(steps + 1 - w, steps + 1)
     )
 
 
-def test_window_sinks_generate_4x_window():
-    model = model_for(WINDOW_SINKS)
+def test_streaming_generates_4x_window():
+    model = model_for(STREAMING)
     w = model.config.layers[0].window
     prompt = tokens(6, (B, 3))
     new = 4 * w
@@ -274,7 +274,7 @@ def test_hybrid_cache_bytes_add_up():
             num_kv_heads=window.kv_heads,
             head_dim=window.head_dim,
             dtype=jnp.float32,
-            num_tokens=window.sinks + window.window,
+            num_tokens=window.initial_tokens + window.window,
             batch=B,
         )
     )
@@ -332,7 +332,7 @@ def test_a_full_cache_refuses_positions_past_max_len():
     with pytest.raises(ValueError, match=r"cache: .*up to 16"):
         model.prefill(tokens(3, (B, MAX_LEN + 1)), init_cache(model))
     # A window layer whose ring would be longer than max_len gets a plain full cache.
-    window = model_for(WINDOW_SINKS)
+    window = model_for(STREAMING)
     small = window.init_cache(B, 4)
     assert not small.layers[0].ring and window.init_cache(B, 10_000).layers[0].ring
     with pytest.raises(ValueError, match="full cache of 4 slots"):

@@ -85,7 +85,7 @@ def test_encoder_rejects_what_it_cannot_honor():
 # Encoder-decoder (cross-attention, T != S)
 
 ENC_DEC = dict(encoder_layers=pattern(("mha", "linear"), REGISTRY))
-ENC_DEC_LAYERS = ("gqa", "window_sinks")
+ENC_DEC_LAYERS = ("gqa", "streaming")
 S_SRC, T_TGT = 7, 5
 
 
@@ -149,7 +149,7 @@ def test_cross_attention_weights_and_empty_source():
 # ----------------------------------------------------------------------------
 # Weight capture and head gates
 
-HYBRID = KINDS["hybrid"]  # linear_gated, mla, window_sinks
+HYBRID = KINDS["hybrid"]  # linear_gated, mla, streaming
 
 
 def test_weight_capture():
@@ -213,7 +213,7 @@ def test_head_gates_are_per_head_and_linear():
 
 @pytest.mark.parametrize("name", ["mla", "mla_direct_q"])
 def test_mla_absorbed_equals_naive(name):
-    cfg = dataclasses.replace(REGISTRY[name], window=5, sinks=1)
+    cfg = dataclasses.replace(REGISTRY[name], window=5, initial_tokens=1)
     layer = models.LatentAttention(
         cfg, WIDTH, causal=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(1)
     )

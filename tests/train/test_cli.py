@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from train.__main__ import main
-from train.cli import load_config
+from train.cli import load_config, parse, with_pattern
 from train.loop import read_metrics
 
 TINY_CONFIG = str(Path(__file__).with_name("tiny_config.py"))
@@ -60,6 +60,61 @@ def test_errors(tmp_path, capsys):
     assert "--workdir" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--config", TINY_CONFIG, "--workdir", str(tmp_path), "--no-such-field", "1"])
+
+
+def test_help_lists_the_fields_with_or_without_a_config():
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    bare = subprocess.run(
+        [sys.executable, "-m", "train", "--help"], cwd=REPO, env=env, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert bare.returncode == 0, bare.stderr
+    for flag in ("--steps", "--task.name", "--model.width", "--optim.lr", "--model.pattern"):
+        assert flag in bare.stdout
+    assert "TrainConfig()" in bare.stdout
+    # With a config file and a pattern: its values, the new layers' panels, no subcommand.
+    argv = ["--config", TINY_CONFIG, "--model.pattern", "gqa,linear", "--help"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "train", *argv], cwd=REPO, env=env, capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "--model.layers.1.kind" in shown.stdout and "--model.layers.2" not in shown.stdout
+    assert "(default: linear)" in shown.stdout
+    assert "cross-attention" not in shown.stdout.splitlines()[0]  # no positional choice
+
+
+def test_layer_pattern_and_depth_from_the_command_line():
+    base = load_config(TINY_CONFIG)
+    model = with_pattern(base.model, "gqa,streaming", 5)
+    assert [a.num_kv_heads for a in model.layers] == [1, None, 1, None, 1]  # 2 heads: GQA of 1
+    assert [a.window for a in model.layers] == [None, 4, None, 4, None]
+    assert {a.head_dim for a in model.layers} == {base.model.layers[0].head_dim}
+    assert len(with_pattern(base.model, None, 3).layers) == 3
+    config, _ = parse("p", "", ["--config", TINY_CONFIG, "--model.pattern", "mha,linear",
+                                "--model.layers.1.chunk-size", "8"],
+                      default_config=None, layer_flags=True)  # fmt: skip
+    assert [a.kind for a in config.model.layers] == ["softmax", "linear"]
+    assert config.model.layers[1].chunk_size == 8
+    with pytest.raises(ValueError, match=r"--model\.pattern: expected .*got 'mha,nope'"):
+        with_pattern(base.model, "mha,nope", None)
+    with pytest.raises(ValueError, match=r"--model\.depth"):
+        with_pattern(base.model, None, 0)
+
+
+def test_a_model_vocabulary_other_than_the_tasks_is_refused(tmp_path, capsys):
+    argv = ["--config", TINY_CONFIG, "--workdir", str(tmp_path), "--model.vocab-size", "999"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--model.vocab-size: expected the task's vocabulary 32" in err
+    assert not (tmp_path / "config.json").exists()
+    # The task's vocabulary is what the model gets, also after --task.vocab-size.
+    config, _ = parse("p", "", ["--config", TINY_CONFIG, "--task.vocab-size", "40"],
+                      default_config=None)  # fmt: skip
+    assert config.model.vocab_size == config.task.vocab == 40
+    config, _ = parse("p", "", ["--config", TINY_CONFIG, "--model.vocab-size", "32"],
+                      default_config=None)  # fmt: skip
+    assert config.model.vocab_size == 32
 
 
 def _run_cli(workdir, *extra):
@@ -116,5 +171,10 @@ def test_resume_says_so_and_a_config_mismatch_is_one_line(tmp_path, capsys, monk
     assert json.loads(second.out)["partial"] is False
     assert main(["--config", TINY_CONFIG, "--workdir", run, "--model.width", "32"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "error: workdir:" in err and "model" in err
-    assert "new workdir" in err
+    assert err.count("\n") == 0 and "error: workdir:" in err
+    assert "model.width (recorded 16, got 32)" in err and "new workdir" in err
+    # More steps extend the finished run.
+    assert main(["--config", TINY_CONFIG, "--workdir", run, "--steps", "12"]) == 0
+    third = capsys.readouterr()
+    assert "resuming from step 10 of 12 (extended from 10 steps" in third.err
+    assert json.loads(third.out)["step"] == 12

@@ -81,7 +81,7 @@ def test_variants_and_cache_sizes():
     width, heads = config.train.model.width, 4
     # K and V x 2 layers x kv heads x head dim x 4 bytes, per token.
     assert cache_sizes(_model(config, "mha")) == (2 * 2 * heads * (width // heads) * 4, 0)
-    per_token, fixed = cache_sizes(_model(config, "window_sinks"))
+    per_token, fixed = cache_sizes(_model(config, "streaming"))
     assert per_token == 0 and fixed == 2 * 2 * heads * (width // heads) * 4 * (16 + 4)
     per_token, fixed = cache_sizes(_model(config, "linear"))
     assert per_token == 0 and fixed > 0

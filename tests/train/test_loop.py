@@ -98,10 +98,45 @@ def test_resume_refuses_a_different_config(tmp_path):
     config = get_config()
     train(config, tmp_path, stop_at=2, progress=False)
     changed = dataclasses.replace(config, optim=OptimConfig(lr=1e-2))
-    with pytest.raises(ValueError, match="optim"):
+    with pytest.raises(ValueError, match=r"optim\.lr \(recorded 0\.003, got 0\.01\)"):
         train(changed, tmp_path, progress=False)
     # Bookkeeping fields may change.
     train(dataclasses.replace(config, log_every=2), tmp_path, stop_at=4, progress=False)
+
+
+def test_more_steps_extend_a_finished_run_with_its_schedule(tmp_path):
+    short = dataclasses.replace(get_config(), steps=20)
+    train(short, tmp_path / "extended", progress=False)
+    longer = dataclasses.replace(short, steps=30)
+    summary = train(longer, tmp_path / "extended", progress=False)
+    assert summary["step"] == 30 and not summary["partial"]
+    recorded = json.loads((tmp_path / "extended" / "config.json").read_text())
+    assert recorded["steps"] == 30 and recorded["optim"]["decay_steps"] == 20
+    # The same as an uninterrupted run whose schedule ends at step 20.
+    pinned = dataclasses.replace(longer, optim=dataclasses.replace(longer.optim, decay_steps=20))
+    train(pinned, tmp_path / "straight", progress=False)
+    _assert_bitwise_equal(
+        _final_state(pinned, tmp_path / "extended"), _final_state(pinned, tmp_path / "straight")
+    )
+    lrs = [r["lr"] for r in _train_records(tmp_path / "extended") if r["step"] > 20]
+    assert lrs == pytest.approx([short.optim.lr * short.optim.final_lr_fraction] * len(lrs))
+    # Fewer steps, or a new horizon for the steps taken, would change the result.
+    with pytest.raises(ValueError, match=r"steps \(recorded 30, got 20\)"):
+        train(short, tmp_path / "extended", progress=False)
+    other = dataclasses.replace(pinned, optim=dataclasses.replace(pinned.optim, decay_steps=30))
+    with pytest.raises(ValueError, match=r"optim\.decay_steps \(recorded 20, got 30\)"):
+        train(other, tmp_path / "extended", progress=False)
+
+
+def test_the_recorded_config_holds_the_vocabulary_the_model_uses(tmp_path):
+    config = get_config()
+    config = dataclasses.replace(config, task=dataclasses.replace(config.task, vocab_size=40))
+    assert config.model.vocab_size != config.task.vocab  # the model's field left as it was
+    train(config, tmp_path, stop_at=1, progress=False)
+    recorded = json.loads((tmp_path / "config.json").read_text())
+    assert recorded["model"]["vocab_size"] == config.task.vocab
+    model, loaded = load_run(tmp_path)
+    assert model.embed.embedding[...].shape[0] == loaded.model.vocab_size == config.task.vocab
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
