@@ -18,6 +18,13 @@ def fail(arg: str, expected: str, got: object) -> None:
     raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
+def positive_int(x, name: str) -> int:
+    """``x`` as an int when it is a positive (non-bool) integer; else the uniform ``ValueError``."""
+    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
+        fail(name, "a positive int", repr(x))
+    return int(x)
+
+
 class Dims(NamedTuple):
     """Sizes of one attention call in the axis vocabulary."""
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn._checks import fail
+from attn._checks import fail, positive_int
 
 
 class BlockKind(enum.IntEnum):
@@ -276,12 +276,6 @@ class Or(Mask):
         return ne_a | ne_b, full_a | full_b
 
 
-def _positive_int(x, name):
-    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
-        fail(name, "a positive int", repr(x))
-    return int(x)
-
-
 def full() -> Mask:
     """Bidirectional attention: every query sees every key."""
     return Full()
@@ -296,7 +290,7 @@ def sliding_window(w: int) -> Mask:
     """Causal sliding window: query ``q`` sees keys ``q - w < k <= q`` (``w`` positions,
     itself included; ``w = 1`` is the diagonal). Equals ``jax.nn``'s
     ``local_window_size=(w - 1, 0)`` with ``is_causal=True``."""
-    return SlidingWindow(_positive_int(w, "w"))
+    return SlidingWindow(positive_int(w, "w"))
 
 
 def bidirectional_window(radius: int) -> Mask:
@@ -312,7 +306,7 @@ def initial_tokens(n: int) -> Mask:
     Alone it ignores causality; StreamingLLM is
     ``causal() & (sliding_window(w) | initial_tokens(n))``.
     """
-    return InitialTokens(_positive_int(n, "n"))
+    return InitialTokens(positive_int(n, "n"))
 
 
 # Deprecated names, kept for one release.
@@ -331,7 +325,7 @@ def sinks(n: int) -> Mask:
 
 def chunked(c: int) -> Mask:
     """Attention within chunks of ``c`` positions: ``q_pos // c == k_pos // c``."""
-    return Chunked(_positive_int(c, "c"))
+    return Chunked(positive_int(c, "c"))
 
 
 def global_tokens(positions) -> Mask:
@@ -364,7 +358,9 @@ def block_schedule(
     """Static ``[num_q_blocks, num_k_blocks]`` array of ``BlockKind`` for ``arange`` positions.
 
     Query block ``i`` holds positions ``q_offset + [i*block_q, min((i+1)*block_q, num_q) - 1]``,
-    and likewise for keys; the last blocks may be short.
+    and likewise for keys; the last blocks may be short. (Blockwise attention
+    builds its own schedule, for any positions, segment ids and padding, in
+    ``attn.blockwise_schedule``.)
     """
     qi = np.arange(math.ceil(num_q / block_q))
     ki = np.arange(math.ceil(num_k / block_k))

@@ -246,7 +246,8 @@ def _tile_matmuls(spec: dict, causal: bool):
     """The two matmuls of every tile blockwise's forward pass computes, and nothing else.
 
     The same tile shapes (one kv head per tile at the default block sizes,
-    ``[1,Cq,H] @ [1,H,Ck]`` then ``[1,Cq,Ck] @ [1,Ck,E]``), in the same kind of
+    ``[X,Q,H] @ [X,H,J]`` then ``[X,Q,J] @ [X,J,E]`` with X = 1 kv head, Q query
+    rows and J key positions, the letters of ``attn/blockwise_tiles.py``), in the same kind of
     loop, as many times as ``count_blocks`` says the kernel visits a block pair,
     for each head: the time XLA's matmuls alone take on this schedule, a floor
     for blockwise's forward pass without the softmax and the masks.
@@ -271,8 +272,8 @@ def _tile_matmuls(spec: dict, causal: bool):
         v = v[0, :, 0].reshape(-1, 1, bk, H)
 
         def tile(t, acc):
-            s = jnp.einsum("KCH,KHc->KCc", q[t % q.shape[0]], kT[t % kT.shape[0]])
-            return acc + jnp.einsum("KCc,KcE->KCE", s, v[t % v.shape[0]])
+            s = jnp.einsum("XQH,XHJ->XQJ", q[t % q.shape[0]], kT[t % kT.shape[0]])
+            return acc + jnp.einsum("XQJ,XJE->XQE", s, v[t % v.shape[0]])
 
         return jax.lax.fori_loop(0, n, tile, jnp.zeros((1, bq, H), q.dtype))
 

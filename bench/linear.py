@@ -239,11 +239,12 @@ def decode_vs_context(cfg: Config, contexts) -> dict:
 
     def softmax_decode(k_cache, v_cache, q_t):
         # One query per step over the whole cache: B x N x L scores, then the values.
-        # The cache is head-major [B,N,L,H], so a step reads it without a transpose.
+        # The cache is head-major [B,N,S,H] (S cached positions), so a step reads it
+        # without a transpose.
         def one(_, q):
-            scores = jnp.einsum("bnh,bnlh->bnl", q, k_cache) * H**-0.5
+            scores = jnp.einsum("BNH,BNSH->BNS", q, k_cache) * H**-0.5
             weights = jax.nn.softmax(scores, axis=-1)
-            return None, jnp.einsum("bnl,bnlh->bnh", weights, v_cache)
+            return None, jnp.einsum("BNS,BNSH->BNH", weights, v_cache)
 
         return jax.lax.scan(one, None, q_t)[1]
 

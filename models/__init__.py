@@ -15,34 +15,53 @@ F linear feature dim, L layers, V vocabulary.
     logits = model(tokens)                                  # [B,T,V] float32
     new_tokens = models.generate(model, prompt, 64)         # greedy, jitted
 
+    logits, weights = models.capture_weights(model, tokens)  # L x [B,N,T,T]
+    models.set_head_gates(model, gates)                      # [L,N]; 0 ablates a head
+    importance = models.head_importance(model, loss_fn, tokens)  # d loss / d gates
+
+Files, one per layer kind: ``heads.py`` (what every attention module shares:
+projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
+``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
+(``LinearAttention``), ``block.py`` (``MLP``, ``Block``), ``transformer.py`` (the
+three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
+``config.py`` / ``patterns.py`` (presets) and ``generate.py``.
+
+Padding and packing are segment ids (id 0 is padding) for every layer kind.
+
 Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
 ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
 linear-attention states, mixed freely across layers.
 """
 
+from models.block import MLP, Block
 from models.cache import (
     EMPTY,
     CrossCache,
     DecodeCache,
     KVCache,
     LatentCache,
+    SlotCache,
     bookkeeping_bytes,
     cache_bytes,
     cache_overflow,
     latent_cache_bytes,
     linear_state_bytes,
 )
-from models.config import KINDS, PRESETS, AttentionConfig, ModelConfig, pattern, presets
+from models.config import KINDS, AttentionConfig, ModelConfig
 from models.generate import generate
-from models.layers import (
-    MLP,
-    Block,
-    CrossAttention,
-    LatentAttention,
-    LinearAttention,
-    SelfAttention,
+from models.heads import Buffer, HeadGate, Heads
+from models.latent import LatentAttention
+from models.linear import LinearAttention
+from models.patterns import PRESETS, pattern, presets
+from models.softmax import CrossAttention, SelfAttention
+from models.taps import (
+    attention_modules,
+    capture_weights,
+    head_gates,
+    head_importance,
+    set_head_gates,
 )
-from models.transformer import Decoder, Encoder, EncoderDecoder
+from models.transformer import Decoder, Encoder, EncoderDecoder, packed_positions
 
 __all__ = [
     "EMPTY",
@@ -51,24 +70,34 @@ __all__ = [
     "PRESETS",
     "AttentionConfig",
     "Block",
+    "Buffer",
     "CrossAttention",
     "CrossCache",
     "DecodeCache",
     "Decoder",
     "Encoder",
     "EncoderDecoder",
+    "HeadGate",
+    "Heads",
     "KVCache",
     "LatentAttention",
     "LatentCache",
     "LinearAttention",
     "ModelConfig",
     "SelfAttention",
+    "SlotCache",
+    "attention_modules",
     "bookkeeping_bytes",
     "cache_bytes",
     "cache_overflow",
+    "capture_weights",
     "generate",
+    "head_gates",
+    "head_importance",
     "latent_cache_bytes",
     "linear_state_bytes",
+    "packed_positions",
     "pattern",
     "presets",
+    "set_head_gates",
 ]

@@ -1,9 +1,11 @@
 """Decode caches: functional pytrees, one per layer, and their sizes.
 
 Softmax and MLA layers keep ``slots`` entries per sequence, each stored with
-the absolute position of its token (``EMPTY`` for a slot never written).
-Attention reads the stored positions with the layer's position-based mask, so
-one layout serves every mask:
+the absolute position of its token (``EMPTY`` for a slot never written), in a
+full layout or a ring buffer (sliding windows, with pinned initial tokens);
+the slot arithmetic is pure and lives in ``attn.cache`` (``slot_of``,
+``write_tokens``, ``extend_slots``). Attention reads the stored positions with
+the layer's position-based mask, so one layout serves every mask:
 
 * full cache: ``slots = max_len``, entry of position p in slot p;
 * ring buffer (sliding window ``w``, optionally the ``n`` initial tokens of StreamingLLM):
@@ -24,24 +26,29 @@ per layer and the lengths ``[B]``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from attn.cache import latent_cache_bytes, linear_state_bytes  # noqa: F401  (re-exported)
+from attn.cache import (  # noqa: F401  (EMPTY and the sizes are re-exported)
+    EMPTY,
+    extend_slots,
+    latent_cache_bytes,
+    linear_state_bytes,
+)
 from attn.linear import LinearState
-
-EMPTY = -1  # stored position of a slot that holds no token
 
 
 @struct.dataclass
-class KVCache:
-    """Keys and values of one softmax layer.
+class SlotCache:
+    """Entries of one softmax or MLA layer, each stored with its token's position.
+
+    Subclasses name their payload arrays ``[B,S,...]`` in ``PAYLOAD``.
 
     Attributes:
-      k: ``[B,S,K,H]`` keys (RoPE already applied at their positions).
-      v: ``[B,S,K,E]`` values.
       pos: ``[B,S]`` int32 absolute position of each slot's token, ``EMPTY`` if none.
       pinned: slots ``[0, pinned)`` hold positions ``[0, pinned)`` forever (initial tokens);
         the other ``S - pinned`` are a ring buffer. Static.
@@ -50,29 +57,61 @@ class KVCache:
         ``cache_overflow``). Static.
     """
 
-    k: jax.Array
-    v: jax.Array
-    pos: jax.Array
-    pinned: int = struct.field(pytree_node=False, default=0)
-    ring: bool = struct.field(pytree_node=False, default=False)
+    pos: jax.Array = struct.field(kw_only=True)
+    pinned: int = struct.field(pytree_node=False, default=0, kw_only=True)
+    ring: bool = struct.field(pytree_node=False, default=False, kw_only=True)
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ()
+
+    def extend(self, new: tuple, start, lengths=None):
+        """Stores T new tokens' payload ``[B,T,...]`` at positions ``start[b] + t``.
+
+        Args:
+          new: one array ``[B,T,...]`` per ``PAYLOAD`` name.
+          start: ``[B]`` position of ``new[:, 0]``.
+          lengths: ``[B]`` real tokens per row, or None (all T).
+
+        Returns:
+          ``(visible, visible_pos, cache)``: the payload arrays ``[B,S',...]`` and
+          positions ``[B,S']`` the new tokens attend to (``attn.cache.extend_slots``),
+          and the updated cache.
+        """
+        old = tuple(getattr(self, name) for name in self.PAYLOAD)
+        (visible, visible_pos), (stored, pos) = extend_slots(
+            old, self.pos, new, start, lengths, pinned=self.pinned
+        )
+        cache = self.replace(pos=pos, **dict(zip(self.PAYLOAD, stored, strict=True)))
+        return visible, visible_pos, cache
 
 
 @struct.dataclass
-class LatentCache:
-    """What one multi-head latent attention layer keeps: the latent and the RoPE key.
+class KVCache(SlotCache):
+    """Keys and values of one softmax layer (plus ``SlotCache``'s pos, pinned, ring).
+
+    Attributes:
+      k: ``[B,S,K,H]`` keys (RoPE already applied at their positions).
+      v: ``[B,S,K,E]`` values.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("k", "v")
+
+
+@struct.dataclass
+class LatentCache(SlotCache):
+    """What one MLA layer keeps (plus ``SlotCache``'s pos, pinned, ring).
 
     Attributes:
       c_kv: ``[B,S,R]`` compressed keys/values (after the latent norm).
       k_rope: ``[B,S,Hr]`` decoupled RoPE key shared by all heads (rotated).
-      pos: ``[B,S]`` int32 positions, ``EMPTY`` if none.
-      pinned, ring: as in ``KVCache``. Static.
     """
 
     c_kv: jax.Array
     k_rope: jax.Array
-    pos: jax.Array
-    pinned: int = struct.field(pytree_node=False, default=0)
-    ring: bool = struct.field(pytree_node=False, default=False)
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("c_kv", "k_rope")
 
 
 @struct.dataclass
@@ -113,7 +152,7 @@ def full_cache_slots(cache: DecodeCache) -> int | None:
     sizes = [
         layer.pos.shape[1]
         for layer in cache.layers
-        if isinstance(layer, KVCache | LatentCache) and not layer.ring
+        if isinstance(layer, SlotCache) and not layer.ring
     ]
     return min(sizes) if sizes else None
 
@@ -153,76 +192,6 @@ def cache_overflow(cache: DecodeCache, count):
 
 
 # ----------------------------------------------------------------------------
-# Writing entries
-
-
-def slot_of(positions, pinned: int, slots: int):
-    """The slot of each absolute position: itself if pinned, else its ring slot."""
-    ring = slots - pinned
-    return jnp.where(positions < pinned, positions, pinned + (positions - pinned) % ring)
-
-
-def write_tokens(old: tuple, old_pos, new: tuple, start, count, pinned: int):
-    """Writes ``count[b]`` new tokens at positions ``start[b], start[b] + 1, ...`` per row.
-
-    Computed as a gather: each slot takes the latest position that maps to it,
-    from the new tokens if that position is new, otherwise it keeps its entry.
-    So more new tokens than slots (a long prompt into a ring buffer) is fine,
-    and no two writes ever target one slot (a scatter with duplicate indices
-    would leave the winner unspecified).
-
-    Args:
-      old: arrays ``[B,S,...]`` (the cache's payload).
-      old_pos: ``[B,S]`` int32 stored positions.
-      new: arrays ``[B,T,...]``, matching ``old`` past the second axis.
-      start: ``[B]`` int32 position of ``new[:, 0]``.
-      count: ``[B]`` int32 valid new tokens per row (the rest is padding).
-      pinned: slots ``[0, pinned)`` are pinned, the rest a ring.
-
-    Returns:
-      ``(arrays [B,S,...], positions [B,S])``.
-    """
-    S = old_pos.shape[1]
-    T = new[0].shape[1]
-    ring = S - pinned
-    j = jnp.arange(S)[None, :]  # [1,S]
-    last = (start + count - 1)[:, None]  # [B,1] the newest position written
-    # The largest p <= last with p = j (mod ring): the newest position of ring slot j.
-    p = jnp.where(j < pinned, j, last - (last - j) % ring)
-    take = (p >= start[:, None]) & (p <= last) & ((j < pinned) | (p >= pinned))
-    t = jnp.clip(p - start[:, None], 0, T - 1)  # [B,S] index into the new tokens
-    rows = jnp.arange(old_pos.shape[0])[:, None]
-    arrays = tuple(
-        jnp.where(_expand(take, o.ndim), n[rows, t].astype(o.dtype), o)
-        for o, n in zip(old, new, strict=True)
-    )
-    return arrays, jnp.where(take, p, old_pos).astype(jnp.int32)
-
-
-def write_token(old: tuple, old_pos, new: tuple, position, pinned: int):
-    """Writes one token per row (decoding): a scatter to one distinct slot per row.
-
-    Args:
-      old: arrays ``[B,S,...]``; old_pos: ``[B,S]``.
-      new: arrays ``[B,1,...]``.
-      position: ``[B]`` int32 positions of the new tokens.
-
-    Returns:
-      ``(arrays [B,S,...], positions [B,S])``.
-    """
-    rows = jnp.arange(old_pos.shape[0])
-    slot = slot_of(position, pinned, old_pos.shape[1])
-    arrays = tuple(
-        o.at[rows, slot].set(n[:, 0].astype(o.dtype)) for o, n in zip(old, new, strict=True)
-    )
-    return arrays, old_pos.at[rows, slot].set(position.astype(jnp.int32))
-
-
-def _expand(mask, ndim: int):
-    return mask.reshape(mask.shape + (1,) * (ndim - mask.ndim))
-
-
-# ----------------------------------------------------------------------------
 # Sizes
 
 
@@ -232,10 +201,10 @@ def _nbytes(x) -> int:
 
 
 def _payload(layer) -> tuple:
-    if isinstance(layer, KVCache | CrossCache):
+    if isinstance(layer, CrossCache):
         return (layer.k, layer.v)
-    if isinstance(layer, LatentCache):
-        return (layer.c_kv, layer.k_rope)
+    if isinstance(layer, SlotCache):
+        return tuple(getattr(layer, name) for name in layer.PAYLOAD)
     if isinstance(layer, LinearState):
         return (layer.kv, layer.z)
     raise ValueError(f"cache: expected a layer cache, got {type(layer).__name__}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping, Sequence
 
 import jax.numpy as jnp
 
@@ -79,14 +78,17 @@ class AttentionConfig:
       rope: rotate queries and keys by position (for MLA: the decoupled key).
       rope_base: RoPE frequency base.
       rotary_dim: leading channels that rotate (partial RoPE); None means all H.
-      window: (softmax, MLA) a causal sliding window of ``window`` positions (itself
-        included); in a bidirectional encoder a band of radius ``window`` (the
-        model decides which). None: unbounded.
+      window: (softmax, MLA; causal layers) a sliding window of ``window`` positions,
+        itself included. None: unbounded.
+      radius: (softmax, MLA; bidirectional layers) a band: query q sees keys with
+        ``|q - k| <= radius`` (Longformer's local attention). None: unbounded.
+        A layer is causal or not by the stack it is in (``check_direction``), so a
+        decoder layer may not set ``radius`` nor an encoder layer ``window``.
       initial_tokens: (softmax, MLA) the first ``initial_tokens`` positions stay
         visible to every query (StreamingLLM, which calls them attention sinks);
-        needs a window.
+        needs a window or a radius.
       global_tokens: (softmax, MLA) positions that see and are seen by all
-        (Longformer); needs a window.
+        (Longformer); needs a window or a radius.
       impl: (softmax, MLA) ``attn.attention``'s implementation; never changes the math.
       softcap: (softmax, MLA) logit soft-cap (Gemma 2), or None.
       sink_logits: (softmax, MLA) a learned per-head logit joins each softmax
@@ -116,6 +118,7 @@ class AttentionConfig:
     rope_base: float = 10000.0
     rotary_dim: int | None = None
     window: int | None = None
+    radius: int | None = None
     initial_tokens: int = 0
     global_tokens: tuple[int, ...] = ()
     impl: str = "auto"
@@ -180,16 +183,34 @@ class AttentionConfig:
 
     def _check_mask(self):
         _positive_int(self.window, "window", allow_none=True)
+        r = self.radius
+        if r is not None and (not _is_int(r) or r < 0):
+            _fail("radius", "a non-negative int or None", r)
+        if r is not None and self.window is not None:
+            _fail(
+                "radius",
+                "None with a window (window is a causal layer's, radius a bidirectional one's)",
+                r,
+            )
+        local = self.window is not None or r is not None
         n = self.initial_tokens
         if not _is_int(n) or n < 0:
             _fail("initial_tokens", "a non-negative int", n)
-        if n and self.window is None:
-            _fail("initial_tokens", "0 without a window (every position is visible anyway)", n)
+        if n and not local:
+            _fail(
+                "initial_tokens",
+                "0 without a window or radius (every position is visible anyway)",
+                n,
+            )
         g = self.global_tokens
         if not isinstance(g, tuple) or not all(_is_int(p) and p >= 0 for p in g):
             _fail("global_tokens", "a tuple of non-negative ints", g)
-        if g and self.window is None:
-            _fail("global_tokens", "() without a window (every position is visible anyway)", g)
+        if g and not local:
+            _fail(
+                "global_tokens",
+                "() without a window or radius (every position is visible anyway)",
+                g,
+            )
 
     def _check_linear(self):
         if self.feature_map not in FEATURE_MAPS:
@@ -218,6 +239,7 @@ class AttentionConfig:
         if self.kind == "linear":
             for field, off in (
                 ("window", None),
+                ("radius", None),
                 ("initial_tokens", 0),
                 ("global_tokens", ()),
                 ("softcap", None),
@@ -277,13 +299,37 @@ class AttentionConfig:
             return tuple(float(x) for x in self.decay)
         return (float(self.decay),) * self.num_heads
 
+    def check_direction(self, causal: bool, name: str = "layer") -> None:
+        """Raises ``ValueError`` naming ``<name>.<field>`` if this layer cannot run
+        causally (``causal``) or bidirectionally: a causal layer's local span is
+        ``window``, a bidirectional one's ``radius``, and decay needs an order."""
+        if causal:
+            if self.radius is not None:
+                _fail(
+                    f"{name}.radius",
+                    "None in a causal layer (set window, the causal span)",
+                    self.radius,
+                )
+            return
+        for field, off, why in (
+            ("window", None, "set radius, the band of a bidirectional layer"),
+            ("decay", None, "decay needs an order"),
+            ("gating", False, "gates need an order"),
+        ):
+            if getattr(self, field) != off:
+                _fail(
+                    f"{name}.{field}",
+                    f"{off!r} in a bidirectional layer ({why})",
+                    getattr(self, field),
+                )
+
     def mask(self, causal: bool) -> masks.Mask:
-        """The softmax mask on absolute positions, for a causal decoder or an encoder."""
-        if self.window is None:
+        """The softmax mask on absolute positions, for a causal or a bidirectional layer."""
+        self.check_direction(causal)
+        span = self.window if causal else self.radius
+        if span is None:
             return masks.causal() if causal else masks.full()
-        local = (
-            masks.sliding_window(self.window) if causal else masks.bidirectional_window(self.window)
-        )
+        local = masks.sliding_window(span) if causal else masks.bidirectional_window(span)
         if self.initial_tokens:
             local = local | masks.initial_tokens(self.initial_tokens)
         if self.global_tokens:
@@ -315,14 +361,16 @@ class ModelConfig:
       width: D, the residual stream width.
       mlp_width: hidden width of the SwiGLU MLP; None means 4 D.
       layers: one ``AttentionConfig`` per layer (L of them), e.g. from ``pattern``.
-        For an ``EncoderDecoder``: the decoder's self-attention layers.
+        For an ``EncoderDecoder``: the decoder's self-attention layers. Causal in a
+        ``Decoder``/``EncoderDecoder`` (local span ``window``), bidirectional in an
+        ``Encoder`` (``radius``); the model checks which when it is built.
       norm_eps: RMSNorm epsilon.
       tied_embeddings: the output projection is the embedding table (transposed).
       dtype: compute dtype (activations, caches); logits are always float32.
       param_dtype: parameter storage dtype.
-      encoder_layers: the encoder's layers (``EncoderDecoder`` only).
+      encoder_layers: the encoder's layers (``EncoderDecoder`` only; bidirectional).
       cross_attention: the decoder's cross-attention (``EncoderDecoder`` only; kind
-        ``"softmax"``, no RoPE, no window); None means MHA shaped like ``layers[0]``.
+        ``"softmax"``, no RoPE, no window or radius); None means MHA shaped like ``layers[0]``.
     """
 
     vocab_size: int = 32
@@ -366,13 +414,15 @@ class ModelConfig:
         if c is not None:
             if not isinstance(c, AttentionConfig):
                 _fail("cross_attention", "an AttentionConfig or None", c)
-            if c.kind != "softmax" or c.rope or c.window is not None:
+            if c.kind != "softmax" or c.rope or c.window is not None or c.radius is not None:
                 _fail(
                     "cross_attention",
-                    "kind='softmax', rope=False, window=None (positions of two sequences "
-                    "are not comparable)",
+                    "kind='softmax', rope=False, window=None, radius=None (positions of two "
+                    "sequences are not comparable)",
                     c,
                 )
+        for i, layer in enumerate(self.encoder_layers):  # an encoder is always bidirectional
+            layer.check_direction(False, f"encoder_layers[{i}]")
 
     @property
     def hidden_width(self) -> int:
@@ -390,73 +440,11 @@ class ModelConfig:
         )
 
 
-def presets(
-    *,
-    num_heads: int = 4,
-    head_dim: int = 8,
-    gqa_kv_heads: int = 2,
-    window: int = 4,
-    num_initial_tokens: int = 2,
-    global_positions: tuple[int, ...] = (0, 5),
-    kv_rank: int = 8,
-    q_rank: int | None = 16,
-    rope_head_dim: int = 4,
-    chunk_size: int = 64,
-) -> dict[str, AttentionConfig]:
-    """A registry of named attention configs sharing N heads of dim H.
+def __getattr__(name: str):
+    # The presets live in models/patterns.py (which imports this module); still reachable
+    # here, where they were first defined, imported on first use to avoid an import cycle.
+    if name in ("PRESETS", "pattern", "presets"):
+        from models import patterns as module
 
-    Names: ``mha``/``softmax``/``global`` (full causal softmax, the "global"
-    layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv heads), ``mqa``,
-    ``mla``, ``window``, ``streaming`` (StreamingLLM: window plus the first
-    ``num_initial_tokens`` positions), ``global_tokens`` (window plus Longformer
-    global positions), ``linear`` (elu+1), ``linear_decay`` (RetNet gammas),
-    ``linear_gated`` (data-dependent gates). ``window_sinks`` is a deprecated
-    alias of ``streaming``, kept for one release.
-    """
-    base = AttentionConfig(num_heads=num_heads, head_dim=head_dim)
-    linear = dataclasses.replace(base, kind="linear", rope=False, chunk_size=chunk_size)
-    mha = base
-    streaming = dataclasses.replace(base, window=window, initial_tokens=num_initial_tokens)
-    return {
-        "mha": mha,
-        "softmax": mha,
-        "global": mha,
-        "gqa": dataclasses.replace(base, num_kv_heads=gqa_kv_heads),
-        "mqa": dataclasses.replace(base, num_kv_heads=1),
-        "mla": dataclasses.replace(
-            base, kind="mla", kv_rank=kv_rank, q_rank=q_rank, rope_head_dim=rope_head_dim
-        ),
-        "window": dataclasses.replace(base, window=window),
-        "streaming": streaming,
-        "window_sinks": streaming,  # deprecated alias of "streaming"
-        "global_tokens": dataclasses.replace(
-            base, window=window, global_tokens=tuple(global_positions)
-        ),
-        "linear": linear,
-        "linear_decay": dataclasses.replace(linear, decay="retnet"),
-        "linear_gated": dataclasses.replace(linear, gating=True),
-    }
-
-
-PRESETS: Mapping[str, AttentionConfig] = presets()
-
-
-def pattern(
-    names: Sequence[str], registry: Mapping[str, AttentionConfig] | None = None
-) -> tuple[AttentionConfig, ...]:
-    """``ModelConfig.layers`` from preset names, e.g. ``pattern(("window", "global") * 2)``.
-
-    Args:
-      names: one preset name per layer.
-      registry: name -> ``AttentionConfig``; default ``PRESETS`` (see ``presets``).
-
-    Returns:
-      A tuple of L ``AttentionConfig``.
-    """
-    registry = PRESETS if registry is None else registry
-    if isinstance(names, str) or not isinstance(names, Sequence) or not names:
-        _fail("names", "a non-empty sequence of preset names", names)
-    for name in names:
-        if name not in registry:
-            _fail("names", f"preset names from {sorted(registry)}", name)
-    return tuple(registry[name] for name in names)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,12 @@
 """Models: a causal decoder, a bidirectional encoder and an encoder-decoder.
 
 All three share ``Block`` and take a per-layer pattern of attention configs.
-Calling a model returns float32 logits ``[B,T,V]``; with
-``capture_weights=True`` it also returns the attention weights of every layer.
+Calling a model returns float32 logits ``[B,T,V]``, always; attention weights
+and per-head gates are taps on the attention modules (``models.taps``).
+
+Padding and packing are segment ids ``[B,T]`` (id 0 is padding) for every
+layer kind; ``lengths`` (right padding) is turned into them. Packed rows pass
+``positions`` that restart per segment (``packed_positions``) as well.
 
 Decoding (``Decoder`` and ``EncoderDecoder``) is functional::
 
@@ -24,9 +28,9 @@ import numpy as np
 from flax import nnx
 
 from attn import masks
+from models.block import Block
 from models.cache import DecodeCache, cache_overflow
 from models.config import AttentionConfig, ModelConfig
-from models.layers import Block
 
 
 def _fail(arg: str, expected: str, got) -> None:
@@ -71,46 +75,54 @@ def _check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int 
     return lengths.astype(jnp.int32)
 
 
-def _layer_gates(head_gates, layers: tuple[AttentionConfig, ...]) -> list:
-    """Per-layer ``[N]`` gates (or None) from None, ``[L, N]``, or a sequence of L ``[N]``/None."""
-    L = len(layers)
-    if head_gates is None:
-        return [None] * L
-    if isinstance(head_gates, list | tuple):
-        if len(head_gates) != L:
-            _fail("head_gates", f"{L} per-layer entries", f"{len(head_gates)}")
-        gates = list(head_gates)
-    else:
-        head_gates = jnp.asarray(head_gates)
-        if head_gates.ndim != 2 or head_gates.shape[0] != L:
-            _fail("head_gates", f"shape ({L}, N) or a sequence of {L} [N] arrays", head_gates.shape)
-        gates = list(head_gates)
-    for i, (g, layer) in enumerate(zip(gates, layers, strict=True)):
-        if g is not None and jnp.shape(g) != (layer.num_heads,):
-            _fail(f"head_gates[{i}]", f"shape ({layer.num_heads},)", jnp.shape(g))
-    return gates
+def _segments(tokens, lengths, segment_ids, name: str = "lengths"):
+    """Segment ids ``[B,T]`` int32 (id 0 is padding) from ``lengths`` or ``segment_ids``, or None.
 
-
-def _padding(tokens, lengths, segment_ids, layers, name="lengths"):
-    """Segment ids (for softmax layers) and validity (for linear layers) of padded inputs."""
+    The one representation of padding and packing inside the models: ``lengths``
+    becomes ``masks.segment_ids_from_lengths`` (1 on tokens, 0 on right padding).
+    """
     B, T = tokens.shape
     if lengths is not None and segment_ids is not None:
-        _fail("segment_ids", "None when lengths is given", "both")
+        _fail("segment_ids", f"None when {name} is given", "both")
     if segment_ids is not None:
-        if any(layer.kind == "linear" for layer in layers):
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             _fail(
                 "segment_ids",
-                "None for a model with linear-attention layers (pass lengths for padding)",
-                "an array",
+                f"integer ids of shape ({B}, {T})",
+                f"{segment_ids.dtype} {segment_ids.shape}",
             )
-        segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.shape != (B, T):
-            _fail("segment_ids", f"shape ({B}, {T})", segment_ids.shape)
-        return segment_ids, None
+        return segment_ids.astype(jnp.int32)
     lengths = _check_lengths(lengths, B, T, name)
-    if lengths is None:
-        return None, None
-    return masks.segment_ids_from_lengths(lengths, T), jnp.arange(T)[None, :] < lengths[:, None]
+    return None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
+
+
+def _check_positions(positions, tokens):
+    if positions is None:
+        return None
+    positions = jnp.asarray(positions)
+    if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+        _fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)
+    return positions
+
+
+def packed_positions(segment_ids):
+    """``[B,T]`` int32 positions that restart at 0 where each segment starts.
+
+    For packed rows (several sequences one after another, each a run of one
+    id): pass them as ``positions`` with the ``segment_ids`` so RoPE and the
+    position-based masks (windows, initial and global tokens) see each
+    sequence as if it ran alone.
+
+    Args:
+      segment_ids: ``[B,T]`` ints; a segment is a run of equal ids.
+    """
+    seg = jnp.asarray(segment_ids)
+    if seg.ndim != 2:
+        _fail("segment_ids", "a [B,T] array", seg.shape)
+    t = jnp.arange(seg.shape[1], dtype=jnp.int32)
+    starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
 class _LM(nnx.Module):
@@ -123,18 +135,14 @@ class _LM(nnx.Module):
         return self.embed(tokens)  # an id >= V gathers NaN (jnp.take's "fill" mode)
 
     def _init_embeddings(self, config: ModelConfig, rngs: nnx.Rngs):
+        if not isinstance(config, ModelConfig):
+            _fail("config", "a ModelConfig", type(config).__name__)
         self.config = config
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.embed = nnx.Embed(
             config.vocab_size, config.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
-        self.final_norm = nnx.RMSNorm(
-            config.width,
-            epsilon=config.norm_eps,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+        self.final_norm = self._norm(rngs)
         # The head computes in float32 so logits are float32 whatever the dtype.
         self.head = (
             None
@@ -149,7 +157,19 @@ class _LM(nnx.Module):
             )
         )
 
-    def _blocks(self, layers, *, causal: bool, cross: AttentionConfig | None, rngs):
+    def _norm(self, rngs: nnx.Rngs) -> nnx.RMSNorm:
+        config = self.config
+        return nnx.RMSNorm(
+            config.width,
+            epsilon=config.norm_eps,
+            dtype=jnp.dtype(config.dtype),
+            param_dtype=jnp.dtype(config.param_dtype),
+            rngs=rngs,
+        )
+
+    def _blocks(self, layers, *, causal: bool, cross: AttentionConfig | None, rngs, name: str):
+        for i, layer in enumerate(layers):  # a ValueError naming config.<name>[i].<field>
+            layer.check_direction(causal, f"config.{name}[{i}]")
         return nnx.List(
             [Block(self.config, layer, causal=causal, cross=cross, rngs=rngs) for layer in layers]
         )
@@ -161,15 +181,13 @@ class _LM(nnx.Module):
             return self.head(h)
         return jnp.einsum("BTD,VD->BTV", h, self.embed.embedding[...].astype(jnp.float32))
 
-    @staticmethod
-    def _run(blocks, x, layers, *, head_gates, capture_weights, **kwargs):
-        """Runs a stack: ``(x [B,T,D], self weights per layer, cross weights per layer)``."""
-        self_w, cross_w = [], []
-        for block, gates in zip(blocks, _layer_gates(head_gates, layers), strict=True):
-            x, (w, wc) = block(x, head_gates=gates, capture_weights=capture_weights, **kwargs)
-            self_w.append(w)
-            cross_w.append(wc)
-        return x, tuple(self_w), tuple(cross_w)
+    def _forward(self, blocks, tokens, *, positions=None, segment_ids=None, memory=()):
+        """The residual stream ``[B,T,D]`` after a stack (``memory``: one CrossCache a block)."""
+        x = self._embed(tokens)
+        memory = memory or (None,) * len(blocks)
+        for block, mem in zip(blocks, memory, strict=True):
+            x = block(x, positions=positions, segment_ids=segment_ids, memory=mem)
+        return x
 
     # Decoding (causal stacks) ------------------------------------------------
 
@@ -183,7 +201,7 @@ class _LM(nnx.Module):
             cross=cross,
         )
 
-    def prefill(self, tokens, cache: DecodeCache, lengths=None, *, head_gates=None):
+    def prefill(self, tokens, cache: DecodeCache, lengths=None):
         """Runs a prompt (or a further chunk of one) through the model into the cache.
 
         Args:
@@ -191,7 +209,6 @@ class _LM(nnx.Module):
             (the rest is padding, invisible to every later token).
           cache: a ``DecodeCache`` from ``init_cache`` (or a previous call).
           lengths: ``[B]`` ints in ``[0, T]``, or None (all T are real).
-          head_gates: as in ``__call__``.
 
         Returns:
           ``(logits [B,T,V] float32, cache)``; row b's next position is its old one
@@ -213,35 +230,30 @@ class _LM(nnx.Module):
         # Jitted at the boundary: eager calls compile once per shape instead of
         # dispatching op by op; inside a caller's jit it is inlined.
         graphdef, state = nnx.split(self)
-        return _jit_prefill(graphdef, state, tokens, cache, lengths, head_gates)
+        return _jit_prefill(graphdef, state, tokens, cache, lengths)
 
-    def _prefill(self, tokens, cache: DecodeCache, lengths, head_gates):
+    def _prefill(self, tokens, cache: DecodeCache, lengths):
         """``prefill`` after its checks, traced."""
-        T = tokens.shape[1]
-        count = T if lengths is None else lengths
+        count = tokens.shape[1] if lengths is None else lengths
         overflow = cache_overflow(cache, count)  # [B] rows past a full cache, or None
         x = self._embed(tokens)
         start = cache.lengths
         memory = cache.cross or (None,) * len(self.blocks)
         layers = []
-        gates = _layer_gates(head_gates, self.config.layers)
-        for block, layer_cache, mem, g in zip(
-            self.blocks, cache.layers, memory, gates, strict=True
-        ):
-            x, layer_cache = block.extend(x, layer_cache, start, lengths, memory=mem, head_gates=g)
+        for block, layer_cache, mem in zip(self.blocks, cache.layers, memory, strict=True):
+            x, layer_cache = block.extend(x, layer_cache, start, lengths, memory=mem)
             layers.append(layer_cache)
         logits = self._logits(x)
         if overflow is not None:  # under a trace: rows past a full cache get NaN logits
             logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
         return logits, DecodeCache(tuple(layers), start + count, cache.cross)
 
-    def decode_step(self, token, cache: DecodeCache, *, head_gates=None):
+    def decode_step(self, token, cache: DecodeCache):
         """One token per row at the row's next position.
 
         Args:
           token: ``[B]`` ints (or ``[B,1]``).
           cache: the ``DecodeCache``.
-          head_gates: as in ``__call__``.
 
         Returns:
           ``(logits [B,V] float32, cache)``.
@@ -251,13 +263,13 @@ class _LM(nnx.Module):
             token = token[:, None]
         if token.ndim != 2 or token.shape[1] != 1:
             _fail("token", "shape [B] or [B, 1]", token.shape)
-        logits, cache = self.prefill(token, cache, head_gates=head_gates)
+        logits, cache = self.prefill(token, cache)
         return logits[:, 0], cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _jit_prefill(graphdef, state, tokens, cache, lengths, head_gates):
-    return nnx.merge(graphdef, state)._prefill(tokens, cache, lengths, head_gates)
+def _jit_prefill(graphdef, state, tokens, cache, lengths):
+    return nnx.merge(graphdef, state)._prefill(tokens, cache, lengths)
 
 
 class Decoder(_LM):
@@ -267,53 +279,30 @@ class Decoder(_LM):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        if not isinstance(config, ModelConfig):
-            _fail("config", "a ModelConfig", type(config).__name__)
         self._init_embeddings(config, rngs)
-        self.blocks = self._blocks(config.layers, causal=True, cross=None, rngs=rngs)
+        self.blocks = self._blocks(config.layers, causal=True, cross=None, rngs=rngs, name="layers")
 
-    def __call__(
-        self,
-        tokens,
-        *,
-        positions=None,
-        segment_ids=None,
-        head_gates=None,
-        capture_weights: bool = False,
-    ):
+    def __call__(self, tokens, *, positions=None, segment_ids=None):
         """Logits of every position (teacher forcing).
 
         Args:
           tokens: ``[B,T]`` ints.
-          positions: ``[B,T]`` ints, default ``arange(T)`` (RoPE and masks).
-          segment_ids: ``[B,T]`` ints for packed sequences (softmax layers only).
-            Right padding needs nothing: causal tokens never see later ones.
-          head_gates: ``[L,N]`` or a sequence of L ``[N]`` (or None) per-head output
-            multipliers; default ones.
-          capture_weights: also return the attention weights.
+          positions: ``[B,T]`` ints, default ``arange(T)`` (RoPE and masks); for
+            packed rows, ``packed_positions(segment_ids)``.
+          segment_ids: ``[B,T]`` ints for packed sequences (every layer kind; id 0
+            is padding). Right padding needs nothing: causal tokens never see later ones.
 
         Returns:
-          ``logits [B,T,V]`` float32, or ``(logits, weights)`` with ``weights`` a
-          tuple of L entries: ``[B,N,T,T]`` float32 for softmax/MLA layers, None for
-          linear ones.
+          ``logits [B,T,V]`` float32.
         """
         tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
-        segment_ids, _ = _padding(tokens, None, segment_ids, self.config.layers)
-        if positions is not None:
-            positions = jnp.asarray(positions)
-            if positions.shape != tokens.shape:
-                _fail("positions", f"shape {tokens.shape}", positions.shape)
-        x, weights, _ = self._run(
+        x = self._forward(
             self.blocks,
-            self._embed(tokens),
-            self.config.layers,
-            head_gates=head_gates,
-            capture_weights=capture_weights,
-            positions=positions,
-            segment_ids=segment_ids,
+            tokens,
+            positions=_check_positions(positions, tokens),
+            segment_ids=_segments(tokens, None, segment_ids),
         )
-        logits = self._logits(x)
-        return (logits, weights) if capture_weights else logits
+        return self._logits(x)
 
     def init_cache(self, batch: int, max_len: int) -> DecodeCache:
         """An empty ``DecodeCache`` for ``batch`` rows of up to ``max_len`` tokens.
@@ -329,62 +318,44 @@ class Decoder(_LM):
 class Encoder(_LM):
     """Bidirectional encoder (``config.layers`` with non-causal masks) with an LM head.
 
-    Padded inputs via ``lengths`` (right padding) or ``segment_ids``: padding
-    never changes the outputs at real tokens.
+    Its layers' local span is ``radius`` (a band), not ``window``. Padded
+    inputs via ``lengths`` (right padding) or ``segment_ids`` (packing too):
+    padding never changes the outputs at real tokens.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        if not isinstance(config, ModelConfig):
-            _fail("config", "a ModelConfig", type(config).__name__)
         self._init_embeddings(config, rngs)
-        self.blocks = self._blocks(config.layers, causal=False, cross=None, rngs=rngs)
+        self.blocks = self._blocks(
+            config.layers, causal=False, cross=None, rngs=rngs, name="layers"
+        )
 
-    def encode(
-        self, tokens, *, lengths=None, segment_ids=None, head_gates=None, capture_weights=False
-    ):
+    def encode(self, tokens, *, lengths=None, segment_ids=None, positions=None):
         """The residual stream ``[B,T,D]`` after the last block (before the final norm).
 
         Arguments as ``__call__``.
-
-        Returns ``(hidden, weights)``.
         """
         tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
-        segment_ids, valid = _padding(tokens, lengths, segment_ids, self.config.layers)
-        x, weights, _ = self._run(
+        return self._forward(
             self.blocks,
-            self._embed(tokens),
-            self.config.layers,
-            head_gates=head_gates,
-            capture_weights=capture_weights,
-            segment_ids=segment_ids,
-            valid=valid,
+            tokens,
+            positions=_check_positions(positions, tokens),
+            segment_ids=_segments(tokens, lengths, segment_ids),
         )
-        return x, weights
 
-    def __call__(
-        self, tokens, *, lengths=None, segment_ids=None, head_gates=None, capture_weights=False
-    ):
+    def __call__(self, tokens, *, lengths=None, segment_ids=None, positions=None):
         """Logits at every position.
 
         Args:
           tokens: ``[B,T]`` ints.
           lengths: ``[B]`` ints, real tokens per row (right padding), or None.
-          segment_ids: ``[B,T]`` ints (packing; softmax layers only), or None.
-          head_gates: as in ``Decoder.__call__``.
-          capture_weights: also return the weights (tuple of L ``[B,N,T,T]`` or None).
+          segment_ids: ``[B,T]`` ints (packing and padding, id 0 is padding), or None.
+          positions: ``[B,T]`` ints, default ``arange(T)``.
 
         Returns:
-          ``logits [B,T,V]`` float32, or ``(logits, weights)``.
+          ``logits [B,T,V]`` float32.
         """
-        x, weights = self.encode(
-            tokens,
-            lengths=lengths,
-            segment_ids=segment_ids,
-            head_gates=head_gates,
-            capture_weights=capture_weights,
-        )
-        logits = self._logits(x)
-        return (logits, weights) if capture_weights else logits
+        x = self.encode(tokens, lengths=lengths, segment_ids=segment_ids, positions=positions)
+        return self._logits(x)
 
 
 class EncoderDecoder(_LM):
@@ -394,75 +365,43 @@ class EncoderDecoder(_LM):
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        if not isinstance(config, ModelConfig):
-            _fail("config", "a ModelConfig", type(config).__name__)
+        self._init_embeddings(config, rngs)
         if not config.encoder_layers:
             _fail("config.encoder_layers", "at least one AttentionConfig", "()")
-        self._init_embeddings(config, rngs)
         self.encoder_blocks = self._blocks(
-            config.encoder_layers, causal=False, cross=None, rngs=rngs
+            config.encoder_layers, causal=False, cross=None, rngs=rngs, name="encoder_layers"
         )
-        self.encoder_norm = nnx.RMSNorm(
-            config.width,
-            epsilon=config.norm_eps,
-            dtype=jnp.dtype(config.dtype),
-            param_dtype=jnp.dtype(config.param_dtype),
-            rngs=rngs,
+        self.encoder_norm = self._norm(rngs)
+        self.blocks = self._blocks(
+            config.layers, causal=True, cross=config.cross, rngs=rngs, name="layers"
         )
-        self.blocks = self._blocks(config.layers, causal=True, cross=config.cross, rngs=rngs)
 
-    def encode(self, src, *, src_lengths=None, capture_weights=False):
-        """Encoder output ``[B,S,D]``, source segment ids ``[B,S]`` (1 real, 0 padding)
-        and the encoder's weights."""
+    def encode(self, src, *, src_lengths=None):
+        """Encoder output ``[B,S,D]`` and source segment ids ``[B,S]`` (1 real, 0 padding)."""
         src = _check_tokens(src, "src", vocab=self.config.vocab_size)
-        B, S = src.shape
-        src_lengths = _check_lengths(src_lengths, B, S, "src_lengths")
-        seg, valid = _padding(src, src_lengths, None, self.config.encoder_layers, "src_lengths")
-        x, weights, _ = self._run(
-            self.encoder_blocks,
-            self._embed(src),
-            self.config.encoder_layers,
-            head_gates=None,
-            capture_weights=capture_weights,
-            segment_ids=seg,
-            valid=valid,
-        )
-        seg = jnp.ones((B, S), jnp.int32) if seg is None else seg
-        return self.encoder_norm(x), seg, weights
+        seg = _segments(src, src_lengths, None, "src_lengths")
+        x = self._forward(self.encoder_blocks, src, segment_ids=seg)
+        seg = jnp.ones(src.shape, jnp.int32) if seg is None else seg
+        return self.encoder_norm(x), seg
 
     def _memories(self, memory, seg) -> tuple:
         return tuple(block.cross.memory(memory, seg) for block in self.blocks)
 
-    def __call__(self, src, tgt, *, src_lengths=None, head_gates=None, capture_weights=False):
+    def __call__(self, src, tgt, *, src_lengths=None):
         """Logits of every target position given the source.
 
         Args:
           src: ``[B,S]`` ints; tgt: ``[B,T]`` ints (S and T independent).
           src_lengths: ``[B]`` real source tokens per row, or None.
-          head_gates: for the decoder's self-attention, as in ``Decoder.__call__``.
-          capture_weights: also return ``{"encoder", "decoder", "cross"}`` weights,
-            tuples of ``[B,N,S,S]``, ``[B,N,T,T]``, ``[B,N,T,S]`` (None for linear).
 
         Returns:
-          ``logits [B,T,V]`` float32, or ``(logits, weights)``.
+          ``logits [B,T,V]`` float32.
         """
-        memory, seg, enc_w = self.encode(
-            src, src_lengths=src_lengths, capture_weights=capture_weights
-        )
+        memory, seg = self.encode(src, src_lengths=src_lengths)
         tgt = _check_tokens(tgt, "tgt", vocab=self.config.vocab_size)
         if tgt.shape[0] != memory.shape[0]:
             _fail("tgt", f"batch {memory.shape[0]} like src", tgt.shape)
-        x = self._embed(tgt)
-        gates = _layer_gates(head_gates, self.config.layers)
-        dec_w, cross_w = [], []
-        for block, mem, g in zip(self.blocks, self._memories(memory, seg), gates, strict=True):
-            x, (w, wc) = block(x, memory=mem, head_gates=g, capture_weights=capture_weights)
-            dec_w.append(w)
-            cross_w.append(wc)
-        logits = self._logits(x)
-        if not capture_weights:
-            return logits
-        return logits, {"encoder": enc_w, "decoder": tuple(dec_w), "cross": tuple(cross_w)}
+        return self._logits(self._forward(self.blocks, tgt, memory=self._memories(memory, seg)))
 
     def init_cache(self, batch: int, max_len: int, *, src, src_lengths=None) -> DecodeCache:
         """Encodes the source and returns a ``DecodeCache`` holding its cross K/V.
@@ -475,5 +414,5 @@ class EncoderDecoder(_LM):
         src = _check_tokens(src, "src", vocab=self.config.vocab_size)
         if src.shape[0] != batch:
             _fail("src", f"batch {batch}", src.shape)
-        memory, seg, _ = self.encode(src, src_lengths=src_lengths)
+        memory, seg = self.encode(src, src_lengths=src_lengths)
         return self._empty_cache(batch, max_len, cross=self._memories(memory, seg))

@@ -1,4 +1,4 @@
-"""KV-cache sizes: Llama 3 8B's numbers exactly.
+"""KV-cache sizes (Llama 3 8B's numbers exactly) and the slot bookkeeping of KV caches.
 
 Llama 3 8B (Llama Team, "The Llama 3 Herd of Models", 2024) has 32 layers and 8
 KV heads of dim 128: 2 x 32 x 8 x 128 x 2 bytes = 128 KiB per fp16 token, 1 GiB
@@ -6,6 +6,7 @@ for an 8K-token request, 16 GiB for 16 of them, 4x that with 32 KV heads (MHA).
 """
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import attn
@@ -80,3 +81,66 @@ def test_linear_state_does_not_depend_on_length():
 def test_latent_and_state_bad_input(fn, kwargs, match):
     with pytest.raises(ValueError, match=match):
         fn(num_layers=2, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Slot caches: full and ring layouts, positions stored with the entries
+
+EMPTY = attn.cache.EMPTY
+
+
+def _empty(B, S, width=2):
+    return (jnp.zeros((B, S, width)),), jnp.full((B, S), EMPTY, jnp.int32)
+
+
+def _payload(start, T, B=2, width=2):
+    """Entries whose value is their own position, so a slot shows what it holds."""
+    pos = jnp.asarray(start)[:, None] + jnp.arange(T)
+    return (jnp.broadcast_to(pos[..., None], (B, T, width)).astype(jnp.float32),)
+
+
+def test_slot_of_pins_then_cycles():
+    slots = attn.cache.slot_of(jnp.arange(10), pinned=2, slots=5)
+    np.testing.assert_array_equal(slots, [0, 1, 2, 3, 4, 2, 3, 4, 2, 3])
+    np.testing.assert_array_equal(attn.cache.slot_of(jnp.arange(4), 0, 4), np.arange(4))
+
+
+def test_a_long_prompt_into_a_ring_equals_one_token_at_a_time():
+    """Writing 9 tokens at once into 2 pinned + 3 ring slots keeps what 9 single
+    writes keep: the pinned positions and the 3 latest; the gather never collides."""
+    B, S, pinned = 2, 5, 2
+    old, old_pos = _empty(B, S)
+    start, count = jnp.array([0, 0]), jnp.array([9, 4])  # row 1: 4 real tokens, then padding
+    arrays, pos = attn.cache.write_tokens(old, old_pos, _payload(start, 9), start, count, pinned)
+    for b in range(B):
+        one, one_pos = _empty(1, S)
+        for t in range(int(count[b])):
+            at = jnp.array([t])
+            one, one_pos = attn.cache.write_token(one, one_pos, _payload(at, 1, B=1), at, pinned)
+        np.testing.assert_array_equal(pos[b], one_pos[0])
+        np.testing.assert_array_equal(arrays[0][b], one[0][0])
+    np.testing.assert_array_equal(pos[0], [0, 1, 8, 6, 7])  # pinned 0, 1; 6..8 in ring order
+    np.testing.assert_array_equal(pos[1], [0, 1, 2, 3, EMPTY])
+    np.testing.assert_array_equal(arrays[0][..., 0], np.where(pos >= 0, pos, 0))
+
+
+def test_extend_slots_prefill_then_decode():
+    B, S = 2, 4
+    old, old_pos = _empty(B, S)
+    start, lengths = jnp.array([0, 0]), jnp.array([3, 1])
+    (visible, vis_pos), (arrays, pos) = attn.cache.extend_slots(
+        old, old_pos, _payload(start, 3), start, lengths, pinned=0
+    )
+    # A prefill attends over the old slots and the new tokens (padding EMPTY) ...
+    assert visible[0].shape == (B, S + 3, 2)
+    np.testing.assert_array_equal(vis_pos[:, S:], [[0, 1, 2], [0, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(pos, [[0, 1, 2, EMPTY], [0, EMPTY, EMPTY, EMPTY]])
+    # ... and a decode step writes first, then attends over the slots alone.
+    start = jnp.array([3, 1])
+    (visible, vis_pos), (arrays, pos) = attn.cache.extend_slots(
+        arrays, pos, _payload(start, 1), start
+    )
+    assert visible[0].shape == (B, S, 2)
+    np.testing.assert_array_equal(vis_pos, pos)
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 3], [0, 1, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(arrays[0][1, :2, 0], [0, 1])

@@ -73,18 +73,22 @@ def fast_jit(fn, **kwargs):
 
 @functools.partial(fast_jit, static_argnames=("graphdef", "capture"))
 def _apply(graphdef, state, args, kwargs, *, capture):
-    return nnx.merge(graphdef, state)(*args, capture_weights=capture, **kwargs)
+    model = nnx.merge(graphdef, state)
+    if capture:
+        return models.capture_weights(model, *args, **kwargs)
+    return model(*args, **kwargs)
 
 
 def apply(model, *args, capture=False, **kwargs):
-    """Jitted ``model(*args, capture_weights=capture, **kwargs)``; kwargs are arrays or None."""
+    """Jitted ``model(*args, **kwargs)`` (``models.capture_weights`` with ``capture``);
+    kwargs are arrays or None. Head gates are state, so setting them reuses the compile."""
     graphdef, state = nnx.split(model)
     return _apply(graphdef, state, args, kwargs, capture=capture)
 
 
-def forward(model, tokens, *, head_gates=None, capture=False):
+def forward(model, tokens, *, capture=False):
     """Jitted ``model(tokens)``."""
-    return apply(model, tokens, head_gates=head_gates, capture=capture)
+    return apply(model, tokens, capture=capture)
 
 
 @functools.partial(fast_jit, static_argnames=("graphdef",))

@@ -26,6 +26,10 @@ ATTENTION_ERRORS = [
     ({"rope": 1}, "rope", 1),
     ({"rope_base": -1.0}, "rope_base", -1.0),
     ({"window": 0}, "window", 0),
+    ({"radius": -1}, "radius", -1),
+    ({"radius": 2.0}, "radius", 2.0),
+    ({"window": 4, "radius": 2}, "radius", 2),  # one is causal, the other bidirectional
+    ({**LINEAR, "radius": 2}, "radius", 2),
     ({"initial_tokens": 2}, "initial_tokens", 2),  # without a window
     ({"window": 4, "initial_tokens": -1}, "initial_tokens", -1),
     ({"window": 4, "initial_tokens": 1.5}, "initial_tokens", 1.5),
@@ -93,6 +97,8 @@ MODEL_ERRORS = [
     ({"encoder_layers": "mha"}, "encoder_layers", "mha"),
     ({"cross_attention": AttentionConfig(kind="mla")}, "cross_attention", "kind='mla'"),
     ({"cross_attention": AttentionConfig()}, "cross_attention", "rope=True"),
+    ({"cross_attention": AttentionConfig(rope=False, radius=2)}, "cross_attention", "radius=2"),
+    ({"encoder_layers": pattern(("window",))}, "encoder_layers", "encoder_layers[0].window"),
 ]
 
 
@@ -141,11 +147,23 @@ def test_masks_and_cache_layouts():
     def allowed(mask, q, k):
         return bool(mask.allowed(np.array([q]), np.array([k]))[0, 0])
 
-    enc = w.mask(causal=False)
+    band = dataclasses.replace(models.PRESETS["band"], initial_tokens=2)
+    assert band.radius == w.window and band.window is None
+    enc = band.mask(causal=False)
     assert allowed(enc, 0, 3) and not allowed(enc, 0, 9)  # a two-sided band
     assert allowed(enc, 9, 1)  # an initial token
     dec = w.mask(causal=True)
     assert not allowed(dec, 0, 3) and allowed(dec, 9, 1)
+    # window is a causal span, radius a bidirectional one: each refuses the other direction.
+    with pytest.raises(ValueError, match=r"^layer\.window: expected None in a bidirectional"):
+        w.mask(causal=False)
+    with pytest.raises(ValueError, match=r"^layer\.radius: expected None in a causal layer"):
+        band.mask(causal=True)
+    assert (
+        models.PRESETS["band_global_tokens"]
+        .mask(causal=False)
+        .allowed(np.array([9]), np.array([0]))[0, 0]
+    )
 
 
 def test_model_errors():

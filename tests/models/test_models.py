@@ -1,6 +1,7 @@
-"""Models: encoder padding, cross-attention, weight capture, head gates, gradients, MLA.
+"""Models: encoder padding, cross-attention, packing, gradients, MLA.
 
-Decoding invariants are in test_decoding.py; config validation in test_config.py.
+Decoding invariants are in test_decoding.py, config validation in test_config.py, weights
+and head gates in test_taps.py.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from tests.util import normal, rel_err
 RTOL = 1e-4  # composed float32 functions
 EXACT = 1e-6  # masked contributions are exact zeros: only rounding noise is allowed
 
-ENCODER = ("global_tokens", "linear", "mla")
+ENCODER = ("band_global_tokens", "linear", "mla")
 
 
 def _with_padding(seq, lengths, seed):
@@ -62,6 +63,21 @@ def test_encoder_padding_does_not_change_real_tokens():
     assert rel_err(a[1, :5], alone[0]) <= RTOL
 
 
+def test_encoder_packing_equals_each_sequence_alone():
+    """Bidirectional packing: band, global tokens, linear and MLA layers stay in their segment."""
+    model = model_for(ENCODER, cls=models.Encoder)
+    a, b = tokens(13, (1, 3)), tokens(14, (1, 5))
+    packed = jnp.concatenate([jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1)], 0)
+    seg = jnp.asarray([[1] * 3 + [2] * 5, [1] * 5 + [2] * 3], jnp.int32)
+    out = apply(model, packed, segment_ids=seg, positions=models.packed_positions(seg))
+    # Alone: each sequence right-padded in its own row (the compile of the padding test).
+    alone = apply(model, packed.at[0, 3:].set(packed[1, 3:]), lengths=jnp.array([3, 5]))
+    assert rel_err(out[0, :3], alone[0, :3]) <= RTOL
+    assert rel_err(out[0, 3:], alone[1, :5]) <= RTOL
+    assert rel_err(out[1, :5], alone[1, :5]) <= RTOL
+    assert rel_err(out[1, 5:], alone[0, :3]) <= RTOL
+
+
 def test_encoder_is_bidirectional():
     model = model_for(ENCODER, cls=models.Encoder)
     seq = tokens(12, (B, 8))
@@ -74,11 +90,27 @@ def test_encoder_rejects_what_it_cannot_honor():
     model = model_for(ENCODER, cls=models.Encoder)
     seg = jnp.ones((B, 8), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids"):
-        model(tokens(0, (B, 8)), segment_ids=seg)
+        model(tokens(0, (B, 8)), segment_ids=seg, lengths=jnp.array([8, 8]))
     with pytest.raises(ValueError, match="lengths"):
         model(tokens(0, (B, 8)), lengths=jnp.array([9, 1]))
-    with pytest.raises(ValueError, match="decay"):
+    with pytest.raises(ValueError, match=r"config\.layers\[0\]\.decay"):
         models.Encoder(models.ModelConfig(layers=pattern(("linear_decay",))), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    ("cls", "names", "field"),
+    [
+        (models.Encoder, ("mha", "window"), r"config\.layers\[1\]\.window"),  # a causal span
+        (models.Decoder, ("band",), r"config\.layers\[0\]\.radius"),  # a bidirectional one
+        (models.EncoderDecoder, ("band",), r"config\.layers\[0\]\.radius"),
+    ],
+)
+def test_window_is_causal_and_radius_bidirectional(cls, names, field):
+    kw = {"encoder_layers": pattern(("band",))} if cls is models.EncoderDecoder else {}
+    with pytest.raises(ValueError, match=field):
+        cls(models.ModelConfig(layers=pattern(names), **kw), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"encoder_layers\[0\]\.window"):
+        models.ModelConfig(encoder_layers=pattern(("streaming",)))
 
 
 # ----------------------------------------------------------------------------
@@ -141,70 +173,50 @@ def test_cross_attention_weights_and_empty_source():
         assert w.shape == (B, N, T_TGT, S_SRC)
         np.testing.assert_allclose(w[0].sum(-1), 1.0, rtol=1e-6)
         np.testing.assert_array_equal(w[1], 0.0)  # a source of length 0: nothing visible
-    enc = weights["encoder"]
-    assert enc[0].shape == (B, 4, S_SRC, S_SRC) and enc[1] is None  # mha, linear
+    enc = weights["encoder"]  # mha, linear
+    assert all(w.shape == (B, 4, S_SRC, S_SRC) for w in enc)
+    np.testing.assert_array_equal(enc[1][1], 0.0)  # linear: padding rows are 0
     assert all(w.shape == (B, 4, T_TGT, T_TGT) for w in weights["decoder"])
 
 
 # ----------------------------------------------------------------------------
-# Weight capture and head gates
+# Packing: several sequences in one row (segment ids, positions restarting)
 
-HYBRID = KINDS["hybrid"]  # linear_gated, mla, streaming
-
-
-def test_weight_capture():
-    model = model_for(HYBRID)
-    T = 12
-    seq = tokens(30, (B, T))
-    plain = forward(model, seq)
-    logits, weights = forward(model, seq, capture=True)
-    np.testing.assert_allclose(logits, plain, rtol=1e-6, atol=1e-6)
-    assert len(weights) == 3 and weights[0] is None  # linear attention has no [T,S] weights
-    pos = np.arange(T)
-    for layer, w in zip(model.config.layers[1:], weights[1:], strict=True):
-        assert w.shape == (B, layer.num_heads, T, T) and w.dtype == jnp.float32
-        np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
-        allowed = np.asarray(layer.mask(True).allowed(pos, pos))
-        np.testing.assert_array_equal(np.asarray(w)[..., ~allowed], 0.0)
-    assert forward(model, seq).shape == (B, T, 32)  # off by default: logits only
+PACKED = [
+    ("gqa", KINDS["gqa"]),
+    ("mla", KINDS["mla"]),
+    ("linear_decay_gated", ("linear_decay", "linear_gated")),
+    ("hybrid", KINDS["hybrid"]),  # linear_gated, mla, streaming (absolute initial tokens)
+]
 
 
-def test_head_gates():
-    model = model_for(HYBRID)
-    seq = tokens(31, (B, 8))
-    L, N = 3, 4
-    plain = forward(model, seq)
-    ones = forward(model, seq, head_gates=jnp.ones((L, N)))
-    np.testing.assert_allclose(ones, plain, rtol=1e-6, atol=1e-6)
-    gates = jnp.ones((L, N)).at[1, 0].set(0.0)
-    assert rel_err(forward(model, seq, head_gates=gates), plain) > 1e-4
-    with pytest.raises(ValueError, match="head_gates"):
-        model(seq, head_gates=jnp.ones((L, N + 1)))
-    with pytest.raises(ValueError, match="head_gates"):
-        model(seq, head_gates=[None, None])
-
-    # Gradient-based head importance: d loss / d gate, finite and nonzero in every layer.
-    graphdef, state = nnx.split(model)
-
-    def importance(gates):
-        logits = nnx.merge(graphdef, state)(seq, head_gates=gates)
-        return jnp.sum(jax.nn.log_softmax(logits)[..., 0])
-
-    grads = fast_jit(jax.grad(importance))(jnp.ones((L, N)))
-    assert np.isfinite(np.asarray(grads)).all()
-    assert (np.abs(np.asarray(grads)).sum(-1) > 0).all()
+@pytest.mark.parametrize(("kind", "names"), PACKED, ids=[k for k, _ in PACKED])
+def test_packed_rows_equal_each_sequence_alone(kind, names):
+    model = model_for(names)
+    a, b = tokens(43, (1, 3)), tokens(44, (1, 5))
+    junk = tokens(45, (1, 5))
+    # Row 0 packs a then b, row 1 b then a; alone, each sequence is its row's prefix.
+    packed = jnp.concatenate([jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1)], 0)
+    seg = jnp.asarray([[1] * 3 + [2] * 5, [1] * 5 + [2] * 3], jnp.int32)
+    positions = models.packed_positions(seg)
+    np.testing.assert_array_equal(positions[0], [0, 1, 2, 0, 1, 2, 3, 4])
+    out = apply(model, packed, segment_ids=seg, positions=positions)
+    alone = apply(model, jnp.concatenate([jnp.concatenate([a, junk], 1), packed[1:]], 0))
+    assert rel_err(out[0, :3], alone[0, :3]) <= RTOL, kind
+    assert rel_err(out[0, 3:], alone[1, :5]) <= RTOL, kind
+    assert rel_err(out[1, :5], alone[1, :5]) <= RTOL, kind
+    assert rel_err(out[1, 5:], alone[0, :3]) <= RTOL, kind
 
 
-def test_head_gates_are_per_head_and_linear():
-    """Gates act on each head's output before the (linear) output projection."""
-    cfg = REGISTRY["gqa"]
-    layer = models.SelfAttention(
-        cfg, WIDTH, causal=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
-    )
-    x = normal(32, (B, 6, WIDTH))
-    full, _ = layer(x)
-    per_head = [layer(x, head_gates=jnp.eye(cfg.num_heads)[n])[0] for n in range(cfg.num_heads)]
-    assert rel_err(sum(per_head), full) <= 1e-5
+def test_decoder_argument_errors():
+    model = model_for(KINDS["gqa"])
+    packed = tokens(46, (1, 8))
+    with pytest.raises(ValueError, match="positions"):
+        model(packed, positions=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(packed, segment_ids=jnp.ones((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((B, 4)))
 
 
 # ----------------------------------------------------------------------------
@@ -220,9 +232,9 @@ def test_mla_absorbed_equals_naive(name):
     x = normal(33, (B, 9, WIDTH))
     seg = jnp.asarray([[1] * 9, [1] * 4 + [2] * 5], jnp.int32)
     pos = jnp.asarray([list(range(9)), list(range(4)) + list(range(5))], jnp.int32)
-    naive, w_naive = layer(x, positions=pos, segment_ids=seg, capture_weights=True)
-    absorbed, w_absorbed = layer(
-        x, positions=pos, segment_ids=seg, capture_weights=True, absorbed=True
+    naive, (w_naive,) = models.capture_weights(layer, x, positions=pos, segment_ids=seg)
+    absorbed, (w_absorbed,) = models.capture_weights(
+        layer, x, positions=pos, segment_ids=seg, absorbed=True
     )
     assert rel_err(absorbed, naive) <= 1e-5
     assert rel_err(w_absorbed, w_naive) <= 1e-5
@@ -292,22 +304,3 @@ def test_untied_head_and_bf16():
     # ~20 roundings in two layers. The lower bound checks that it computes in bf16.
     err = rel_err(logits, forward(f32, tokens(42, (B, 6))))
     assert 1e-3 < err <= 1.5e-2
-
-
-def test_decoder_packing_and_positions():
-    """Two sequences packed in one row (segment ids, positions reset) equal separate runs."""
-    model = model_for(KINDS["gqa"])
-    a, b = tokens(43, (1, 3)), tokens(44, (1, 5))
-    packed = jnp.concatenate([a, b], 1)
-    seg = jnp.asarray([[1] * 3 + [2] * 5], jnp.int32)
-    pos = jnp.asarray([[0, 1, 2, 0, 1, 2, 3, 4]], jnp.int32)
-    out = apply(model, packed, segment_ids=seg, positions=pos)
-    both = apply(model, jnp.concatenate([jnp.pad(a, ((0, 0), (0, 2))), b], 0))  # a padded, b
-    assert rel_err(out[0, :3], both[0, :3]) <= RTOL
-    assert rel_err(out[0, 3:], both[1]) <= RTOL
-    with pytest.raises(ValueError, match="segment_ids"):
-        model_for(KINDS["linear"])(packed, segment_ids=seg)
-    with pytest.raises(ValueError, match="positions"):
-        model(packed, positions=pos[:, :4])
-    with pytest.raises(ValueError, match="tokens"):
-        model(jnp.zeros((B, 4)))

@@ -1,0 +1,63 @@
+"""What attention heads do: metrics on captured weights, head importance, plots.
+
+Pure functions over arrays (NumPy float64 on the host; JAX arrays are accepted).
+Weights come from ``models.capture_weights`` as L arrays ``[B,N,T,S]``; every
+metric takes them stacked, ``[L,B,N,T,S]``, or as that list, and returns one
+number per head, ``[L,N]``. Axis letters as in ``attn``: L layers, B batch,
+N heads, T queries, S keys; F fractions in ``pruning_masks``.
+
+    from analysis import metrics, plots
+
+    logits, weights = models.capture_weights(model, tokens)   # L x [B,N,T,T]
+    ind = metrics.induction_score(weights, period=P, start=P + 1, tokens=tokens)
+    plots.score_heatmap(ind, "results/induction.png", "induction score")
+
+Files: ``metrics.py`` (entropy, previous-token, duplicate-token, induction,
+first-token mass and sink rate), ``importance.py`` (normalizing head importance,
+pruning orders and masks), ``plots.py`` (attention grids, heatmaps, curves) and
+``_checks.py`` (input validation).
+"""
+
+from analysis import importance, metrics, plots
+from analysis.importance import normalize_importance, pruning_masks, pruning_order
+from analysis.metrics import (
+    SINK_THRESHOLD,
+    SinkRate,
+    duplicate_pattern,
+    duplicate_token_score,
+    entropy,
+    first_token_mass,
+    induction_pattern,
+    induction_score,
+    induction_score_from_tokens,
+    pattern_score,
+    periodic_induction_pattern,
+    previous_token_pattern,
+    previous_token_score,
+    sink_rate,
+    uniform_entropy,
+)
+
+__all__ = [
+    "SINK_THRESHOLD",
+    "SinkRate",
+    "duplicate_pattern",
+    "duplicate_token_score",
+    "entropy",
+    "first_token_mass",
+    "importance",
+    "induction_pattern",
+    "induction_score",
+    "induction_score_from_tokens",
+    "metrics",
+    "normalize_importance",
+    "pattern_score",
+    "periodic_induction_pattern",
+    "plots",
+    "previous_token_pattern",
+    "previous_token_score",
+    "pruning_masks",
+    "pruning_order",
+    "sink_rate",
+    "uniform_entropy",
+]

@@ -1,0 +1,264 @@
+"""The kernels of blockwise attention: the online-softmax forward, the FlashAttention-2 backward.
+
+Internal to ``attn.blockwise``, which describes the algorithm. A tile is a
+(query block, key block) pair for one group of kv heads (``config.tile_heads``
+of the B*K heads of all batch entries) as 3-D matmul batches, with the axis
+letters of ``attn.blockwise_tiles``: X the tile's kv heads, Q its G*C query
+rows (the G query heads of each kv head stacked) and J its keys::
+
+    forward:  q [X,Q,H] @ kT [X,H,J] -> scores [X,Q,J];  p [X,Q,J] @ v [X,J,E]
+    backward: k [X,J,H] @ qT [X,H,Q] -> transposed scores [X,J,Q]
+
+Every matmul is a plain (row-major x row-major) product: XLA:CPU runs products
+with a transposed left operand several times slower, so the backward works on
+transposed tiles (keys as rows), where dV, dK and dQ^T are all plain products.
+Tiles are kept 3-D: with unit B or G axes XLA:CPU inserts a copy of every
+score tile between the matmul and the reductions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from attn.blockwise_schedule import Schedule
+from attn.blockwise_tiles import TileConfig
+from attn.dense import MASKED, visible
+from attn.masks import BlockKind
+from attn.merge import merge_unnormalized
+
+
+class KernelInputs(NamedTuple):
+    """The integer inputs of the kernels, blocked like q and k; no gradient flows to them.
+
+    The schedule, and per tile what the mask and the segment rule look at.
+    """
+
+    schedule: Schedule
+    q_pos: jax.Array  # [groups*nq, X, C] int32
+    kv_pos: jax.Array  # [groups*nk, X, J] int32
+    kv_valid: jax.Array  # [groups*nk, J] bool: False on padding keys
+    q_seg: jax.Array | None  # [groups*nq, X, C] int32
+    kv_seg: jax.Array | None  # [groups*nk, X, J] int32
+
+
+def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, j, keys_major: bool):
+    """Boolean visibility of tile (i, j): ``[X,Q,J]``, or ``[X,J,Q]`` keys-major."""
+    k_seg_j = None if inputs.kv_seg is None else inputs.kv_seg[j]
+    ok = visible(config.mask, q_pos_i, inputs.kv_pos[j], q_seg_i, k_seg_j)
+    ok = ok & inputs.kv_valid[j][None, None, :]  # [X,C,J]
+    X, C, J = ok.shape
+    if keys_major:  # the G query heads of a kv head share its visibility
+        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (X, J, config.G, C))
+        return ok.reshape(X, J, config.G * C)
+    return jnp.broadcast_to(ok[:, None], (X, config.G, C, J)).reshape(X, config.G * C, J)
+
+
+def _softcap(config: TileConfig, s):
+    """The soft-cap on (pre-scaled) float32 logits, when there is one."""
+    return s if config.softcap is None else config.softcap * jnp.tanh(s / config.softcap)
+
+
+def _softcap_grad(config: TileConfig, x):
+    """d cap(s) / d s from the capped logits x: ``1 - tanh^2``, or None without a cap."""
+    if config.softcap is None:
+        return None
+    t = x / config.softcap
+    return 1.0 - t * t
+
+
+def _visit(key_tile, kind, count, tile, combine, carry):
+    """Folds the ``count`` scheduled key tiles of one query tile into ``carry``.
+
+    For key tile ``j``, ``tile(j, masked)`` computes the tile's contribution and
+    ``combine(carry, j, full, contribution)`` adds it. ``masked`` is static:
+    FULL tiles run a variant that never evaluates the mask. Only the small
+    per-tile results cross the ``lax.cond``; big loop-carried buffers passed
+    through it would be copied on every step.
+    """
+
+    def body(t, carry):
+        j, full = key_tile[t], kind[t] == BlockKind.FULL
+        unmasked = functools.partial(tile, masked=False)
+        masked = functools.partial(tile, masked=True)
+        return combine(carry, j, full, lax.cond(full, unmasked, masked, j))
+
+    return lax.fori_loop(0, count, body, carry)
+
+
+def _new(like, shape, value=0.0, dtype=jnp.float32):
+    """A constant loop carry that varies across devices where ``like`` does.
+
+    Inside ``jax.shard_map`` a carry must keep its type, which records the mesh
+    axes it varies over (``vma``); a carry updated from sharded queries varies,
+    so its initial value must already (``*_like`` inherits it; plain
+    ``jnp.zeros`` would not, and the loop would refuse a sharded q).
+    """
+    return jnp.full_like(like, value, dtype=dtype, shape=shape)
+
+
+def _sink_rows(config: TileConfig, sink):
+    """Sink logits ``[K,G]`` as per-row values of each head group: ``[groups, X, Q]``."""
+    rows = jnp.broadcast_to(sink[None, :, :, None], (config.B, config.K, config.G, config.block_q))
+    return rows.reshape(config.groups, config.tile_heads, config.G * config.block_q)
+
+
+def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
+    """Online softmax over the schedule.
+
+    Args:
+      q: ``[groups*nq, X, Q, H]`` query tiles, already multiplied by the logit scale.
+      kT: ``[groups*nk, X, H, J]`` key tiles, transposed; v: ``[groups*nk, X, J, E]``.
+      sink: float32 ``[K,G]`` (ignored unless ``config.has_sink``).
+      inputs: the schedule, positions, padding and segment ids of the tiles.
+
+    Returns:
+      ``out [groups*nq, X, Q, E]`` in the output dtype, ``lse [groups*nq, X, Q]``
+      float32 and the counts ``(full, partial)`` of tiles computed.
+    """
+    n_tiles, X, Q, _ = q.shape
+    E = v.shape[-1]
+    sink_rows = _sink_rows(config, sink)
+
+    def q_tile(counts, xs):
+        q_i, group, q_pos_i, q_seg_i, key_tile, kind, count = xs
+
+        def tile(j, masked):
+            s = jnp.einsum("XQH,XHJ->XQJ", q_i, kT[j], preferred_element_type=jnp.float32)
+            s = _softcap(config, s)
+            if masked:
+                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=False)
+                s = jnp.where(ok, s, MASKED)
+            m_j = s.max(-1)
+            # Masked logits give exp(MASKED - m_j) = 0, except in rows with no
+            # visible key in this tile (m_j = MASKED): those are zeroed per row below.
+            p = jnp.exp(s - m_j[..., None])
+            l_j = p.sum(-1)
+            pv = jnp.einsum(
+                "XQJ,XJE->XQE", p.astype(v.dtype), v[j], preferred_element_type=jnp.float32
+            )
+            if masked:
+                seen = m_j > MASKED
+                l_j, pv = jnp.where(seen, l_j, 0.0), jnp.where(seen[..., None], pv, 0.0)
+            return m_j, l_j, pv
+
+        def combine(state, j, full, part):
+            m, l, acc, tile_counts = state
+            m, l, acc = merge_unnormalized(m, l, acc, *part)
+            return m, l, acc, tile_counts + jnp.stack([full, ~full]).astype(jnp.int32)
+
+        new = functools.partial(_new, q_i)
+        if config.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
+            m0, l0 = sink_rows[group] + new((X, Q)), new((X, Q), 1.0)
+        else:
+            m0, l0 = new((X, Q), MASKED), new((X, Q))
+        state = (m0, l0, new((X, Q, E)), new((2,), 0, jnp.int32))
+        m, l, acc, tile_counts = _visit(key_tile, kind, count, tile, combine, state)
+        seen = l > 0
+        out = acc / jnp.where(seen, l, 1.0)[..., None]
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        return counts + tile_counts, (out.astype(config.dtype), lse)
+
+    groups = jnp.arange(n_tiles) // (n_tiles // config.groups)  # head group of each query tile
+    xs = (q, groups, inputs.q_pos, inputs.q_seg, *inputs.schedule)
+    counts, (out, lse) = lax.scan(q_tile, _new(q, (2,), 0, jnp.int32), xs)
+    return out, lse, (counts[0], counts[1])
+
+
+def backward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs, out, lse, d_out, d_lse):
+    """FlashAttention-2 backward, recomputing each tile's probabilities from the lse.
+
+    Arguments as ``forward``'s, plus its outputs and their cotangents. Returns
+    ``(dq, dkT, dv, dsink)`` in the layouts of q, kT, v (and ``[K,G]`` or None).
+    """
+    _, X, Q, H = q.shape
+    k = kT.swapaxes(-1, -2)  # [groups*nk, X, J, H]
+    qT = q.swapaxes(-1, -2)  # [groups*nq, X, H, Q]
+    # D = rowsum(dO * O), less the lse cotangent: d lse / d logit = P, so both
+    # enter dS = P * (dP - D + d_lse) the same way.
+    delta = jnp.einsum("...E,...E->...", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    delta = delta - d_lse
+    # A row that sees nothing has lse = -inf; +inf makes its P = exp(x - inf) = 0.
+    lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+
+    def q_tile(dkv, xs):
+        q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, key_tile, kind, count = xs
+        doT_i = do_i.swapaxes(-1, -2)  # [X,E,Q]
+        lse_i, delta_i = lse_i[:, None], delta_i[:, None]  # [X,1,Q]: one per column
+
+        def tile(j, masked):
+            sT = jnp.einsum("XJH,XHQ->XJQ", k[j], qT_i, preferred_element_type=jnp.float32)
+            xT = _softcap(config, sT)
+            cap_grad = _softcap_grad(config, xT)  # from the unmasked logits: finite everywhere
+            if masked:  # exp(MASKED - lse) = 0: no need to mask P itself
+                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=True)
+                xT = jnp.where(ok, xT, MASKED)
+            pT = jnp.exp(xT - lse_i)
+            dv_j = jnp.einsum(
+                "XJQ,XQE->XJE", pT.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
+            )
+            dpT = jnp.einsum("XJE,XEQ->XJQ", v[j], doT_i, preferred_element_type=jnp.float32)
+            dsT = pT * (dpT - delta_i)
+            if cap_grad is not None:
+                dsT = dsT * cap_grad
+            dsT = dsT.astype(q.dtype)
+            dk_j = jnp.einsum("XJQ,XQH->XJH", dsT, q_i, preferred_element_type=jnp.float32)
+            dqT_j = jnp.einsum("XHJ,XJQ->XHQ", kT[j], dsT, preferred_element_type=jnp.float32)
+            return dqT_j, dk_j, dv_j
+
+        def combine(state, j, full, part):
+            dqT_i, dk, dv = state
+            dqT_j, dk_j, dv_j = part
+            dk = lax.dynamic_update_index_in_dim(dk, dk[j] + dk_j, j, 0)
+            dv = lax.dynamic_update_index_in_dim(dv, dv[j] + dv_j, j, 0)
+            return dqT_i + dqT_j, dk, dv
+
+        dqT_i = _new(q_i, (X, H, Q))
+        dqT_i, dk, dv = _visit(key_tile, kind, count, tile, combine, (dqT_i, *dkv))
+        return (dk, dv), dqT_i.swapaxes(-1, -2).astype(q.dtype)
+
+    dkv0 = (_new(q, k.shape), _new(q, v.shape))
+    xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, *inputs.schedule)
+    (dk, dv), dq = lax.scan(q_tile, dkv0, xs)
+    dsink = None
+    if config.has_sink:
+        # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * (D - d_lse).
+        lse, delta = (x.reshape(config.groups, -1, X, Q) for x in (lse, delta))
+        p_sink = jnp.exp(_sink_rows(config, sink)[:, None] - lse)
+        per_row = (p_sink * delta).reshape(config.groups, -1, X, config.G, config.block_q)
+        per_row = per_row.swapaxes(1, 2).reshape(config.B, config.K, -1, config.G, config.block_q)
+        dsink = -per_row.sum((0, 2, 4))
+    return dq, dk.swapaxes(-1, -2).astype(kT.dtype), dv.astype(v.dtype), dsink
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def flash(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
+    """``(out, lse)`` of ``forward``, differentiated by the memory-linear ``backward``.
+
+    Saves only q, k, v, the output and the lse for the backward pass.
+    """
+    out, lse, _ = forward(config, q, kT, v, sink, inputs)
+    return out, lse
+
+
+def _flash_fwd(config, q, kT, v, sink, inputs):
+    out, lse, _ = forward(config, q, kT, v, sink, inputs)
+    return (out, lse), (q, kT, v, sink, inputs, out, lse)
+
+
+def _flash_bwd(config, residuals, cotangents):
+    q, kT, v, sink, inputs, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dkT, dv, dsink = backward(config, q, kT, v, sink, inputs, out, lse, d_out, d_lse)
+    chex.assert_equal_shape([dq, q])
+    chex.assert_equal_shape([dkT, kT])
+    chex.assert_equal_shape([dv, v])
+    return dq, dkT, dv, dsink, None  # the integer inputs get no cotangent
+
+
+flash.defvjp(_flash_fwd, _flash_bwd)

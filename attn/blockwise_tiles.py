@@ -1,0 +1,180 @@
+"""The tile layout of blockwise attention: one call's configuration and its blocked operands.
+
+Internal to ``attn.blockwise``. Queries are cut into blocks of ``block_q``
+positions and keys/values into blocks of ``block_k``; both are padded to whole
+blocks. The B*K kv heads of all batch entries are split into ``groups`` of
+``tile_heads`` heads, and a tile is a (query block, key block) pair for one
+group. Every tile is a 3-D batch of plain matmuls, with these axis letters
+besides the vocabulary:
+
+    X  the kv heads of one tile (``tile_heads`` of the B*K): a flattened batch
+       of matmuls, as in ``attn.linear_forms``
+    Q  the query rows of one tile: its G query heads times the block's
+       ``block_q`` positions (C), G-major, so G*C rows in all
+    J  the key positions of one key block (``block_k``), as J is the key
+       position inside a chunk in ``attn.linear_forms``
+
+Leading axes count tiles: ``groups*nq`` query tiles and ``groups*nk`` key/value
+tiles for ``nq`` query blocks and ``nk`` key blocks; tile ``g*nq + i`` holds
+query block i of head group g.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import chex
+import jax.numpy as jnp
+import numpy as np
+
+from attn._checks import positive_int
+from attn.masks import Mask
+
+
+class TileConfig(NamedTuple):
+    """Hashable configuration of one call: what the kernels need to know at trace time.
+
+    A static (``nondiff_argnums``) argument of the custom VJP, so a new
+    configuration means a new trace.
+    """
+
+    mask: Mask
+    scale: float
+    softcap: float | None
+    has_sink: bool
+    has_segments: bool
+    T: int
+    S: int
+    B: int
+    K: int
+    G: int
+    dtype: str  # of the output
+    block_q: int
+    block_k: int
+    tile_heads: int  # X: kv heads (of all batch entries, B*K) per tile; divides B*K
+
+    @property
+    def groups(self) -> int:
+        """Head groups: tiles per (query block, key block) pair."""
+        return self.B * self.K // self.tile_heads
+
+
+def tile_config(call, block_q, block_k, dtype, tile_scores: int) -> TileConfig:
+    """The configuration of a checked call (``attn.dense.Call``) for the given block sizes.
+
+    Groups as many kv heads per tile as fit in ``tile_scores`` scores.
+    """
+    block_q, block_k = positive_int(block_q, "block_q"), positive_int(block_k, "block_k")
+    dims = call.dims
+    # A block longer than the sequence only adds padding.
+    bq, bk = int(min(block_q, dims.T)), int(min(block_k, dims.S))
+    return TileConfig(
+        mask=call.mask,
+        scale=call.scale,
+        softcap=call.softcap,
+        has_sink=call.sink_logits is not None,
+        has_segments=call.q_segment_ids is not None,
+        T=dims.T,
+        S=dims.S,
+        B=dims.B,
+        K=dims.K,
+        G=dims.G,
+        dtype=jnp.dtype(dtype).name,
+        block_q=bq,
+        block_k=bk,
+        tile_heads=_heads_per_tile(dims.B * dims.K, dims.G * bq * bk, tile_scores),
+    )
+
+
+def _heads_per_tile(heads: int, scores_per_head: int, tile_scores: int) -> int:
+    """The most kv heads (a divisor of ``heads``) whose tile holds <= ``tile_scores`` scores."""
+    fit = max(1, tile_scores // scores_per_head)
+    return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
+
+
+def num_blocks(length: int, block: int) -> int:
+    """Blocks of ``block`` positions that cover ``length`` (the last may hold padding)."""
+    return -(-length // block)
+
+
+def _pad_rows(x, length: int, block: int, mode: str):
+    """Pads axis 1 of ``[B, L, ...]`` to a whole number of blocks."""
+    pad = num_blocks(length, block) * block - length
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, mode=mode)
+
+
+def qkv_tiles(config: TileConfig, q, k, v):
+    """Blocked operands of the kernels, 3-D per tile so tiles are plain matmul batches.
+
+    Returns scaled q ``[groups*nq, X, Q, H]``, kT ``[groups*nk, X, H, J]`` and
+    v ``[groups*nk, X, J, E]``. The G query heads sharing a kv head are stacked
+    as rows, so GQA needs no repeated K/V. Keys are stored transposed because
+    ``q @ kT`` is the plain product XLA:CPU runs fastest. Padding rows and keys
+    are zeros (padding keys are also masked).
+    """
+    B, T, N, H = q.shape
+    K, G = config.K, N // config.K
+    q = _pad_rows(_scaled(q, config.scale), T, config.block_q, "constant")
+    q = q.reshape(B, -1, config.block_q, K, G, H).transpose(0, 3, 1, 4, 2, 5)  # [B,K,nq,G,C,H]
+    q = q.reshape(B * K, -1, G * config.block_q, H)
+    q, kT, v = _group(config, q), _kv_tiles(config, k).swapaxes(-1, -2), _kv_tiles(config, v)
+    chex.assert_shape(q, (None, config.tile_heads, G * config.block_q, H))
+    chex.assert_shape(kT, (None, config.tile_heads, H, config.block_k))
+    chex.assert_equal_shape_prefix([kT, v], 2)
+    return q, kT, v
+
+
+def _scaled(q, scale: float):
+    """``q * scale``: folding the logit scale into q saves a pass over every score tile.
+
+    Exact when the scale is a power of two (``1/sqrt(H)`` for H = 16, 64, 256);
+    otherwise half-precision queries are kept in float32 so no rounding beyond
+    float32's is added to the logits.
+    """
+    exact = np.log2(scale).is_integer() or jnp.finfo(q.dtype).bits >= 32
+    dtype = q.dtype if exact else jnp.float32
+    return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def _kv_tiles(config: TileConfig, x):
+    """``[B,S,K,H]`` -> ``[groups*nk, X, J, H]``."""
+    B, S, K, H = x.shape
+    x = _pad_rows(x, S, config.block_k, "constant")
+    x = x.reshape(B, -1, config.block_k, K, H).transpose(0, 3, 1, 2, 4)  # [B,K,nk,J,H]
+    return _group(config, x.reshape(B * K, -1, config.block_k, H))
+
+
+def _group(config: TileConfig, x):
+    """Per kv head ``[B*K, nb, ...]`` -> per tile ``[groups*nb, X, ...]``."""
+    nb = x.shape[1]
+    x = x.reshape(config.groups, config.tile_heads, nb, *x.shape[2:]).swapaxes(1, 2)
+    return x.reshape(config.groups * nb, config.tile_heads, *x.shape[3:])
+
+
+def _ungroup(config: TileConfig, x):
+    """Inverse of ``_group``: ``[groups*nb, X, ...]`` -> ``[B*K, nb, ...]``."""
+    x = x.reshape(config.groups, -1, config.tile_heads, *x.shape[2:]).swapaxes(1, 2)
+    return x.reshape(config.B * config.K, -1, *x.shape[3:])
+
+
+def untile(config: TileConfig, x):
+    """Query tiles ``[groups*nq, X, Q, E]`` -> ``[B,T,N,E]`` (padding rows dropped)."""
+    E = x.shape[-1]
+    x = _ungroup(config, x).reshape(config.B, config.K, -1, config.G, config.block_q, E)
+    x = x.transpose(0, 2, 4, 1, 3, 5)  # [B,nq,C,K,G,E]
+    return x.reshape(config.B, -1, config.K * config.G, E)[:, : config.T]
+
+
+def row_tiles(config: TileConfig, x, length: int, block: int):
+    """Integer ``[B, L]`` (positions, segment ids) -> per tile ``[groups*nb, X, block]``.
+
+    Padding repeats the last entry, which keeps every block's min/max, and so
+    the block classification, that of its real rows.
+    """
+    x = _pad_rows(x, length, block, "edge")
+    x = jnp.broadcast_to(x[:, None], (config.B, config.K, x.shape[1]))
+    return _group(config, x.reshape(config.B * config.K, -1, block))

@@ -1,0 +1,110 @@
+"""What every attention module shares: projections, RoPE, per-head gates, the weights tap.
+
+Every attention module (``SelfAttention``, ``CrossAttention``,
+``LatentAttention``, ``LinearAttention``) derives from ``Heads`` and has the
+same surface, so blocks and models never branch on the kind:
+
+* ``__call__(x [B,T,D], *, positions=None, segment_ids=None) -> y [B,T,D]``:
+  the whole sequence at once (cross-attention takes the encoder memory instead).
+* ``init_cache(batch, max_len)`` -> the layer's cache pytree.
+* ``extend(x [B,T,D], cache, start [B], lengths [B] or None) -> (y [B,T,D], cache)``:
+  T new tokens per row at positions ``start[b] + t``, of which ``lengths[b]``
+  are real (None: all T). Prefill and decoding (T = 1) are both ``extend``.
+
+Two taps, through NNX's own mechanisms rather than arguments and return values:
+
+* ``head_gate``: a ``HeadGate`` variable ``[N]`` (ones) multiplying each head's
+  output before the output projection. Not a ``Param``, so optimizers built
+  with ``wrt=nnx.Param`` leave it alone; setting it ablates heads, and the
+  gradient with respect to it is head importance (``models.taps``).
+* ``sow_weights``: when True (``models.capture_weights`` sets it for one call),
+  ``__call__`` also computes its attention weights ``[B,N,T,S]`` float32 and
+  sows them as ``nnx.Intermediate`` ``"weights"``. False by default, so the
+  default call never materializes them and compiles as before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax.numpy as jnp
+from flax import nnx
+
+import attn
+from models.config import JAX_NN_IMPLS, AttentionConfig
+
+
+class HeadGate(nnx.Variable):
+    """Per-head output multipliers ``[N]`` of an attention module (ones: no change); not trained."""
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array owned by a module (e.g. FAVOR+ random features)."""
+
+
+def dense(d_in: int, d_out: int, *, dtype, param_dtype, rngs, **kwargs) -> nnx.Linear:
+    """A bias-free ``nnx.Linear`` (the projections of every layer)."""
+    kwargs.setdefault("use_bias", False)
+    return nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kwargs)
+
+
+def cached_impl(impl: str) -> str:
+    """jax.nn's kernels cannot take the positions and segment ids that cached and
+    cross-attention calls pass, so those calls let "auto" pick one that can."""
+    return "auto" if impl in JAX_NN_IMPLS else impl
+
+
+def step_positions(start, T: int):
+    """``[B,T]`` absolute positions ``start[b] + t``."""
+    return start[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)
+
+
+class Heads(nnx.Module):
+    """Base of the attention modules: config, head gate, weights tap, q/k/v/o projections."""
+
+    def _init_heads(self, cfg: AttentionConfig, *, causal: bool, dtype):
+        cfg.check_direction(causal, "cfg")
+        self.cfg = cfg
+        self.causal = causal
+        self.dtype = dtype
+        self.head_gate = HeadGate(jnp.ones((cfg.num_heads,), jnp.float32))
+        self.sow_weights = False
+
+    def _init_qkv(self, width: int, *, dtype, param_dtype, rngs):
+        """q ``[D, N*H]``, k and v ``[D, K*H]``, o ``[N*H, D]``."""
+        cfg = self.cfg
+        N, K, H = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+        linear = functools.partial(dense, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = linear(width, N * H)
+        self.k_proj = linear(width, K * H)
+        self.v_proj = linear(width, K * H)
+        self.o_proj = linear(N * H, width)
+
+    def _rope(self, x, positions):
+        """x ``[B,T,heads,H]`` rotated at ``positions [B,T]`` if ``cfg.rope``."""
+        cfg = self.cfg
+        if not cfg.rope:
+            return x
+        return attn.apply_rope(x, positions, base=cfg.rope_base, rotary_dim=cfg.rotary_dim)
+
+    def _qkv(self, x, positions):
+        """q ``[B,T,N,H]`` and k, v ``[B,T,K,H]`` from x ``[B,T,D]`` (RoPE at ``positions``)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        v = self.v_proj(x).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        chex.assert_equal_shape([k, v])
+        return self._rope(q, positions), self._rope(k, positions), v
+
+    def _output(self, out):
+        """``out [B,T,N,E]`` times the head gates, then the output projection: ``[B,T,D]``."""
+        B, T, N, E = out.shape
+        gated = out * self.head_gate[...].astype(out.dtype)[:, None]
+        return self.o_proj(gated.reshape(B, T, N * E))
+
+    def _sow(self, weights):
+        """Records ``weights [B,N,T,S]`` float32 (only called when ``sow_weights``)."""
+        chex.assert_rank(weights, 4)
+        self.sow(nnx.Intermediate, "weights", weights)

@@ -1,0 +1,151 @@
+"""``LinearAttention``: ``phi(q).phi(k)`` attention (``attn.linear``) with a recurrent state."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attn
+from attn import masks
+from models.config import AttentionConfig
+from models.heads import Buffer, Heads, dense, step_positions
+
+# Gated linear attention: gates are sigmoid(x W + b) ** (1 / 16) (Yang et al.
+# 2023), so they start close to 1 (long memory) and learn to forget.
+GATE_TEMPERATURE = 16.0
+GATE_BIAS_INIT = 2.0
+
+
+class LinearAttention(Heads):
+    """Linear attention ``phi(q).phi(k)`` (``attn.linear``), any feature map, form and decay.
+
+    Parameters: q ``[D, N*H]``, k and v ``[D, K*H]``, o ``[N*H, D]``; with gating a
+    gate projection ``[D, N]`` (+ bias) giving log-gates
+    ``log_sigmoid(x W_g + b) / GATE_TEMPERATURE`` ``[B,T,N]``; for ``"favor"`` fixed
+    random features ``[H, F]`` (a ``Buffer``, not trained). Fixed decay gammas
+    are static config. The decode cache is the recurrent ``LinearState``.
+
+    Padding and packing are segment ids, handled by ``attn.linear_attention``
+    itself: a padding token (id 0) adds nothing to the state and does not
+    decay it, and the state restarts where a new segment starts.
+
+    Captured weights (``sow_weights``) are those of the parallel form, the
+    ``[B,N,T,S]`` matrix the output is a product of (``phi(q_t).phi(k_s)`` times
+    the decay, over the normalizer): computed as the outputs for one-hot values,
+    so ``attn.linear`` stays their one home. That costs ``O(T S^2)`` per head,
+    paid only when captured.
+    """
+
+    def __init__(self, cfg: AttentionConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
+        self._init_heads(cfg, causal=causal, dtype=dtype)
+        self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = (
+            dense(
+                width,
+                cfg.num_heads,
+                dtype=jnp.float32,
+                param_dtype=param_dtype,
+                rngs=rngs,
+                use_bias=True,
+                bias_init=jax.nn.initializers.constant(GATE_BIAS_INIT),
+            )
+            if cfg.gating
+            else None
+        )
+        self.projection = (
+            Buffer(attn.favor_projection(rngs.params(), cfg.head_dim, cfg.num_features))
+            if cfg.feature_map == "favor"
+            else None
+        )
+
+    @property
+    def feature_dim(self) -> int:
+        """F of the feature map."""
+        proj = None if self.projection is None else self.projection[...]
+        return attn.linear_feature_dim(self.cfg.feature_map, self.cfg.head_dim, projection=proj)
+
+    def _options(self) -> dict:
+        """The keyword arguments ``linear_attention`` and its step share."""
+        gammas = self.cfg.decay_values()
+        return dict(
+            feature_map=self.cfg.feature_map,
+            projection=None if self.projection is None else self.projection[...],
+            normalize=self.cfg.normalize,
+            decay=None if gammas is None else np.asarray(gammas, np.float32),
+        )
+
+    def _log_gates(self, x):
+        """Data-dependent log-gates ``[B,T,N]`` float32 (<= 0), or None without gating."""
+        if self.gate_proj is None:
+            return None
+        return jax.nn.log_sigmoid(self.gate_proj(x.astype(jnp.float32))) / GATE_TEMPERATURE
+
+    def _sequence(self, q, k, v, log_gates, segment_ids, **kwargs):
+        """``linear_attention`` over T tokens with this layer's options."""
+        cfg = self.cfg
+        call = functools.partial(
+            attn.linear_attention,
+            causal=self.causal,
+            chunk_size=cfg.chunk_size,
+            log_gates=log_gates,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            **self._options(),
+        )
+        return call(q, k, v, **{"form": cfg.form, **kwargs})
+
+    def _weights(self, q, k, log_gates, segment_ids):
+        """``[B,N,T,S]`` float32: the parallel form's outputs for one-hot values ``e_s``."""
+        B, S, K, _ = k.shape
+        one_hot = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None], (B, S, K, S))
+        out = self._sequence(q, k, one_hot, log_gates, segment_ids, form="parallel")
+        return jnp.transpose(out, (0, 2, 1, 3)).astype(jnp.float32)
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        """Linear attention over the whole sequence.
+
+        Args:
+          x: ``[B,T,D]``.
+          positions: ``[B,T]`` ints for RoPE (if ``cfg.rope``); default ``arange(T)``.
+          segment_ids: ``[B,T]`` ints (packing and padding; id 0 is padding), or None.
+
+        Returns:
+          ``y [B,T,D]``.
+        """
+        q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if positions is None else positions)
+        log_gates = self._log_gates(x)
+        out = self._sequence(q, k, v, log_gates, segment_ids)
+        if self.sow_weights:
+            self._sow(self._weights(q, k, log_gates, segment_ids))
+        return self._output(out)
+
+    def init_cache(self, batch: int, max_len: int) -> attn.LinearState:
+        """Zero ``LinearState``: kv ``[B,N,F,E]``, z ``[B,N,F]`` float32 (no length axis)."""
+        del max_len
+        cfg = self.cfg
+        return attn.init_linear_state(batch, cfg.num_heads, self.feature_dim, cfg.value_dim)
+
+    def extend(self, x, cache: attn.LinearState, start, lengths=None):
+        """Continues the recurrence over T new tokens. Arguments as ``SelfAttention.extend``."""
+        T = x.shape[1]
+        q, k, v = self._qkv(x, step_positions(start, T))
+        log_gates = self._log_gates(x)
+        if T == 1 and lengths is None:
+            out, state = attn.linear_attention_step(
+                cache,
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                log_gate=None if log_gates is None else log_gates[:, 0],
+                **self._options(),
+            )
+            out = out[:, None]
+        else:
+            segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
+            out, state = self._sequence(
+                q, k, v, log_gates, segment_ids, initial_state=cache, return_state=True
+            )
+        return self._output(out), attn.LinearState(*state)
