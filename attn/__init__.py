@@ -45,6 +45,7 @@ from attn.linear import (
 )
 from attn.masks import Mask
 from attn.merge import merge_attention
+from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
 
 __all__ = [
@@ -69,6 +70,8 @@ __all__ = [
     "linear_state_bytes",
     "masks",
     "merge_attention",
+    "ring_attention",
+    "sharded_attention",
     "short_conv",
     "short_conv_step",
 ]

@@ -22,18 +22,23 @@ F linear feature dim, L layers, V vocabulary.
 Files, one per layer kind: ``heads.py`` (what every attention module shares:
 projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 ``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
-(``LinearAttention``), ``block.py`` (``MLP``, ``Block``), ``transformer.py`` (the
+(``LinearAttention``), ``block.py`` (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the
 three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
 ``config.py`` / ``patterns.py`` (presets) and ``generate.py``.
 
 Padding and packing are segment ids (id 0 is padding) for every layer kind.
 
+Any layer may convolve its input with a short causal convolution
+(``AttentionConfig.short_conv``, a ``ShortConv`` in the ``Block``; presets
+``based`` and ``based_window``).
+
 Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
 ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
-linear-attention states, mixed freely across layers.
+linear-attention states, mixed freely across layers, and the short convolutions'
+last inputs.
 """
 
-from models.block import MLP, Block
+from models.block import MLP, Block, ShortConv
 from models.cache import (
     EMPTY,
     CrossCache,
@@ -85,6 +90,7 @@ __all__ = [
     "LinearAttention",
     "ModelConfig",
     "SelfAttention",
+    "ShortConv",
     "SlotCache",
     "attention_modules",
     "bookkeeping_bytes",

@@ -18,10 +18,15 @@ the layer's position-based mask, so one layout serves every mask:
 Linear-attention layers keep ``attn.linear.LinearState`` (kv ``[B,N,F,E]``,
 z ``[B,N,F]``, float32), whose size does not depend on the length.
 
-Sizes: ``cache_bytes`` counts the payload (K/V, latents, states), the arrays
-``attn.kv_cache_bytes``, ``latent_cache_bytes`` and ``linear_state_bytes``
-price; ``bookkeeping_bytes`` counts the rest (stored positions ``[B,S]`` int32
-per layer and the lengths ``[B]``).
+A layer with a short convolution (``AttentionConfig.short_conv = W``) also keeps
+its last W-1 inputs ``[B,W-1,D]`` (``DecodeCache.conv``, next to the layer's
+cache), in the compute dtype: what ``attn.short_conv_step`` continues from.
+
+Sizes: ``cache_bytes`` counts the payload (K/V, latents, states, convolution
+states), the arrays ``attn.kv_cache_bytes``, ``latent_cache_bytes`` and
+``linear_state_bytes`` price plus ``B (W-1) D`` per convolution;
+``bookkeeping_bytes`` counts the rest (stored positions ``[B,S]`` int32 per
+layer and the lengths ``[B]``).
 """
 
 from __future__ import annotations
@@ -136,11 +141,15 @@ class DecodeCache:
       layers: one ``KVCache``, ``LatentCache`` or ``LinearState`` per layer.
       lengths: ``[B]`` int32 tokens processed per row, i.e. the next position.
       cross: one ``CrossCache`` per decoder layer (``EncoderDecoder``), else ().
+      conv: one short-convolution state ``[B,W-1,D]`` per layer (the layer's last
+        W-1 attention inputs; None for a layer without ``short_conv``), or ()
+        when no layer has one.
     """
 
     layers: tuple
     lengths: jax.Array
     cross: tuple = ()
+    conv: tuple = ()
 
 
 # ----------------------------------------------------------------------------
@@ -211,14 +220,16 @@ def _payload(layer) -> tuple:
 
 
 def cache_bytes(cache: DecodeCache) -> int:
-    """Bytes of the payload of a ``DecodeCache``: K/V, latents and RoPE keys, linear states.
+    """Bytes of the payload of a ``DecodeCache``: K/V, latents and RoPE keys, linear
+    states, short-convolution states.
 
     Stored positions and lengths are excluded (see ``bookkeeping_bytes``); the
     cross-attention K/V of an encoder-decoder are included.
     """
     if not isinstance(cache, DecodeCache):
         raise ValueError(f"cache: expected a DecodeCache, got {type(cache).__name__}")
-    return sum(_nbytes(x) for layer in (*cache.layers, *cache.cross) for x in _payload(layer))
+    payload = sum(_nbytes(x) for layer in (*cache.layers, *cache.cross) for x in _payload(layer))
+    return payload + sum(_nbytes(x) for x in cache.conv if x is not None)
 
 
 def bookkeeping_bytes(cache: DecodeCache) -> int:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import attn
 from attn import masks
+from attn._checks import fail
 from attn.linear import FEATURE_MAPS, FORMS
 
 KINDS = ("softmax", "mla", "linear")
@@ -33,10 +34,6 @@ JAX_NN_IMPLS = ("xla", "cudnn")
 EXP_KERNEL_MAPS = ("taylor", "favor")
 
 
-def _fail(field: str, expected: str, got) -> None:
-    raise ValueError(f"{field}: expected {expected}, got {got!r}")
-
-
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
@@ -45,7 +42,7 @@ def _positive_int(value, field: str, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     if not _is_int(value) or value < 1:
-        _fail(field, "a positive int" + (" or None" if allow_none else ""), value)
+        fail(field, "a positive int" + (" or None" if allow_none else ""), repr(value))
 
 
 def _positive_float(value, field: str, *, allow_none: bool = False) -> None:
@@ -57,7 +54,7 @@ def _positive_float(value, field: str, *, allow_none: bool = False) -> None:
         or not math.isfinite(value)
         or value <= 0
     ):
-        _fail(field, "a positive finite number" + (" or None" if allow_none else ""), value)
+        fail(field, "a positive finite number" + (" or None" if allow_none else ""), repr(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +75,12 @@ class AttentionConfig:
       rope: rotate queries and keys by position (for MLA: the decoupled key).
       rope_base: RoPE frequency base.
       rotary_dim: leading channels that rotate (partial RoPE); None means all H.
+      short_conv: W, width of a short causal depthwise convolution (``attn.short_conv``)
+        over the layer's normalized input, before every projection of the layer (q, k,
+        v, MLA's latents, linear gates); 0: none. Each token then sees its W-1
+        predecessors' features, the previous-token signal associative recall needs
+        (Based, H3, Mamba, fla's ``use_short_conv``). Any kind; causal in every stack
+        (in an encoder too); decoding keeps the last W-1 inputs (``DecodeCache.conv``).
       window: (softmax, MLA; causal layers) a sliding window of ``window`` positions,
         itself included. None: unbounded.
       radius: (softmax, MLA; bidirectional layers) a band: query q sees keys with
@@ -117,6 +120,7 @@ class AttentionConfig:
     rope: bool = True
     rope_base: float = 10000.0
     rotary_dim: int | None = None
+    short_conv: int = 0
     window: int | None = None
     radius: int | None = None
     initial_tokens: int = 0
@@ -139,30 +143,35 @@ class AttentionConfig:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            _fail("kind", f"one of {KINDS}", self.kind)
+            fail("kind", f"one of {KINDS}", repr(self.kind))
         _positive_int(self.num_heads, "num_heads")
         _positive_int(self.num_kv_heads, "num_kv_heads", allow_none=True)
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            _fail("num_kv_heads", f"a divisor of num_heads={self.num_heads}", self.num_kv_heads)
+            fail(
+                "num_kv_heads", f"a divisor of num_heads={self.num_heads}", repr(self.num_kv_heads)
+            )
         if (
             self.kind == "mla"
             and self.num_kv_heads is not None
             and self.num_kv_heads != self.num_heads
         ):
-            _fail("num_kv_heads", "None or num_heads for kind='mla'", self.num_kv_heads)
+            fail("num_kv_heads", "None or num_heads for kind='mla'", repr(self.num_kv_heads))
         _positive_int(self.head_dim, "head_dim")
         if not isinstance(self.rope, bool):
-            _fail("rope", "a bool", self.rope)
+            fail("rope", "a bool", repr(self.rope))
         _positive_float(self.rope_base, "rope_base")
         if self.rope and self.kind != "mla":
             rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
             if not _is_int(rd) or rd < 2 or rd % 2 or rd > self.head_dim:
                 field = "head_dim" if self.rotary_dim is None else "rotary_dim"
                 value = self.head_dim if self.rotary_dim is None else self.rotary_dim
-                _fail(field, f"an even int in [2, {self.head_dim}] for RoPE", value)
+                fail(field, f"an even int in [2, {self.head_dim}] for RoPE", repr(value))
+        w = self.short_conv
+        if not _is_int(w) or w < 0:
+            fail("short_conv", "a non-negative int (the width W; 0 for none)", repr(w))
         self._check_mask()
         if not isinstance(self.impl, str) or self.impl not in attn.IMPLS:
-            _fail("impl", f"one of {attn.IMPLS}", self.impl)
+            fail("impl", f"one of {attn.IMPLS}", repr(self.impl))
         if self.impl in JAX_NN_IMPLS and (
             self.initial_tokens
             or self.global_tokens
@@ -170,14 +179,14 @@ class AttentionConfig:
             or self.sink_logits
         ):
             # jax.nn has causal and band masks only, and no soft-cap or sink logits.
-            _fail(
+            fail(
                 "impl",
                 "'auto' or 'dense' with initial tokens, global tokens, softcap or sink logits",
-                self.impl,
+                repr(self.impl),
             )
         _positive_float(self.softcap, "softcap", allow_none=True)
         if not isinstance(self.sink_logits, bool):
-            _fail("sink_logits", "a bool", self.sink_logits)
+            fail("sink_logits", "a bool", repr(self.sink_logits))
         self._check_linear()
         self._check_mla()
 
@@ -185,43 +194,35 @@ class AttentionConfig:
         _positive_int(self.window, "window", allow_none=True)
         r = self.radius
         if r is not None and (not _is_int(r) or r < 0):
-            _fail("radius", "a non-negative int or None", r)
+            fail("radius", "a non-negative int or None", repr(r))
         if r is not None and self.window is not None:
-            _fail(
+            fail(
                 "radius",
                 "None with a window (window is a causal layer's, radius a bidirectional one's)",
-                r,
+                repr(r),
             )
         local = self.window is not None or r is not None
         n = self.initial_tokens
         if not _is_int(n) or n < 0:
-            _fail("initial_tokens", "a non-negative int", n)
-        if n and not local:
-            _fail(
-                "initial_tokens",
-                "0 without a window or radius (every position is visible anyway)",
-                n,
-            )
+            fail("initial_tokens", "a non-negative int", repr(n))
         g = self.global_tokens
         if not isinstance(g, tuple) or not all(_is_int(p) and p >= 0 for p in g):
-            _fail("global_tokens", "a tuple of non-negative ints", g)
-        if g and not local:
-            _fail(
-                "global_tokens",
-                "() without a window or radius (every position is visible anyway)",
-                g,
-            )
+            fail("global_tokens", "a tuple of non-negative ints", repr(g))
+        for field, value, off in (("initial_tokens", n, 0), ("global_tokens", g, ())):
+            if value and not local:
+                why = "every position is visible anyway"
+                fail(field, f"{off!r} without a window or radius ({why})", repr(value))
 
     def _check_linear(self):
         if self.feature_map not in FEATURE_MAPS:
-            _fail("feature_map", f"one of {sorted(FEATURE_MAPS)}", self.feature_map)
+            fail("feature_map", f"one of {sorted(FEATURE_MAPS)}", repr(self.feature_map))
         if self.form not in FORMS:
-            _fail("form", f"one of {FORMS}", self.form)
+            fail("form", f"one of {FORMS}", repr(self.form))
         _positive_int(self.chunk_size, "chunk_size")
         if not isinstance(self.gating, bool):
-            _fail("gating", "a bool", self.gating)
+            fail("gating", "a bool", repr(self.gating))
         if not isinstance(self.normalize, bool):
-            _fail("normalize", "a bool", self.normalize)
+            fail("normalize", "a bool", repr(self.normalize))
         _positive_int(self.num_features, "num_features", allow_none=True)
         d = self.decay
         if d is not None and d != "retnet":
@@ -231,10 +232,10 @@ class AttentionConfig:
                 for x in values
             )
             if not ok or (isinstance(d, tuple) and len(d) != self.num_heads):
-                _fail(
+                fail(
                     "decay",
                     f"None, 'retnet', a number in (0, 1] or a tuple of {self.num_heads} of them",
-                    d,
+                    repr(d),
                 )
         if self.kind == "linear":
             for field, off in (
@@ -246,13 +247,13 @@ class AttentionConfig:
                 ("sink_logits", False),
             ):
                 if getattr(self, field) != off:
-                    _fail(field, f"{off!r} for kind='linear'", getattr(self, field))
+                    fail(field, f"{off!r} for kind='linear'", repr(getattr(self, field)))
             if self.feature_map == "favor" and self.num_features is None:
-                _fail("num_features", "a positive int for feature_map='favor'", None)
+                fail("num_features", "a positive int for feature_map='favor'", "None")
         else:
             for field, off in (("decay", None), ("gating", False)):
                 if getattr(self, field) != off:
-                    _fail(field, f"{off!r} unless kind='linear'", getattr(self, field))
+                    fail(field, f"{off!r} unless kind='linear'", repr(getattr(self, field)))
 
     def _check_mla(self):
         _positive_int(self.kv_rank, "kv_rank")
@@ -262,12 +263,12 @@ class AttentionConfig:
         if self.kind != "mla":
             return
         if not self.rope:
-            _fail("rope", "True for kind='mla' (its positions live in the decoupled key)", False)
+            fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
         r = self.rope_head_dim
         if not _is_int(r) or r < 2 or r % 2:
-            _fail("rope_head_dim", "an even int >= 2", r)
+            fail("rope_head_dim", "an even int >= 2", repr(r))
         if self.rotary_dim is not None:
-            _fail("rotary_dim", "None for kind='mla' (rope_head_dim sets it)", self.rotary_dim)
+            fail("rotary_dim", "None for kind='mla' (rope_head_dim sets it)", repr(self.rotary_dim))
 
     # Derived sizes -----------------------------------------------------------
 
@@ -305,10 +306,10 @@ class AttentionConfig:
         ``window``, a bidirectional one's ``radius``, and decay needs an order."""
         if causal:
             if self.radius is not None:
-                _fail(
+                fail(
                     f"{name}.radius",
                     "None in a causal layer (set window, the causal span)",
-                    self.radius,
+                    repr(self.radius),
                 )
             return
         for field, off, why in (
@@ -317,10 +318,10 @@ class AttentionConfig:
             ("gating", False, "gates need an order"),
         ):
             if getattr(self, field) != off:
-                _fail(
+                fail(
                     f"{name}.{field}",
                     f"{off!r} in a bidirectional layer ({why})",
-                    getattr(self, field),
+                    repr(getattr(self, field)),
                 )
 
     def mask(self, causal: bool) -> masks.Mask:
@@ -396,12 +397,12 @@ class ModelConfig:
             if not isinstance(value, tuple) or not all(
                 isinstance(a, AttentionConfig) for a in value
             ):
-                _fail(field, "a sequence of AttentionConfig (see pattern())", value)
+                fail(field, "a sequence of AttentionConfig (see pattern())", repr(value))
         if not self.layers:
-            _fail("layers", "at least one AttentionConfig", self.layers)
+            fail("layers", "at least one AttentionConfig", repr(self.layers))
         _positive_float(self.norm_eps, "norm_eps")
         if not isinstance(self.tied_embeddings, bool):
-            _fail("tied_embeddings", "a bool", self.tied_embeddings)
+            fail("tied_embeddings", "a bool", repr(self.tied_embeddings))
         for field in ("dtype", "param_dtype"):
             value = getattr(self, field)
             try:
@@ -409,18 +410,20 @@ class ModelConfig:
             except TypeError:
                 ok = False
             if not ok:
-                _fail(field, "a floating dtype name such as 'float32' or 'bfloat16'", value)
+                fail(field, "a floating dtype name such as 'float32' or 'bfloat16'", repr(value))
         c = self.cross_attention
         if c is not None:
             if not isinstance(c, AttentionConfig):
-                _fail("cross_attention", "an AttentionConfig or None", c)
+                fail("cross_attention", "an AttentionConfig or None", repr(c))
             if c.kind != "softmax" or c.rope or c.window is not None or c.radius is not None:
-                _fail(
+                fail(
                     "cross_attention",
                     "kind='softmax', rope=False, window=None, radius=None (positions of two "
                     "sequences are not comparable)",
-                    c,
+                    repr(c),
                 )
+            if c.short_conv:  # the Block convolves its self-attention's input only
+                fail("cross_attention", "short_conv=0 (a self-attention layer's option)", repr(c))
         for i, layer in enumerate(self.encoder_layers):  # an encoder is always bidirectional
             layer.check_direction(False, f"encoder_layers[{i}]")
 

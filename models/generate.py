@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attn._checks import fail
 from models.cache import DecodeCache, full_cache_slots
-from models.transformer import _check_lengths, _check_tokens, _fail
+from models.transformer import _check_lengths, _check_tokens
 
 
 def generate(
@@ -53,31 +54,31 @@ def generate(
     prompt = _check_tokens(prompt, "prompt", vocab=model.config.vocab_size)
     B, T = prompt.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
-        _fail("max_new_tokens", "a positive int", repr(max_new_tokens))
+        fail("max_new_tokens", "a positive int", repr(max_new_tokens))
     if max_new_tokens < 1:
-        _fail("max_new_tokens", "a positive int", repr(max_new_tokens))
+        fail("max_new_tokens", "a positive int", repr(max_new_tokens))
     if (
         isinstance(temperature, bool)
         or not isinstance(temperature, numbers.Real)
         or not temperature >= 0
     ):
-        _fail("temperature", "a number >= 0", repr(temperature))
+        fail("temperature", "a number >= 0", repr(temperature))
     V = model.config.vocab_size
     if top_k is not None and (
         isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
     ):
-        _fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
+        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
     if temperature > 0 and key is None:
-        _fail("key", "a jax.random key when temperature > 0", None)
+        fail("key", "a jax.random key when temperature > 0", None)
     if eos_id is not None and (
         isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
     ):
-        _fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
+        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
     lengths = _check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     if cache is None and hasattr(model, "encoder_blocks"):
-        _fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
+        fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
     if cache is not None:
         _check_room(cache, T + int(max_new_tokens) - 1)
     key = jax.random.PRNGKey(0) if key is None else key
@@ -104,10 +105,10 @@ NO_EOS = -1  # never a token id
 def _check_room(cache, needed: int):
     """Shapes are static here, so a full layer cache too small for the run is refused now."""
     if not isinstance(cache, DecodeCache):
-        _fail("cache", "a DecodeCache (see model.init_cache)", type(cache).__name__)
+        fail("cache", "a DecodeCache (see model.init_cache)", type(cache).__name__)
     slots = full_cache_slots(cache)
     if slots is not None and slots < needed:
-        _fail(
+        fail(
             "cache",
             f"full layer caches of at least {needed} slots (prompt + max_new_tokens - 1)",
             f"{slots} slots",

@@ -27,13 +27,10 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from flax import nnx
 
+from attn._checks import fail
 from models.heads import HeadGate, Heads
 
 STACKS = ("self", "encoder", "cross")
-
-
-def _fail(arg: str, expected: str, got) -> None:
-    raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
 def attention_modules(model: nnx.Module, which: str = "self") -> list[Heads]:
@@ -42,17 +39,17 @@ def attention_modules(model: nnx.Module, which: str = "self") -> list[Heads]:
     ``model`` may also be a single attention module (then ``[model]``).
     """
     if which not in STACKS:
-        _fail("which", f"one of {STACKS}", repr(which))
+        fail("which", f"one of {STACKS}", repr(which))
     if isinstance(model, Heads) and which == "self":
         return [model]
     if which == "encoder":
         blocks = getattr(model, "encoder_blocks", None)
         if blocks is None:
-            _fail("which", "'self' or 'cross' for a model without an encoder stack", "'encoder'")
+            fail("which", "'self' or 'cross' for a model without an encoder stack", "'encoder'")
         return [block.attn for block in blocks]
     if which == "cross":
         if not model.blocks[0].cross:
-            _fail("which", "'self' for a model without cross-attention", "'cross'")
+            fail("which", "'self' for a model without cross-attention", "'cross'")
         return [block.cross for block in model.blocks]
     return [block.attn for block in model.blocks]
 
@@ -126,13 +123,13 @@ def set_head_gates(model: nnx.Module, gates, which: str = "self") -> None:
     if not isinstance(gates, Sequence):
         gates = jnp.asarray(gates)
         if gates.ndim != 2:
-            _fail("gates", f"[L,N] with L = {L} or a sequence of {L} [N] arrays", gates.shape)
+            fail("gates", f"[L,N] with L = {L} or a sequence of {L} [N] arrays", gates.shape)
     if len(gates) != L:
-        _fail("gates", f"{L} per-layer entries", len(gates))
+        fail("gates", f"{L} per-layer entries", len(gates))
     for i, (module, g) in enumerate(zip(modules, gates, strict=True)):
         N = module.cfg.num_heads
         if jnp.shape(g) != (N,):
-            _fail(f"gates[{i}]", f"shape ({N},)", jnp.shape(g))
+            fail(f"gates[{i}]", f"shape ({N},)", jnp.shape(g))
         module.head_gate.set_value(jnp.asarray(g, jnp.float32))
 
 

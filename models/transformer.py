@@ -28,13 +28,10 @@ import numpy as np
 from flax import nnx
 
 from attn import masks
+from attn._checks import fail
 from models.block import Block
 from models.cache import DecodeCache, cache_overflow
 from models.config import AttentionConfig, ModelConfig
-
-
-def _fail(arg: str, expected: str, got) -> None:
-    raise ValueError(f"{arg}: expected {expected}, got {got}")
 
 
 def _concrete(x):
@@ -53,12 +50,12 @@ def _check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
     """
     tokens = jnp.asarray(tokens)
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        _fail(name, "integer token ids of shape [B,T]", f"{tokens.dtype} {tokens.shape}")
+        fail(name, "integer token ids of shape [B,T]", f"{tokens.dtype} {tokens.shape}")
     if tokens.shape[1] == 0:
-        _fail(name, "at least one token per row", f"shape {tokens.shape}")
+        fail(name, "at least one token per row", f"shape {tokens.shape}")
     value = None if vocab is None else _concrete(tokens)
     if value is not None and ((value < 0).any() or (value >= vocab).any()):
-        _fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
+        fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
     return tokens
 
 
@@ -68,10 +65,10 @@ def _check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int 
         return None
     lengths = jnp.asarray(lengths)
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        _fail(name, f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
+        fail(name, f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
     value = _concrete(lengths)
     if value is not None and ((value < minimum).any() or (value > T).any()):
-        _fail(name, f"values in [{minimum}, {T}]", value.tolist())
+        fail(name, f"values in [{minimum}, {T}]", value.tolist())
     return lengths.astype(jnp.int32)
 
 
@@ -83,11 +80,11 @@ def _segments(tokens, lengths, segment_ids, name: str = "lengths"):
     """
     B, T = tokens.shape
     if lengths is not None and segment_ids is not None:
-        _fail("segment_ids", f"None when {name} is given", "both")
+        fail("segment_ids", f"None when {name} is given", "both")
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids)
         if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            _fail(
+            fail(
                 "segment_ids",
                 f"integer ids of shape ({B}, {T})",
                 f"{segment_ids.dtype} {segment_ids.shape}",
@@ -102,7 +99,7 @@ def _check_positions(positions, tokens):
         return None
     positions = jnp.asarray(positions)
     if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
-        _fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)
+        fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)
     return positions
 
 
@@ -119,7 +116,7 @@ def packed_positions(segment_ids):
     """
     seg = jnp.asarray(segment_ids)
     if seg.ndim != 2:
-        _fail("segment_ids", "a [B,T] array", seg.shape)
+        fail("segment_ids", "a [B,T] array", seg.shape)
     t = jnp.arange(seg.shape[1], dtype=jnp.int32)
     starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], 1)
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
@@ -136,7 +133,7 @@ class _LM(nnx.Module):
 
     def _init_embeddings(self, config: ModelConfig, rngs: nnx.Rngs):
         if not isinstance(config, ModelConfig):
-            _fail("config", "a ModelConfig", type(config).__name__)
+            fail("config", "a ModelConfig", type(config).__name__)
         self.config = config
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.embed = nnx.Embed(
@@ -194,11 +191,13 @@ class _LM(nnx.Module):
     def _empty_cache(self, batch: int, max_len: int, cross: tuple = ()) -> DecodeCache:
         for name, x in (("batch", batch), ("max_len", max_len)):
             if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
-                _fail(name, "a positive int", repr(x))
+                fail(name, "a positive int", repr(x))
+        conv = tuple(b.init_conv_state(batch) for b in self.blocks)
         return DecodeCache(
             layers=tuple(b.attn.init_cache(batch, max_len) for b in self.blocks),
             lengths=jnp.zeros((batch,), jnp.int32),
             cross=cross,
+            conv=conv if any(c is not None for c in conv) else (),
         )
 
     def prefill(self, tokens, cache: DecodeCache, lengths=None):
@@ -222,9 +221,13 @@ class _LM(nnx.Module):
         tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
         B, T = tokens.shape
         if not isinstance(cache, DecodeCache) or cache.lengths.shape != (B,):
-            _fail("cache", f"a DecodeCache for batch {B} (see init_cache)", type(cache).__name__)
+            fail("cache", f"a DecodeCache for batch {B} (see init_cache)", type(cache).__name__)
         if self.blocks[0].cross is not None and not cache.cross:
-            _fail("cache", "a cache holding the source (init_cache(..., src=...))", "no cross K/V")
+            fail("cache", "a cache holding the source (init_cache(..., src=...))", "no cross K/V")
+        if any(b.conv is not None for b in self.blocks) and len(cache.conv) != len(self.blocks):
+            fail(
+                "cache", "a cache holding the short-conv states (see init_cache)", "no conv states"
+            )
         lengths = _check_lengths(lengths, B, T)
         cache_overflow(cache, T if lengths is None else lengths)  # raises when concrete
         # Jitted at the boundary: eager calls compile once per shape instead of
@@ -238,15 +241,22 @@ class _LM(nnx.Module):
         overflow = cache_overflow(cache, count)  # [B] rows past a full cache, or None
         x = self._embed(tokens)
         start = cache.lengths
-        memory = cache.cross or (None,) * len(self.blocks)
-        layers = []
-        for block, layer_cache, mem in zip(self.blocks, cache.layers, memory, strict=True):
-            x, layer_cache = block.extend(x, layer_cache, start, lengths, memory=mem)
+        none = (None,) * len(self.blocks)
+        layers, conv = [], []
+        for block, layer_cache, mem, state in zip(
+            self.blocks, cache.layers, cache.cross or none, cache.conv or none, strict=True
+        ):
+            x, layer_cache, state = block.extend(
+                x, layer_cache, start, lengths, memory=mem, conv_state=state
+            )
             layers.append(layer_cache)
+            conv.append(state)
         logits = self._logits(x)
         if overflow is not None:  # under a trace: rows past a full cache get NaN logits
             logits = jnp.where(overflow[:, None, None], jnp.nan, logits)
-        return logits, DecodeCache(tuple(layers), start + count, cache.cross)
+        return logits, DecodeCache(
+            tuple(layers), start + count, cache.cross, tuple(conv) if cache.conv else ()
+        )
 
     def decode_step(self, token, cache: DecodeCache):
         """One token per row at the row's next position.
@@ -262,7 +272,7 @@ class _LM(nnx.Module):
         if token.ndim == 1:
             token = token[:, None]
         if token.ndim != 2 or token.shape[1] != 1:
-            _fail("token", "shape [B] or [B, 1]", token.shape)
+            fail("token", "shape [B] or [B, 1]", token.shape)
         logits, cache = self.prefill(token, cache)
         return logits[:, 0], cache
 
@@ -310,7 +320,8 @@ class Decoder(_LM):
         Full caches hold ``max_len`` slots, one per position: going past them
         raises (concrete lengths) or gives NaN logits (under ``jit``). Window
         layers hold ``initial_tokens + window`` slots whatever ``max_len``; linear
-        layers a constant state.
+        layers a constant state. A layer with a short convolution also keeps its
+        last W-1 inputs ``[B,W-1,D]`` (``DecodeCache.conv``).
         """
         return self._empty_cache(batch, max_len)
 
@@ -367,7 +378,7 @@ class EncoderDecoder(_LM):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self._init_embeddings(config, rngs)
         if not config.encoder_layers:
-            _fail("config.encoder_layers", "at least one AttentionConfig", "()")
+            fail("config.encoder_layers", "at least one AttentionConfig", "()")
         self.encoder_blocks = self._blocks(
             config.encoder_layers, causal=False, cross=None, rngs=rngs, name="encoder_layers"
         )
@@ -400,7 +411,7 @@ class EncoderDecoder(_LM):
         memory, seg = self.encode(src, src_lengths=src_lengths)
         tgt = _check_tokens(tgt, "tgt", vocab=self.config.vocab_size)
         if tgt.shape[0] != memory.shape[0]:
-            _fail("tgt", f"batch {memory.shape[0]} like src", tgt.shape)
+            fail("tgt", f"batch {memory.shape[0]} like src", tgt.shape)
         return self._logits(self._forward(self.blocks, tgt, memory=self._memories(memory, seg)))
 
     def init_cache(self, batch: int, max_len: int, *, src, src_lengths=None) -> DecodeCache:
@@ -413,6 +424,6 @@ class EncoderDecoder(_LM):
         """
         src = _check_tokens(src, "src", vocab=self.config.vocab_size)
         if src.shape[0] != batch:
-            _fail("src", f"batch {batch}", src.shape)
+            fail("src", f"batch {batch}", src.shape)
         memory, seg = self.encode(src, src_lengths=src_lengths)
         return self._empty_cache(batch, max_len, cross=self._memories(memory, seg))

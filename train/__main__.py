@@ -12,6 +12,9 @@ checkpoint of it, prints it and the command that resumes, and exits with
 status 130 (a second Ctrl-C stops at once, keeping the checkpoints written);
 a bad config or a workdir holding another run's config is one line on stderr
 and status 2.
+
+``--mesh data=2,fsdp=4`` (the ``TrainConfig.mesh`` field) trains sharded over a
+device mesh (``train.sharding``); a run may resume under another mesh.
 """
 
 from __future__ import annotations

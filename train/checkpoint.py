@@ -16,6 +16,7 @@ process killed mid-save leaves the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,10 @@ class Checkpointer:
 
     def save(self, step: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
         """Saves ``tree`` (a ``snapshot``) and the JSON-able ``meta`` as checkpoint ``step``."""
+        # A copy: an asynchronous save serializes ``meta`` later, in another thread, by
+        # which time the caller may have changed the lists in it (the loop's window of
+        # per-step losses grows with the next step).
+        meta = json.loads(json.dumps(meta))
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -145,6 +150,9 @@ class Checkpointer:
 
     def restore(self, step: int, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """Reads checkpoint ``step`` into the structure of ``target`` (a fresh ``snapshot``).
+
+        The arrays land with ``target``'s shardings, whatever the mesh they were
+        saved from: a target laid out on another mesh reshards the checkpoint.
 
         Returns:
           ``(tree, meta)``.

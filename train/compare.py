@@ -41,6 +41,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from models import Decoder, ModelConfig, cache_bytes, pattern, presets
+from models.patterns import SHORT_CONV
 from train.cli import enable_compilation_cache, parse
 from train.config import TrainConfig, to_json
 from train.loop import NonFiniteLossError, read_metrics, train
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 # name -> (description, layer pattern for L layers). The names of the pattern
-# are the presets of models.config.presets.
+# are the presets of models.presets, and ``<preset>_conv`` for a preset with a
+# short convolution of width models.patterns.SHORT_CONV on its input.
 VARIANTS: dict[str, tuple[str, Any]] = {
     "mha": ("softmax, multi-head", lambda L: ("mha",) * L),
     "gqa": ("softmax, grouped-query", lambda L: ("gqa",) * L),
@@ -68,7 +70,14 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "linear": ("linear, elu+1", lambda L: ("linear",) * L),
     "linear_decay": ("linear, RetNet decay", lambda L: ("linear_decay",) * L),
     "linear_gated": ("linear, data-dependent gates", lambda L: ("linear_gated",) * L),
-    "hybrid": ("linear + one softmax layer", lambda L: ("linear",) * (L - 1) + ("mha",)),
+    "hybrid": (
+        "linear + one softmax layer, short convs",
+        lambda L: ("linear_conv",) * (L - 1) + ("mha_conv",),
+    ),
+    "based": (
+        "Taylor linear + one window layer, short convs",
+        lambda L: ("based",) * (L - 1) + ("based_window",),
+    ),
 }
 
 
@@ -80,7 +89,7 @@ class CompareConfig:
       train: the shared task, model width, budget and bookkeeping. Its
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
       variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
-        local_global, linear, linear_decay, linear_gated, hybrid.
+        local_global, linear, linear_decay, linear_gated, hybrid, based.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
       num_layers: L, layers of every variant.
@@ -162,6 +171,11 @@ def variant_layers(config: CompareConfig, variant: str):
         rope_head_dim=config.rope_head_dim,
         chunk_size=config.chunk_size,
     )
+    registry |= {
+        f"{name}_conv": dataclasses.replace(layer, short_conv=SHORT_CONV)
+        for name, layer in registry.items()
+        if not layer.short_conv
+    }
     return pattern(VARIANTS[variant][1](config.num_layers), registry)
 
 
@@ -192,7 +206,7 @@ def cache_sizes(model_config: ModelConfig) -> tuple[float, int]:
 
     Measured on the model's own ``init_cache`` (shapes only, nothing allocated)
     at two lengths past any window: full caches grow by ``per token`` bytes,
-    ring buffers and linear states stay at ``fixed`` bytes.
+    ring buffers, linear states and short-convolution states stay at ``fixed`` bytes.
     """
     model = _abstract_model(model_config)
     short, long = 1 << 16, 1 << 17  # longer than any window in a comparison

@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field
 
 from models.config import ModelConfig
+from train.sharding import mesh_shape
 from train.tasks import TaskConfig
 
 __all__ = ["OptimConfig", "TrainConfig", "differences", "from_json", "to_json"]
@@ -89,6 +90,11 @@ class TrainConfig:
       ckpt_every: save a checkpoint every this many steps (and at the end).
       keep_checkpoints: how many recent checkpoints to keep.
       log_every: write a train record to ``metrics.jsonl`` every this many steps.
+      mesh: None trains on one device (the default path). ``"data=2,fsdp=4"``
+        style: train on a device mesh with these axis sizes (unnamed axes have
+        size 1; the product must be the device count; ``""`` puts every device
+        on ``data``); see ``train.sharding``. It does not change the result
+        beyond float rounding, so a run may resume on another mesh.
     """
 
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -102,6 +108,7 @@ class TrainConfig:
     ckpt_every: int = 200
     keep_checkpoints: int = 2
     log_every: int = 10
+    mesh: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every"):
@@ -113,6 +120,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"seed: expected an int >= 0, got {self.seed}")
+        if self.mesh is not None:
+            mesh_shape(self.mesh)  # the syntax; the device count is checked when a run starts
 
     def with_task_vocab(self) -> TrainConfig:
         """This config with ``model.vocab_size`` set to the task's vocabulary."""
@@ -123,7 +132,8 @@ class TrainConfig:
 
 
 # Fields that change what a run computes: a run cannot resume under a config
-# that differs in any of them (the others only change logging and saving).
+# that differs in any of them (the others only change logging, saving and the
+# device layout: ``mesh`` may change on resume).
 RESULT_FIELDS = ("task", "model", "optim", "steps", "batch_size", "seed")
 
 

@@ -12,7 +12,9 @@ Files in the workdir:
 - ``config.json``: the run's config, as the model is built (``model.vocab_size``
   is the task's). Resuming under a config that changes the result (task, model,
   optimizer, batch, seed) is refused; ``steps`` may grow, which extends the run
-  with the schedule of the steps taken kept (see ``_check_config``).
+  with the schedule of the steps taken kept (see ``_check_config``), and
+  ``mesh`` may change (the run continues sharded as ``train.sharding`` lays it
+  out on the new mesh).
 - ``checkpoints/<step>/``: the last ``keep_checkpoints`` orbax checkpoints.
 - ``metrics.jsonl``: one JSON record per line, ``{"step", "kind": "train", ...}``
   every ``log_every`` steps and ``{"step", "kind": "eval", ...}`` at each
@@ -46,6 +48,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from train import sharding
 from train.checkpoint import Checkpointer, load_state, snapshot
 from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, differences, from_json, to_json
 from train.tasks import Task, make_task
@@ -231,6 +234,34 @@ def _eval_step(model, batch):
 # object graph on every call, which costs more than a small model's step on CPU.
 _jit_train_step = nnx.jit(_train_step)
 _jit_eval_step = nnx.jit(_eval_step)
+
+
+@functools.lru_cache(maxsize=8)
+def _sharded_train_step(mesh):
+    """``_train_step`` for state laid out on ``mesh`` by ``train.sharding``'s rules.
+
+    The collectives come from the input shardings; the updated model and optimizer
+    state are constrained back to the rules, so the layout never drifts.
+    """
+
+    def step(model, optimizer, batch):
+        out = _train_step(model, optimizer, batch)
+        for obj in (model, optimizer):
+            nnx.update(obj, sharding.constrain(mesh, nnx.state(obj)))
+        return out
+
+    return nnx.jit(step)
+
+
+def _place(mesh, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
+    """Moves the model and optimizer state onto ``mesh`` with ``train.sharding``'s rules."""
+    for obj in (model, optimizer):
+        nnx.update(obj, sharding.place(mesh, nnx.state(obj)))
+
+
+def _on_mesh(mesh, step_fn):
+    """``step_fn`` taking host batches, which it splits over ``mesh`` first."""
+    return lambda batch: step_fn(sharding.shard_batch(mesh, batch))
 
 
 def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None) -> dict:
@@ -419,14 +450,20 @@ def train(
     Raises:
       NonFiniteLossError: the loss or gradient norm became NaN or infinite.
       ValueError: the workdir holds a run with a different config (other than
-        more ``steps``).
+        more ``steps`` or another ``mesh``); ``mesh`` does not fit the devices,
+        or ``batch_size`` does not split over it.
     """
     t_begin = time.perf_counter()
+    mesh = None if config.mesh is None else sharding.make_mesh(config.mesh)
+    if mesh is not None:
+        sharding.check_batch_size(mesh, config.batch_size)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     config, extended_from = _check_config(workdir, config.with_task_vocab())
     task = make_task(config.task)
     model, optimizer = init_state(config, task.vocab_size, model_fn)
+    if mesh is not None:  # the restore target below then carries the mesh's shardings
+        _place(mesh, model, optimizer)
     schedule = jax.jit(make_schedule(config.optim, config.steps))  # one compile, not one per op
     ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
     # Totals over all sessions of the run, carried in the checkpoints' metadata.
@@ -469,8 +506,13 @@ def train(
         disable=not progress,
         dynamic_ncols=True,
     )
-    train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
-    eval_step = nnx.cached_partial(_jit_eval_step, model)
+    if mesh is None:
+        train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
+        eval_step = nnx.cached_partial(_jit_eval_step, model)
+    else:
+        train_step = _on_mesh(mesh, nnx.cached_partial(_sharded_train_step(mesh), model, optimizer))
+        eval_step = _on_mesh(mesh, nnx.cached_partial(_jit_eval_step, model))
+
     done = start
     stop = _StopOnSigint()
     try:

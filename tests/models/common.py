@@ -34,11 +34,23 @@ REGISTRY["linear_favor"] = dataclasses.replace(
 )
 REGISTRY["streaming_blockwise"] = dataclasses.replace(REGISTRY["streaming"], impl="blockwise")
 REGISTRY["gqa_blockwise"] = dataclasses.replace(REGISTRY["gqa"], impl="blockwise")
+# Short convolutions ride on models other tests compile anyway (compiling dominates):
+# a full KV cache (gqa), and in the hybrid linear attention with decay and gates, MLA and
+# a window's ring buffer, at widths W = 4, 3, 2; an encoder layer (W = 3) too.
+REGISTRY["gqa_softcap_sink_logits_conv"] = dataclasses.replace(
+    REGISTRY["gqa_softcap_sink_logits"], short_conv=4
+)
+REGISTRY["linear_decay_gated_conv"] = dataclasses.replace(
+    REGISTRY["linear_gated"], decay="retnet", short_conv=4
+)
+REGISTRY["mla_conv"] = dataclasses.replace(REGISTRY["mla"], short_conv=3)
+REGISTRY["streaming_conv"] = dataclasses.replace(REGISTRY["streaming"], short_conv=2)
+REGISTRY["linear_conv"] = dataclasses.replace(REGISTRY["linear"], short_conv=3)
 
-# One decoder per attention kind; the hybrid mixes all three cache kinds.
+# One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
     "mha": ("mha", "mha"),
-    "gqa": ("gqa", "gqa_softcap_sink_logits"),
+    "gqa": ("gqa", "gqa_softcap_sink_logits_conv"),
     "mqa": ("mqa", "mqa"),
     "mla": ("mla", "mla_direct_q"),
     "window": ("window", "window"),
@@ -46,7 +58,7 @@ KINDS = {
     "global_tokens": ("global_tokens", "global_tokens"),
     "linear": ("linear", "linear"),
     "linear_decay": ("linear_decay", "linear_favor"),
-    "hybrid": ("linear_gated", "mla", "streaming"),
+    "hybrid": ("linear_decay_gated_conv", "mla_conv", "streaming_conv"),
     "blockwise": ("streaming_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
 }
 
@@ -59,7 +71,15 @@ def config_for(names, **kwargs) -> models.ModelConfig:
 
 @functools.cache
 def model_for(names: tuple[str, ...], cls=models.Decoder, seed: int = 0, **kwargs):
-    return cls(config_for(names, **kwargs), rngs=nnx.Rngs(seed))
+    model = cls(config_for(names, **kwargs), rngs=nnx.Rngs(seed))
+    # A short conv starts as the identity, which no test could tell from no conv at
+    # all: give its taps random values (fixed by the seed).
+    rng = np.random.default_rng(seed)
+    for block in (*getattr(model, "encoder_blocks", ()), *model.blocks):
+        if block.conv is not None:
+            shape = block.conv.weight[...].shape
+            block.conv.weight.set_value(jnp.asarray(rng.normal(0.0, 0.5, shape), jnp.float32))
+    return model
 
 
 def tokens(seed, shape):

@@ -25,6 +25,9 @@ ATTENTION_ERRORS = [
     ({"rotary_dim": 16}, "rotary_dim", 16),
     ({"rope": 1}, "rope", 1),
     ({"rope_base": -1.0}, "rope_base", -1.0),
+    ({"short_conv": -1}, "short_conv", -1),
+    ({"short_conv": 2.0}, "short_conv", 2.0),
+    ({**LINEAR, "short_conv": True}, "short_conv", True),
     ({"window": 0}, "window", 0),
     ({"radius": -1}, "radius", -1),
     ({"radius": 2.0}, "radius", 2.0),
@@ -98,6 +101,7 @@ MODEL_ERRORS = [
     ({"cross_attention": AttentionConfig(kind="mla")}, "cross_attention", "kind='mla'"),
     ({"cross_attention": AttentionConfig()}, "cross_attention", "rope=True"),
     ({"cross_attention": AttentionConfig(rope=False, radius=2)}, "cross_attention", "radius=2"),
+    ({"cross_attention": AttentionConfig(rope=False, short_conv=4)}, "cross_attention", "conv=4"),
     ({"encoder_layers": pattern(("window",))}, "encoder_layers", "encoder_layers[0].window"),
 ]
 
@@ -126,6 +130,24 @@ def test_pattern_and_presets():
     assert "'flash'" in str(err.value)
     with pytest.raises(ValueError, match="names"):
         pattern("mha")
+
+
+def test_based_presets():
+    """Based: Taylor linear attention of head dim 16 and a small softmax window, each with a
+    short convolution of width 4 on its input."""
+    based, window = models.PRESETS["based"], models.PRESETS["based_window"]
+    assert (based.kind, based.feature_map, based.head_dim, based.short_conv) == (
+        "linear",
+        "taylor",
+        16,
+        4,
+    )
+    assert not based.rope and based.decay is None and not based.gating
+    assert (window.kind, window.window, window.short_conv) == ("softmax", 4, 4)
+    custom = models.presets(window=64, short_conv=3, based_head_dim=8)
+    assert custom["based"].head_dim == 8 and custom["based_window"].window == 64
+    assert {custom["based"].short_conv, custom["based_window"].short_conv} == {3}
+    assert all(models.PRESETS[n].short_conv == 0 for n in ("mha", "linear", "mla", "streaming"))
 
 
 def test_window_sinks_is_a_deprecated_alias_of_streaming():

@@ -3,7 +3,9 @@
 The decoding invariant: for each kind, logits from prefilling a prompt
 (in chunks, rows of different lengths, padding in between) and then decoding
 one token at a time equal the logits of one teacher-forced forward pass over
-the same tokens (float32, relative error <= 1e-4).
+the same tokens (float32, relative error <= 1e-4). Short convolutions and
+their states ride on the ``gqa`` (full KV cache) and ``hybrid`` (linear with
+decay and gates, MLA, window ring buffer) kinds, see ``common.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tests.models.common import (
     KINDS,
     MAX_LEN,
     VOCAB,
+    WIDTH,
     B,
     config_for,
     extend,
@@ -257,7 +260,11 @@ def test_hybrid_cache_bytes_add_up():
     model = model_for(KINDS["hybrid"])
     linear, mla, window = model.config.layers
     cache = init_cache(model)
-    expected = (
+    # Each layer's short conv keeps its last W-1 inputs [B,W-1,D] (float32).
+    widths = [layer.short_conv for layer in model.config.layers]
+    assert [c.shape for c in cache.conv] == [(B, w - 1, WIDTH) for w in widths]
+    assert models.cache_bytes(model.init_cache(B, 4000)) > models.cache_bytes(cache)  # MLA grows
+    expected = sum(B * (w - 1) * WIDTH * 4 for w in widths) + (
         models.linear_state_bytes(
             num_layers=1, num_heads=linear.num_heads, feature_dim=8, value_dim=8, batch=B
         )
@@ -279,6 +286,12 @@ def test_hybrid_cache_bytes_add_up():
         )
     )
     assert models.cache_bytes(cache) == expected
+    ring = window.initial_tokens + window.window
+    assert models.bookkeeping_bytes(cache) == 4 * B * (MAX_LEN + ring + 1)  # pos and lengths
+    # A cache without the convolution states (not from init_cache) is refused.
+    bare = models.DecodeCache(cache.layers, cache.lengths)
+    with pytest.raises(ValueError, match="cache: expected a cache holding the short-conv states"):
+        model.prefill(tokens(0, (B, 3)), bare)
 
 
 def test_bf16_cache_is_half():

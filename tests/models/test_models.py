@@ -35,7 +35,7 @@ from tests.util import normal, rel_err
 RTOL = 1e-4  # composed float32 functions
 EXACT = 1e-6  # masked contributions are exact zeros: only rounding noise is allowed
 
-ENCODER = ("band_global_tokens", "linear", "mla")
+ENCODER = ("band_global_tokens", "linear_conv", "mla")  # a (causal) short conv too
 
 
 def _with_padding(seq, lengths, seed):
@@ -64,7 +64,8 @@ def test_encoder_padding_does_not_change_real_tokens():
 
 
 def test_encoder_packing_equals_each_sequence_alone():
-    """Bidirectional packing: band, global tokens, linear and MLA layers stay in their segment."""
+    """Bidirectional packing: band, global tokens, linear (with a short conv) and MLA layers
+    stay in their segment."""
     model = model_for(ENCODER, cls=models.Encoder)
     a, b = tokens(13, (1, 3)), tokens(14, (1, 5))
     packed = jnp.concatenate([jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1)], 0)
@@ -186,7 +187,7 @@ PACKED = [
     ("gqa", KINDS["gqa"]),
     ("mla", KINDS["mla"]),
     ("linear_decay_gated", ("linear_decay", "linear_gated")),
-    ("hybrid", KINDS["hybrid"]),  # linear_gated, mla, streaming (absolute initial tokens)
+    ("hybrid", KINDS["hybrid"]),  # short convs; streaming: absolute initial tokens
 ]
 
 
@@ -206,6 +207,18 @@ def test_packed_rows_equal_each_sequence_alone(kind, names):
     assert rel_err(out[0, 3:], alone[1, :5]) <= RTOL, kind
     assert rel_err(out[1, :5], alone[1, :5]) <= RTOL, kind
     assert rel_err(out[1, 5:], alone[0, :3]) <= RTOL, kind
+
+
+def test_short_conv_starts_as_the_identity():
+    """At initialization a layer with a short conv computes what it would without one."""
+    conv = models.ShortConv(4, 6, dtype=jnp.float32, param_dtype=jnp.float32)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 6)), jnp.float32)
+    np.testing.assert_array_equal(conv(x), x)
+    y, state = conv.extend(x, conv.init_state(2), jnp.array([5, 3]))
+    np.testing.assert_array_equal(y[0], x[0])
+    np.testing.assert_array_equal(y[1, :3], x[1, :3])
+    np.testing.assert_array_equal(y[1, 3:], 0.0)  # padding outputs 0
+    np.testing.assert_array_equal(state[1], x[1, :3])  # the last W-1 real inputs
 
 
 def test_decoder_argument_errors():

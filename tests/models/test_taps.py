@@ -16,7 +16,7 @@ import models
 from tests.models.common import KINDS, REGISTRY, WIDTH, B, fast_jit, forward, model_for, tokens
 from tests.util import normal, rel_err
 
-HYBRID = KINDS["hybrid"]  # linear_gated, mla, streaming
+HYBRID = KINDS["hybrid"]  # linear (decay, gates), mla, streaming; short convs
 
 
 def test_captured_weights_are_the_attention_weights():

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -82,3 +83,23 @@ def test_keeps_the_last_k(tmp_path):
         ckpt.save(step, snapshot(model, optimizer, step), {})
     assert ckpt.all_steps() == [3, 4] and ckpt.latest_step() == 4
     ckpt.close()
+
+
+def test_an_async_save_keeps_the_metadata_as_it_was_at_the_call(tmp_path, monkeypatch):
+    # The loop keeps appending to its window of losses after a save returns, while an
+    # asynchronous save may serialize the metadata later in another thread (a resume
+    # once averaged one extra loss into its next record that way). What orbax is given
+    # must therefore be a copy that the caller cannot change.
+    given = []
+    json_save = ocp.args.JsonSave
+    monkeypatch.setattr(ocp.args, "JsonSave", lambda item: given.append(item) or json_save(item))
+    model = Noisy(0)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    window = [(1.0, 0.5)]
+    ckpt.save(1, snapshot(model, optimizer, 1), {"window": window})
+    window.append((2.0, 0.25))
+    ckpt.wait()
+    _, meta = ckpt.restore(1, snapshot(model, optimizer, 0))
+    ckpt.close()
+    assert meta["window"] == [[1.0, 0.5]] and given[0]["window"] is not window

@@ -73,10 +73,11 @@ def test_help_lists_the_fields_with_or_without_a_config():
         assert flag in bare.stdout
     assert "TrainConfig()" in bare.stdout
     # With a config file and a pattern: its values, the new layers' panels, no subcommand.
+    # One column (COLUMNS < 130): side by side, tyro may wrap a default across panels.
     argv = ["--config", TINY_CONFIG, "--model.pattern", "gqa,linear", "--help"]
     shown = subprocess.run(
-        [sys.executable, "-m", "train", *argv], cwd=REPO, env=env, capture_output=True,
-        text=True, check=False,
+        [sys.executable, "-m", "train", *argv], cwd=REPO, env={**env, "COLUMNS": "120"},
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert shown.returncode == 0, shown.stderr
     assert "--model.layers.1.kind" in shown.stdout and "--model.layers.2" not in shown.stdout

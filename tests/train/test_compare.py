@@ -7,8 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
+from models import Decoder, linear_state_bytes
 from train.compare import VARIANTS, CompareConfig, cache_sizes, variant_layers
 from train.config import TrainConfig
 
@@ -48,8 +53,9 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     assert table in out.stdout  # printed at the end
     header = "| variant | layers | params | cache B/token | fixed cache/state | test accuracy |"
     assert header in table
-    rows = [line for line in table.splitlines() if line.startswith("| mha") or "| hybrid" in line]
+    rows = [line for line in table.splitlines() if line.startswith(("| mha", "| hybrid"))]
     assert len(rows) == 2
+    assert "| hybrid (linear + one softmax layer, short convs) | linear_conv+mha_conv |" in table
 
     results = json.loads((folder / "results.json").read_text())
     assert set(results["best"]) == {"mha", "hybrid"}
@@ -76,8 +82,11 @@ def test_variants_and_cache_sizes():
     config = CompareConfig(train=TrainConfig(), variants=tuple(VARIANTS), num_heads=4, window=16)
     for name in VARIANTS:
         assert len(variant_layers(config, name)) == config.num_layers
-    kinds = [a.kind for a in variant_layers(config, "hybrid")]
-    assert kinds == ["linear", "softmax"]
+    hybrid = variant_layers(config, "hybrid")
+    assert [(a.kind, a.short_conv) for a in hybrid] == [("linear", 4), ("softmax", 4)]
+    based, window = variant_layers(config, "based")
+    assert (based.kind, based.feature_map, based.short_conv) == ("linear", "taylor", 4)
+    assert (window.kind, window.window, window.short_conv) == ("softmax", 16, 4)
     width, heads = config.train.model.width, 4
     # K and V x 2 layers x kv heads x head dim x 4 bytes, per token.
     assert cache_sizes(_model(config, "mha")) == (2 * 2 * heads * (width // heads) * 4, 0)
@@ -85,6 +94,36 @@ def test_variants_and_cache_sizes():
     assert per_token == 0 and fixed == 2 * 2 * heads * (width // heads) * 4 * (16 + 4)
     per_token, fixed = cache_sizes(_model(config, "linear"))
     assert per_token == 0 and fixed > 0
+    # Based: a Taylor state (F = 1 + H + H^2), a ring of 16, and each conv's last 3 inputs.
+    H = based.head_dim
+    state = linear_state_bytes(
+        num_layers=1, num_heads=heads, feature_dim=1 + H + H * H, value_dim=H
+    )
+    ring = 2 * heads * (width // heads) * 4 * 16
+    assert cache_sizes(_model(config, "based")) == (0, state + ring + 2 * 3 * width * 4)
+
+
+def test_based_variant_builds_and_takes_a_gradient_step():
+    """Based trains: finite loss and gradients reaching every parameter, short convs included.
+
+    In process at -O0: as a third variant of the end-to-end run above it cost ~15 s.
+    """
+    config = CompareConfig(train=TrainConfig(), variants=("based",), num_heads=2, window=4)
+    model = Decoder(_model(config, "based"), rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    seq = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 12)))
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params, rest)(seq[:, :-1])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, seq[:, 1:, None], -1))
+
+    fast = {"xla_backend_optimization_level": 0}  # compiling dominates; -O0 keeps IEEE math
+    value, grads = jax.jit(jax.value_and_grad(loss), compiler_options=fast)(params)
+    assert np.isfinite(float(value))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert np.isfinite(g).all() and np.abs(g).sum() > 0, path
+    assert [b.conv.weight.shape for b in model.blocks] == [(4, model.config.width)] * 2
 
 
 def _model(config, variant):

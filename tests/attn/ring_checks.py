@@ -1,0 +1,321 @@
+"""Ring attention on 4 and 8 fake CPU devices, checked against dense attention.
+
+Run by tests/attn/test_ring.py in its own process, because the device count
+must be set before JAX starts (``python -m tests.attn.ring_checks`` from the
+repository root). Prints one JSON line per case, ``{"case", "ok", ...}``, with
+the relative errors of the output, the lse and every gradient against
+``attn.dot_product_attention`` on the whole sequence; exits non-zero if a case
+fails. ``python -m tests.attn.ring_checks NAME...`` runs only the named cases.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before JAX starts: the checks need 8 CPU devices. Compiling dominates their
+# run time and XLA's backend optimizations double it; the math does not need them.
+XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+if __name__ == "__main__":  # imported by test_ring.py for the case names: change nothing there
+    os.environ.setdefault("XLA_FLAGS", XLA_FLAGS)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import functools  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec  # noqa: E402
+
+import attn  # noqa: E402
+from attn import masks, ring  # noqa: E402
+from attn.ring_work import ring_work  # noqa: E402
+from tests.util import normal, qkv, rel_err  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TOL = 1e-5  # float32: the same function, summed in another order
+BF16_TOL = 1e-2
+AXIS = "seq"
+CAUSAL = masks.causal()
+STREAMING = masks.causal() & (masks.sliding_window(5) | masks.initial_tokens(3))
+
+
+def mesh_of(num_devices: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[:num_devices]), (AXIS,))
+
+
+def grads_of(fn, q, k, v, sink):
+    """Output, lse and gradients (q, k, v and the sink logits if given) of ``fn``."""
+    cot = normal(99, q.shape[:3] + v.shape[3:])
+    lse_cot = normal(98, q.shape[:3])
+
+    def loss(q, k, v, sink):
+        out, lse = fn(q, k, v, sink_logits=sink, return_lse=True)
+        # Finite lse entries carry a cotangent too: the lse is an output.
+        lse_term = jnp.where(jnp.isfinite(lse), lse * lse_cot, 0.0).sum()
+        return (out * cot).sum() + lse_term, (out, lse)
+
+    argnums = (0, 1, 2) if sink is None else (0, 1, 2, 3)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=argnums, has_aux=True))(q, k, v, sink)
+    return out, lse, grads
+
+
+def compare(ring_fn, q, k, v, sink=None, tol=TOL, **kw):
+    """Relative errors of ``ring_fn`` against dense attention on the whole sequence.
+
+    Half-precision inputs are compared with dense attention on their float32 values.
+    """
+    dense = functools.partial(attn.dot_product_attention, **kw)
+    out, lse, grads = grads_of(functools.partial(ring_fn, **kw), q, k, v, sink)
+    if out.dtype != q.dtype:
+        return {"ok": False, "dtype": str(out.dtype)}
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want, want_lse, want_grads = grads_of(dense, *f32, sink)
+    lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+    seen = np.isfinite(want_lse)
+    errors = {
+        "out": rel_err(out, want),
+        "lse": rel_err(lse[seen], want_lse[seen]) if seen.any() else 0.0,
+    }
+    for name, g, want_g in zip(("dq", "dk", "dv", "dsink"), grads, want_grads, strict=False):
+        finite = np.isfinite(np.asarray(g, np.float32)).all()
+        errors[name] = rel_err(g, want_g) if finite else float("inf")
+    same_empty = bool((np.isneginf(lse) == np.isneginf(want_lse)).all())
+    ok = same_empty and all(e <= tol for e in errors.values())
+    return {"ok": ok, "errors": errors, "empty_rows": int((~seen).sum()), "same_empty": same_empty}
+
+
+def sharded(num_devices, layout, block=4):
+    return functools.partial(
+        attn.sharded_attention,
+        mesh=mesh_of(num_devices),
+        axis_name=AXIS,
+        layout=layout,
+        block_q=block,
+        block_k=block,
+    )
+
+
+def packed_segments(B, T):
+    """Packed sequences with right padding; padding queries (-1) see no key (-2)."""
+    rng = np.random.default_rng(7)
+    q_seg = np.empty((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, T - 4), size=2, replace=False))
+        q_seg[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
+    q_seg[:, T - 4 :] = -1
+    kv_seg = np.where(q_seg < 0, -2, q_seg).astype(np.int32)
+    return jnp.asarray(q_seg), jnp.asarray(kv_seg)
+
+
+def equal_case(
+    num_devices,
+    layout,
+    mask,
+    T,
+    *,
+    S=None,
+    B=2,
+    N=4,
+    K=2,
+    block=4,
+    dtype=jnp.float32,
+    tol=TOL,
+    **extra,
+):
+    """A case: sharded ring attention equals dense, forward and gradients."""
+
+    def run():
+        q, k, v = qkv(T, B=B, T=T, S=S, N=N, K=K, H=8, dtype=dtype)
+        kw = dict(extra)
+        sink_seed = kw.pop("sink_seed", None)
+        sink = None if sink_seed is None else normal(sink_seed, (N,))
+        if kw.pop("segments", False):
+            kw["q_segment_ids"], kw["kv_segment_ids"] = packed_segments(B, T)
+        fn = sharded(num_devices, layout, block)
+        return compare(fn, q, k, v, sink, tol=tol, mask=mask, **kw)
+
+    return run
+
+
+def direct_case(check_vma: bool):
+    """ring_attention inside the caller's own shard_map, with its default (contiguous) positions."""
+
+    def run():
+        num_devices, T = 4, 40
+        q, k, v = qkv(3, B=2, T=T, N=4, K=2, H=8)
+        sink = normal(5, (4,))
+        seq = PartitionSpec(None, AXIS)
+
+        def fn(q, k, v, *, sink_logits, return_lse, mask):
+            local = functools.partial(
+                attn.ring_attention,
+                axis_name=AXIS,
+                mask=mask,
+                block_q=4,
+                block_k=3,
+                return_lse=True,
+            )
+            return jax.shard_map(
+                lambda q, k, v, s: local(q, k, v, sink_logits=s),
+                mesh=mesh_of(num_devices),
+                in_specs=(seq, seq, seq, PartitionSpec()),
+                out_specs=(seq, seq),
+                check_vma=check_vma,
+            )(q, k, v, sink_logits)
+
+        return compare(fn, q, k, v, sink, mask=STREAMING)
+
+    return run
+
+
+def memory_case():
+    """No array on a device grows like T x S: no score matrix, local or global, in either pass.
+
+    Walks the program of the forward and backward pass (every nested loop, cond
+    and custom VJP) and compares each array inside the shard_map with the local
+    q ``[B,T,N,H]``. The largest are the two partial outputs the merge stacks,
+    twice q here; a ``[B,N,T_local,S_local]`` score block would be 4 times q.
+    """
+
+    def run():
+        num_devices, T, block = 4, 128, 8  # 32 local positions, 4 x 4 tiles per step
+        q, k, v = qkv(4, B=2, T=T, N=4, K=2, H=8)
+        fn = functools.partial(sharded(num_devices, "zigzag", block), mask=CAUSAL)
+        loss = lambda q, k, v: fn(q, k, v).sum()  # noqa: E731
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        local = [eqn for eqn in jaxpr.eqns if eqn.primitive.name == "shard_map"]
+        sizes = [size for eqn in local for size in _array_sizes(eqn.params["jaxpr"])]
+        q_local = q.size // num_devices
+        scores = 2 * 4 * (T // num_devices) ** 2  # [B,N,T_local,S_local]
+        return {
+            "ok": len(local) == 2 and max(sizes) <= 2 * q_local < scores,
+            "largest": max(sizes),
+            "local_q": q_local,
+            "local_scores": scores,
+            "shard_maps": len(local),  # the forward's and the backward's
+        }
+
+    return run
+
+
+def _array_sizes(jaxpr):
+    """Element counts of every value a jaxpr and its nested jaxprs compute."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr's jaxpr
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield int(np.prod(var.aval.shape, dtype=np.int64))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, Jaxpr | ClosedJaxpr):
+                    yield from _array_sizes(sub)
+
+
+def counts_case(num_devices, layout, mask, T, block):
+    """Steps and tiles counted by the kernels' loops equal ``attn.ring_work.ring_work``'s replay."""
+
+    def run():
+        q, k, v = qkv(1, B=1, T=T, N=2, K=1, H=4)
+        seq = PartitionSpec(AXIS)
+        order = ring.layout_order(T, num_devices, layout)
+        count = functools.partial(
+            ring.count_ring_tiles, axis_name=AXIS, mask=mask, block_q=block, block_k=block
+        )
+        counted = jax.jit(
+            jax.shard_map(
+                lambda q, k, v, pos: count(q, k, v, q_positions=pos, kv_positions=pos),
+                mesh=mesh_of(num_devices),
+                in_specs=(PartitionSpec(None, AXIS),) * 3 + (seq,),
+                out_specs=seq,
+            )
+        )(*(ring.to_layout(x, num_devices, layout) for x in (q, k, v)), jnp.asarray(order))
+        counted = np.asarray(counted).reshape(num_devices, 3)
+        work = ring_work(mask, T, num_devices, layout=layout, block_q=block, block_k=block)
+        want = np.stack([work.steps, work.full, work.partial], 1)
+        return {
+            "ok": bool((counted == want).all()),
+            "counted": counted.tolist(),
+            "predicted": want.tolist(),
+        }
+
+    return run
+
+
+def errors_case():
+    """Bad shapes and names raise ValueError naming the argument."""
+
+    def run():
+        q, k, v = qkv(0, B=1, T=36, N=4, K=2, H=8)
+        mesh = mesh_of(4)
+        tries = {
+            "q": lambda: attn.sharded_attention(q, k, v, mesh=mesh, axis_name=AXIS),  # 36 % 8
+            "q ": lambda: attn.sharded_attention(
+                q[:, :30], k, v, mesh=mesh, axis_name=AXIS, layout="contiguous", mask=masks.full()
+            ),  # 30 % 4
+            "k": lambda: attn.sharded_attention(
+                q[:, :32], k[:, :36], v[:, :36], mesh=mesh, axis_name=AXIS, mask=masks.full()
+            ),  # S = 36 % 8
+            "axis_name": lambda: attn.sharded_attention(q, k, v, mesh=mesh, axis_name="data"),
+            "layout": lambda: attn.sharded_attention(
+                q, k, v, mesh=mesh, axis_name=AXIS, layout="x"
+            ),
+        }
+        raised = {}
+        for name, call in tries.items():
+            try:
+                call()
+                raised[name] = "no error"
+            except ValueError as e:
+                raised[name] = str(e)
+        ok = all(msg.startswith(f"{name.strip()}:") for name, msg in raised.items())
+        return {"ok": ok, "messages": raised}
+
+    return run
+
+
+CASES = {
+    "causal_zigzag_4": equal_case(4, "zigzag", CAUSAL, 40),
+    "causal_contiguous_8": equal_case(8, "contiguous", CAUSAL, 64),
+    "window_zigzag_4": equal_case(4, "zigzag", masks.sliding_window(7), 40),
+    "window_initial_zigzag_4": equal_case(4, "zigzag", STREAMING, 40),
+    "window_initial_contiguous_8_mha": equal_case(8, "contiguous", STREAMING, 48, K=4, block=3),
+    "full_zigzag_8": equal_case(8, "zigzag", masks.full(), 48),
+    "full_contiguous_4_mqa": equal_case(4, "contiguous", None, 40, K=1, block=3),
+    "segments_contiguous_4": equal_case(4, "contiguous", CAUSAL, 40, segments=True),
+    "segments_sink_softcap_zigzag_8": equal_case(
+        8, "zigzag", CAUSAL, 48, segments=True, sink_seed=12, softcap=2.0
+    ),
+    "sink_softcap_zigzag_4": equal_case(4, "zigzag", CAUSAL, 40, sink_seed=11, softcap=2.0),
+    "cross_lengths_zigzag_4": equal_case(4, "zigzag", CAUSAL, 24, S=40),
+    "bf16_causal_zigzag_4": equal_case(4, "zigzag", CAUSAL, 40, dtype=jnp.bfloat16, tol=BF16_TOL),
+    "direct_default_positions": direct_case(check_vma=True),
+    "direct_unchecked_vma": direct_case(check_vma=False),
+    "memory_linear": memory_case(),
+    "counts_causal_zigzag_8": counts_case(8, "zigzag", CAUSAL, 64, 4),
+    "counts_causal_contiguous_8": counts_case(8, "contiguous", CAUSAL, 64, 4),
+    "counts_window_contiguous_4": counts_case(4, "contiguous", masks.sliding_window(9), 48, 5),
+    "errors": errors_case(),
+}
+
+
+def main(names) -> int:
+    failed = 0
+    for name in names or CASES:
+        start = time.perf_counter()
+        try:
+            result = CASES[name]()
+        except Exception:  # report and go on: one broken case must not hide the others
+            result = {"ok": False, "exception": traceback.format_exc()}
+        result = {"case": name, **result, "seconds": round(time.perf_counter() - start, 2)}
+        failed += not result["ok"]
+        print(json.dumps(result), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
