@@ -81,6 +81,16 @@ def _pattern_score(w: np.ndarray, live: np.ndarray, pattern) -> np.ndarray:
     return _mean_rows(mass, rows, "has a target key")
 
 
+def _token_pattern_score(w, tokens, pattern_of, score: str, needed: str) -> np.ndarray:
+    """``_pattern_score`` of self-attention weights on ``pattern_of(tokens)`` ``[B,T,T]``."""
+    w, live = _checks.weights(w)
+    _checks.square(w, score)
+    pattern = pattern_of(_checks.tokens(tokens, w.shape[1], w.shape[3]))
+    if not pattern.any():
+        fail("tokens", f"at least {needed}", "tokens with none")
+    return _pattern_score(w, live, pattern)
+
+
 def entropy(w) -> np.ndarray:
     """Mean entropy of the attention rows, in nats.
 
@@ -172,12 +182,9 @@ def duplicate_token_score(w, tokens) -> np.ndarray:
     Returns:
       ``[L,N]`` float64 in ``[0, 1]``.
     """
-    w, live = _checks.weights(w)
-    _checks.square(w, "the duplicate-token score")
-    pattern = duplicate_pattern(_checks.tokens(tokens, w.shape[1], w.shape[3]))
-    if not pattern.any():
-        fail("tokens", "at least one token that occurs twice", "all distinct tokens")
-    return _pattern_score(w, live, pattern)
+    return _token_pattern_score(
+        w, tokens, duplicate_pattern, "the duplicate-token score", "a token that occurs twice"
+    )
 
 
 def induction_pattern(tokens) -> np.ndarray:
@@ -211,12 +218,9 @@ def induction_score_from_tokens(w, tokens) -> np.ndarray:
       ``[L,N]`` float64 in ``[0, 1]``. See the module docstring for how this
       normalization differs from TransformerLens' ``detect_head``.
     """
-    w, live = _checks.weights(w)
-    _checks.square(w, "the induction score")
-    pattern = induction_pattern(_checks.tokens(tokens, w.shape[1], w.shape[3]))
-    if not pattern.any():
-        fail("tokens", "a token that recurs with another token between", "none")
-    return _pattern_score(w, live, pattern)
+    return _token_pattern_score(
+        w, tokens, induction_pattern, "the induction score", "a token that recurs later"
+    )
 
 
 def periodic_induction_pattern(T: int, period: int, start: int | None = None) -> np.ndarray:

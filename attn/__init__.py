@@ -26,7 +26,7 @@ k ``[B,S,K,H]``, v ``[B,S,K,E]``, out ``[B,T,N,E]``. Grouped-query attention
 reshapes q to ``[B,T,K,G,H]``; K/V are never repeated in memory.
 """
 
-from attn import masks
+from attn import masks, pallas
 from attn.blockwise import blockwise_attention
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
@@ -70,6 +70,7 @@ __all__ = [
     "linear_state_bytes",
     "masks",
     "merge_attention",
+    "pallas",
     "ring_attention",
     "sharded_attention",
     "short_conv",

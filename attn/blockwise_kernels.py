@@ -170,11 +170,26 @@ def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
     return out, lse, (counts[0], counts[1])
 
 
-def backward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs, out, lse, d_out, d_lse):
+def backward(
+    config: TileConfig,
+    q,
+    kT,
+    v,
+    sink,
+    inputs: KernelInputs,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    grad_dtype=None,
+):
     """FlashAttention-2 backward, recomputing each tile's probabilities from the lse.
 
     Arguments as ``forward``'s, plus its outputs and their cotangents. Returns
-    ``(dq, dkT, dv, dsink)`` in the layouts of q, kT, v (and ``[K,G]`` or None).
+    ``(dq, dkT, dv, dsink)`` in the layouts of q, kT, v (and ``[K,G]`` or None),
+    in their dtypes, or all in ``grad_dtype`` if given: a caller that sums
+    several backwards (ring attention's steps) asks for float32 so that
+    half-precision inputs are rounded once, after the sum.
     """
     _, X, Q, H = q.shape
     k = kT.swapaxes(-1, -2)  # [groups*nk, X, J, H]
@@ -220,7 +235,7 @@ def backward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs, out, lse,
 
         dqT_i = _new(q_i, (X, H, Q))
         dqT_i, dk, dv = _visit(key_tile, kind, count, tile, combine, (dqT_i, *dkv))
-        return (dk, dv), dqT_i.swapaxes(-1, -2).astype(q.dtype)
+        return (dk, dv), dqT_i.swapaxes(-1, -2).astype(grad_dtype or q.dtype)
 
     dkv0 = (_new(q, k.shape), _new(q, v.shape))
     xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, *inputs.schedule)
@@ -233,7 +248,8 @@ def backward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs, out, lse,
         per_row = (p_sink * delta).reshape(config.groups, -1, X, config.G, config.block_q)
         per_row = per_row.swapaxes(1, 2).reshape(config.B, config.K, -1, config.G, config.block_q)
         dsink = -per_row.sum((0, 2, 4))
-    return dq, dk.swapaxes(-1, -2).astype(kT.dtype), dv.astype(v.dtype), dsink
+    dk, dv = dk.swapaxes(-1, -2).astype(grad_dtype or kT.dtype), dv.astype(grad_dtype or v.dtype)
+    return dq, dk, dv, dsink
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

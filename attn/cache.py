@@ -76,7 +76,7 @@ def latent_cache_bytes(
     One latent of rank R and one decoupled RoPE key shared by all heads per
     token, instead of ``2 x K x H`` for keys and values. DeepSeek-V2 (60 layers,
     R = 512, rope dim 64, bfloat16) keeps 69120 bytes per token, against
-    7.5 MiB for MHA with 128 heads of dim 128 (``attn.kv_cache_bytes``).
+    3.75 MiB for bfloat16 MHA with 128 heads of dim 128 (``attn.kv_cache_bytes``).
 
     Args:
       num_layers: L, MLA layers.

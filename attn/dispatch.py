@@ -13,11 +13,15 @@ from attn import masks
 from attn._checks import fail
 from attn.blockwise import blockwise_attention
 from attn.dense import Call, check_call, dot_product_attention
+from attn.pallas import flash_attention, splash_attention, splash_reason
 
-IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn")
+IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
-# cuDNN's fused kernels take only half-precision inputs.
+# cuDNN's fused kernels take only half-precision inputs, and jax.nn accepts head
+# dims that are multiples of 8 up to 128 (256 from Hopper on); auto keeps to
+# what every generation takes. (A bias in training also needs even T and S.)
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_DIM = 128
 
 # impl="auto" on CPU picks blockwise where it measured faster than dense (f32,
 # B=1, N=8, H=64, causal, forward and forward+backward, 2-core AVX-512 CPU):
@@ -44,9 +48,17 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         no learned sink logits, soft-cap, segment ids or explicit positions, and causal or
         window masks only with T == S, since jax.nn aligns them to the top-left
         corner while our default queries are the last T key positions);
+        ``"pallas"`` (``attn.pallas.flash_attention``: our fused kernel for every
+        mask, interpret mode on a CPU; no ``bias`` or ``return_weights``; accepts
+        ``block_q``/``block_k``/``interpret``); ``"splash"`` (TPU splash attention
+        through ``attn.pallas.splash_attention``, where our mask maps, else a
+        ``ValueError`` naming why);
         ``"auto"`` picks the fastest correct one for the platform (on CPU:
         blockwise where it measured faster than dense, from T = 128 on; see
-        ``BLOCKWISE_MIN_T``).
+        ``BLOCKWISE_MIN_T``; on GPU: cuDNN where its semantics, dtype and head
+        dim fit, else pallas; on TPU: splash where the call maps, else pallas;
+        a ``bias`` goes to jax.nn where its semantics match, else to dense;
+        returned weights always to dense).
       **kwargs: the keyword arguments of ``attn.dot_product_attention``.
 
     Returns:
@@ -60,16 +72,44 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         return dot_product_attention(q, k, v, **kwargs)
     if impl == "blockwise":
         return _blockwise(q, k, v, **kwargs)
+    if impl in ("pallas", "splash"):
+        return _pallas(q, k, v, impl, **kwargs)
     return _jax_nn(q, k, v, impl, **kwargs)
 
 
+def _backend() -> str:
+    """The platform ``impl="auto"`` chooses for (a function, so tests can fake it)."""
+    return jax.default_backend()
+
+
 def _choose(q, k, v, kwargs) -> str:
-    if jax.default_backend() == "gpu" and _jax_nn_reason(q, k, v, kwargs) is None:
-        return "cudnn" if q.dtype in _CUDNN_DTYPES else "xla"
-    blockwise_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
-    if jax.default_backend() == "cpu" and blockwise_ok and _blockwise_faster(q, k):
+    backend = _backend()
+    fused_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
+    if backend == "gpu":
+        jax_nn_ok = _jax_nn_reason(q, k, v, kwargs) is None
+        if jax_nn_ok and _cudnn_fits(q, v, kwargs):
+            return "cudnn"
+        if fused_ok:
+            return "pallas"
+        return "xla" if jax_nn_ok else "dense"  # a bias: materialized either way
+    if backend == "tpu" and fused_ok:
+        return "splash" if splash_reason(q, k, v, **kwargs) is None else "pallas"
+    if backend == "cpu" and fused_ok and _blockwise_faster(q, k):
         return "blockwise"
     return "dense"
+
+
+def _cudnn_fits(q, v, kwargs) -> bool:
+    """Inputs cuDNN's fused kernel takes: half precision, equal head dims 8k <= 128."""
+    H, E = _shape(q, 3), _shape(v, 3)
+    if kwargs.get("bias") is not None and (_shape(q, 1) % 2 or _shape(v, 1) % 2):
+        return False
+    return (
+        getattr(q, "dtype", None) in _CUDNN_DTYPES
+        and H == E
+        and H % 8 == 0
+        and 0 < H <= _CUDNN_MAX_HEAD_DIM
+    )
 
 
 def _blockwise_faster(q, k) -> bool:
@@ -92,6 +132,15 @@ def _blockwise(q, k, v, *, bias=None, return_weights=False, **kwargs):
     if return_weights:
         fail("return_weights", "False for impl='blockwise' (it never forms the weights)", True)
     return blockwise_attention(q, k, v, **kwargs)
+
+
+def _pallas(q, k, v, impl, *, bias=None, return_weights=False, **kwargs):
+    if bias is not None:
+        fail("bias", f"None for impl={impl!r} (use impl='dense' for a bias)", "an array")
+    if return_weights:
+        fail("return_weights", f"False for impl={impl!r} (it never forms the weights)", True)
+    fn = flash_attention if impl == "pallas" else splash_attention
+    return fn(q, k, v, **kwargs)
 
 
 def _jax_nn_reason(q, k, v, kwargs) -> str | None:
@@ -139,8 +188,8 @@ def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, **rest):
     if reason is not None:
         fail("impl", f"an impl computing our semantics for {reason}", repr(impl))
     if impl == "cudnn":
-        if jax.default_backend() != "gpu":
-            fail("impl", "'cudnn' only on a GPU backend", f"backend {jax.default_backend()!r}")
+        if _backend() != "gpu":
+            fail("impl", "'cudnn' only on a GPU backend", f"backend {_backend()!r}")
         if q.dtype not in _CUDNN_DTYPES:
             fail("q", "bfloat16 or float16 inputs for impl='cudnn'", q.dtype)
     is_causal, window = _window_args(c.mask)

@@ -172,10 +172,21 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
 
         def visit(block):
             kernel_inputs = _kernel_inputs(config, inputs, block)
+            # float32 partials: a half-precision input is rounded once, after the ring's sum.
             grads = backward(
-                config, q, block.kT, block.v, no_sink, kernel_inputs, out, lse, d_out, d_lse
+                config,
+                q,
+                block.kT,
+                block.v,
+                no_sink,
+                kernel_inputs,
+                out,
+                lse,
+                d_out,
+                d_lse,
+                grad_dtype=jnp.float32,
             )
-            return tuple(g.astype(jnp.float32) for g in grads[:3])
+            return grads[:3]
 
         def skip(block):
             return jnp.zeros_like(dq), jnp.zeros_like(dkT), jnp.zeros_like(dv)

@@ -86,3 +86,56 @@ def test_cudnn_needs_a_gpu_and_unknown_impl_is_named():
         assert rel_err(out, attn.attention(q, k, v, impl="dense")) <= 1e-2
     with pytest.raises(ValueError, match="impl"):
         attn.attention(q, k, v, impl="flash")
+
+
+def fake_platform(monkeypatch, backend):
+    """impl="auto" chooses as on ``backend``; the kernels still run on this CPU."""
+    monkeypatch.setattr(attn.dispatch, "_backend", lambda: backend)
+
+
+def test_auto_on_gpu_takes_cudnn_where_it_fits_else_pallas(monkeypatch):
+    fake_platform(monkeypatch, "gpu")
+    choose = attn.dispatch._choose
+    q, k, v = qkv(6, B=1, T=9, N=2, dtype=jnp.bfloat16)
+    assert choose(q, k, v, {"mask": masks.causal()}) == "cudnn"
+    assert choose(q, k, v, {"softcap": 5.0}) == "pallas"  # semantics cuDNN lacks
+    assert choose(q, k, v, {"mask": masks.chunked(4)}) == "pallas"
+    assert choose(*qkv(6, B=1, T=9, N=2), {"mask": masks.causal()}) == "pallas"  # float32
+    odd = qkv(6, B=1, T=9, N=2, H=12, dtype=jnp.bfloat16)  # head dim not a multiple of 8
+    assert choose(*odd, {"mask": masks.causal()}) == "pallas"
+    even = qkv(6, B=1, T=8, N=2, dtype=jnp.bfloat16)
+    assert choose(*even, {"bias": jnp.zeros((1, 2, 8, 8))}) == "cudnn"  # jax.nn takes a bias
+    bias = jnp.zeros((1, 2, 9, 9))
+    assert choose(q, k, v, {"bias": bias}) == "xla"  # cuDNN's biased training needs even T, S
+    assert choose(q, k, v, {"bias": bias, "softcap": 5.0}) == "dense"  # nothing fused has both
+    # And the Pallas kernel it picks computes dense's function (interpret mode here).
+    q, k, v = qkv(7, B=2, T=9, N=4, K=2)
+    seg = jnp.asarray([[1] * 6 + [2] * 3, [1] * 9], jnp.int32)
+    kw = dict(mask=masks.causal(), q_segment_ids=seg, kv_segment_ids=seg)
+    assert choose(q, k, v, kw) == "pallas"
+    want = attn.attention(q, k, v, impl="dense", **kw)
+    assert rel_err(attn.attention(q, k, v, **kw), want) <= 1e-5
+
+
+def test_auto_on_tpu_takes_splash_where_it_maps_else_pallas(monkeypatch):
+    fake_platform(monkeypatch, "tpu")
+    choose = attn.dispatch._choose
+    q, k, v = qkv(8, B=1, T=9, N=2)
+    assert choose(q, k, v, {"mask": masks.causal()}) == "splash"
+    assert choose(q, k, v, {"mask": masks.causal() & masks.initial_tokens(2)}) == "splash"
+    assert choose(q, k, v, {"mask": masks.causal(), "return_lse": True}) == "pallas"
+    rows = jnp.stack([jnp.arange(9), jnp.arange(9) + 3])
+    two = qkv(8, B=2, T=9, N=2)
+    assert choose(*two, {"mask": masks.causal(), "q_positions": rows}) == "pallas"
+    assert choose(q, k, v, {"return_weights": True}) == "dense"
+
+
+def test_auto_on_cpu_is_unchanged(monkeypatch):
+    fake_platform(monkeypatch, "cpu")
+    choose = attn.dispatch._choose
+    assert choose(*qkv(9, B=1, T=9, N=2), {"mask": masks.causal()}) == "dense"
+    long = qkv(9, B=1, T=128, N=2)
+    assert choose(*long, {"mask": masks.causal()}) == "blockwise"
+    assert choose(*long, {"bias": jnp.zeros((1, 2, 128, 128))}) == "dense"
+    fake_platform(monkeypatch, "METAL")  # anything else: the reference
+    assert choose(*long, {"mask": masks.causal()}) == "dense"

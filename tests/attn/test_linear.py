@@ -38,21 +38,6 @@ FAVOR_FEATURES = 16
 # its own below); NumPy keeps the QR out of the compile budget.
 PROJECTION = np.random.default_rng(7).standard_normal((H, FAVOR_FEATURES)).astype(np.float32)
 
-# Compiling dominates this file's run time (inputs are NumPy for the same
-# reason). LLVM's -O0 keeps IEEE float semantics (no fast-math), so compiling
-# the tests' programs at -O0 changes their speed, not their results.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
-
-
-def jit(fn, **kwargs):
-    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def _highest_precision():
-    with jax.default_matmul_precision("highest"):
-        yield
-
 
 def softplus_pair(x):
     """A user-supplied feature map (F = 2H), to test callables."""
@@ -189,10 +174,10 @@ def run_case(case, form, chunk_size, q, k, v, gamma, log_gates, state):
 
 
 # One program per (case, form, chunk size), shared by the tests that use a case.
-forward = jit(run_case, static_argnames=("case", "form", "chunk_size"))
+forward = jax.jit(run_case, static_argnames=("case", "form", "chunk_size"))
 
 
-@partial(jit, static_argnames=("case",))
+@partial(jax.jit, static_argnames=("case",))
 def all_forms_with_grads(case, q, k, v, gamma, log_gates, state, cotangents):
     """For each form: output and final state, and the gradients of <them, cotangents>."""
     results = {}
@@ -297,7 +282,7 @@ def test_step_iterated_equals_recurrent(case):
     q, k, v, gamma, log_gates, state = make_inputs(case, seed=4)
     want = forward(case, "recurrent", 16, q, k, v, gamma, log_gates, state)
     kw = decay_kwargs(case, gamma, log_gates)
-    step = jit(
+    step = jax.jit(
         partial(
             linear_attention_step,
             decay=kw["decay"],
@@ -321,7 +306,7 @@ def test_step_from_zero_state_and_feature_dims():
     state = init_linear_state(B, N, H, E)
     assert state.kv.shape == (B, N, H, E) and state.z.shape == (B, N, H)
     q, k, v = (np.ones((B, N, H)), np.ones((B, 2, H)), np.full((B, 2, E), 3.0))
-    step = jit(partial(linear_attention_step, feature_map="relu", eps=0.0))
+    step = jax.jit(partial(linear_attention_step, feature_map="relu", eps=0.0))
     out, new = step(state, q, k, v)
     np.testing.assert_allclose(out, 3.0, rtol=1e-6)  # one key: the output is its value
     assert new.z.shape == (B, N, H)
@@ -349,7 +334,7 @@ def test_bf16_long_sequence(form):
     T, Hs = 65536, 2
     rng = np.random.default_rng(8)
     q, k, v = (rng.standard_normal((1, T, 1, Hs)).astype(jnp.bfloat16) for _ in range(3))
-    out, state = jit(partial(linear_attention, form=form, return_state=True))(q, k, v)
+    out, state = jax.jit(partial(linear_attention, form=form, return_state=True))(q, k, v)
     assert out.dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     assert bool(jnp.all(state.z > 0))
@@ -377,7 +362,7 @@ def test_noncausal_equals_dense():
     scores = np.einsum("btnf,bsnf->bnts", qf, kf)
     dense = np.einsum("bnts,bsne->btne", scores, np.repeat(np.asarray(v), N // K, axis=2))
     dense = dense / (np.moveaxis(scores.sum(-1), 1, 2)[..., None] + 1e-6)
-    noncausal = jit(partial(linear_attention, causal=False), static_argnames="form")
+    noncausal = jax.jit(partial(linear_attention, causal=False), static_argnames="form")
     for form in FORMS:
         assert rel_err(noncausal(q, k, v, form=form), dense) <= RTOL, form
 
@@ -391,7 +376,7 @@ def test_favor_approximates_softmax_better_with_more_features():
     exact = jax.nn.dot_product_attention(q, k, v)  # scale 1/sqrt(H), like favor's default
     # Prefixes of one projection are projections too (whole orthogonal blocks).
     projection = np.asarray(favor_projection(jax.random.PRNGKey(11), Hf, 1024))
-    favor = jit(partial(linear_attention, causal=False, feature_map="favor", eps=0.0))
+    favor = jax.jit(partial(linear_attention, causal=False, feature_map="favor", eps=0.0))
     errors = [
         rel_err(favor(q, k, v, projection=projection[:, :F]), exact) for F in (16, 64, 256, 1024)
     ]
@@ -418,7 +403,7 @@ def test_positive_gates_checked_only_when_concrete():
     with pytest.raises(ValueError, match="log_gates"):
         linear_attention(q, k, v, log_gates=log_gates)
     # Under a trace the values are unknown: no error (the caller's responsibility).
-    out = jit(partial(linear_attention, form="chunkwise"))(q, k, v, log_gates=log_gates)
+    out = jax.jit(partial(linear_attention, form="chunkwise"))(q, k, v, log_gates=log_gates)
     assert out.shape == (B, 9, N, E)
 
 
@@ -426,7 +411,7 @@ def test_feature_maps_exported():
     assert set(FEATURE_MAPS) == {"identity", "elu1", "relu", "taylor", "favor"}
     x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, H)
     names = ("identity", "elu1", "relu", "taylor")
-    features = jit(lambda x: [FEATURE_MAPS[name](x) for name in names])(x)
+    features = jax.jit(lambda x: [FEATURE_MAPS[name](x) for name in names])(x)
     want = [np_features(name, x.astype(np.float64)) for name in names]
     chex.assert_trees_all_close(features, want, rtol=1e-6)
     # Taylor features give the second-order expansion of exp(q.k).

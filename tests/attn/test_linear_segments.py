@@ -42,17 +42,6 @@ IDS = np.array(
     np.int32,
 )
 B, T = IDS.shape
-FAST_COMPILE = {"xla_backend_optimization_level": 0}  # as in test_linear.py
-
-
-def jit(fn, **kwargs):
-    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
-
-
-@pytest.fixture(autouse=True)
-def _highest_precision():
-    with jax.default_matmul_precision("highest"):
-        yield
 
 
 @dataclass(frozen=True)
@@ -102,7 +91,7 @@ def run(case, form, q, k, v, gamma, log_gates, state, *, ids=None, eps=1e-6):
     )
 
 
-@partial(jit, static_argnames=("case",))
+@partial(jax.jit, static_argnames=("case",))
 def packed_with_grads(case, args, cotangents):
     """For each form: primals and gradients (of <primals, cotangents>) of the packed call."""
     results = {}
@@ -112,7 +101,7 @@ def packed_with_grads(case, args, cotangents):
     return results
 
 
-@partial(jit, static_argnames=("case",))
+@partial(jax.jit, static_argnames=("case",))
 def alone_with_grads(case, args, cotangents):
     """The same for one segment alone ``[1,L,...]`` (no segment ids), parallel form."""
     primals, vjp = jax.vjp(partial(run, case, "parallel"), *args)
@@ -224,7 +213,7 @@ def test_noncausal_cross_segments_match_dense():
     num = np.einsum("BNTS,BSE->BTNE", scores, v[:, :, 0].astype(np.float64))
     want = num / np.where(den > 0, den, 1.0).transpose(0, 2, 1)[..., None]
 
-    @partial(jit, static_argnames="form")
+    @partial(jax.jit, static_argnames="form")
     def call(form, q, k, v):
         def f(q, k, v):
             return linear_attention(
@@ -249,7 +238,7 @@ def test_padding_is_inert_and_steps_agree():
     q, k, v, gamma, log_gates, state = make_inputs(ids, seed=3)
     kw = dict(feature_map="elu1", decay=gamma, eps=0.0)
 
-    @partial(jit, static_argnames="form")
+    @partial(jax.jit, static_argnames="form")
     def call(form, q, k, v, log_gates, state):
         def f(q, k, v, log_gates, state):
             return linear_attention(
@@ -260,7 +249,7 @@ def test_padding_is_inert_and_steps_agree():
         primals, vjp = jax.vjp(f, q, k, v, log_gates, state)
         return primals, vjp(jax.tree.map(jnp.ones_like, primals))
 
-    step = jit(partial(linear_attention_step, **kw))
+    step = jax.jit(partial(linear_attention_step, **kw))
     outs, stepped = [], state
     for t in range(ids.shape[1]):
         before = stepped

@@ -117,8 +117,6 @@ def test_classify_on_array_bounds_matches_int_bounds(mask, qs, ks):
 # ----------------------------------------------------------------------------
 # Linear attention: the three forms agree on random small shapes
 
-# As in test_linear.py: compiling dominates, and -O0 changes speed, not results.
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 RTOL = 1e-5  # float32, relative norm-wise error |a-b|/|b|
 
 
@@ -197,7 +195,7 @@ def linear_inputs(case: LinearCase):
     return args, cotangents
 
 
-@partial(jax.jit, static_argnames="case", compiler_options=FAST_COMPILE)
+@partial(jax.jit, static_argnames="case")
 def forms_with_grads(case: LinearCase, args, cotangents):
     """For each form: output and final state, and the gradients of <them, cotangents>."""
     results = {}

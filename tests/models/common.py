@@ -18,7 +18,6 @@ from flax import nnx
 
 import models
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0}
 VOCAB, WIDTH = 32, 32
 B, MAX_LEN = 2, 16
 
@@ -86,12 +85,7 @@ def tokens(seed, shape):
     return jnp.asarray(np.random.default_rng(seed).integers(0, VOCAB, shape), jnp.int32)
 
 
-def fast_jit(fn, **kwargs):
-    """``jax.jit`` compiling at -O0."""
-    return jax.jit(fn, compiler_options=FAST_COMPILE, **kwargs)
-
-
-@functools.partial(fast_jit, static_argnames=("graphdef", "capture"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture"))
 def _apply(graphdef, state, args, kwargs, *, capture):
     model = nnx.merge(graphdef, state)
     if capture:
@@ -111,7 +105,7 @@ def forward(model, tokens, *, capture=False):
     return apply(model, tokens, capture=capture)
 
 
-@functools.partial(fast_jit, static_argnames=("graphdef",))
+@functools.partial(jax.jit, static_argnames=("graphdef",))
 def _extend(graphdef, state, tokens, cache, lengths):
     model = nnx.merge(graphdef, state)
     if tokens.shape[1] == 1 and lengths is None:
@@ -130,7 +124,7 @@ def init_cache(model, batch=B, max_len=MAX_LEN):
     return model.init_cache(batch, max_len)
 
 
-@functools.partial(fast_jit, static_argnames=("graphdef", "max_len"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len"))
 def _init_cache(graphdef, state, max_len, kwargs):
     return nnx.merge(graphdef, state).init_cache(B, max_len, **kwargs)
 

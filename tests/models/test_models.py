@@ -24,7 +24,6 @@ from tests.models.common import (
     B,
     apply,
     extend,
-    fast_jit,
     forward,
     init_enc_dec_cache,
     model_for,
@@ -285,7 +284,7 @@ def test_gradients_flow_to_every_parameter(kind):
         logp = jax.nn.log_softmax(logits)
         return -jnp.mean(jnp.take_along_axis(logp, seq[:, 1:, None], -1))
 
-    value, grads = fast_jit(jax.value_and_grad(loss))(params)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
     assert np.isfinite(float(value))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         g = np.asarray(g)

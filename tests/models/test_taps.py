@@ -13,7 +13,7 @@ from flax import nnx
 
 import attn
 import models
-from tests.models.common import KINDS, REGISTRY, WIDTH, B, fast_jit, forward, model_for, tokens
+from tests.models.common import KINDS, REGISTRY, WIDTH, B, forward, model_for, tokens
 from tests.util import normal, rel_err
 
 HYBRID = KINDS["hybrid"]  # linear (decay, gates), mla, streaming; short convs
@@ -78,7 +78,7 @@ def test_softmax_weights_equal_dense_weights_recomputed():
     assert not jax.tree.leaves(nnx.state(layer, nnx.Intermediate)) and not layer.sow_weights
 
 
-@fast_jit
+@jax.jit
 def _linear_weights_and_output(state, x):
     layer = nnx.merge(*state)
     _, (w,) = models.capture_weights(layer, x)

@@ -1,0 +1,17 @@
+"""Fused accelerator kernels (Pallas) that read the same ``Mask`` objects as ``attn``.
+
+* ``flash_attention``: FlashAttention-2 forward and backward written in Pallas
+  (GPU through Triton; interpret mode on a CPU), for every mask of the algebra.
+* ``splash_attention``: our masks mapped onto JAX's TPU splash-attention kernel,
+  refusing, with the reason, what does not map.
+
+Both compute ``attn.dot_product_attention``'s function; ``attn.attention``
+chooses them with ``impl="pallas"`` and ``impl="splash"`` (and on GPUs and TPUs
+with ``impl="auto"``).
+"""
+
+from attn.pallas.blocks import BLOCKS, SPLASH_BLOCK
+from attn.pallas.flash import flash_attention
+from attn.pallas.splash import splash_attention, splash_reason
+
+__all__ = ["BLOCKS", "SPLASH_BLOCK", "flash_attention", "splash_attention", "splash_reason"]

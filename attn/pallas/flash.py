@@ -1,0 +1,329 @@
+"""FlashAttention in Pallas: the forward kernel, the call's preparation and the custom VJP.
+
+``flash_attention`` computes ``attn.dot_product_attention``'s function (every
+mask of the algebra, explicit positions, segment ids with empty rows giving
+zeros, soft-cap, learned sink logits, GQA/MQA, any T and S) as Pallas kernels:
+
+* The grid is ``(B, N, query blocks)``. Each program keeps one query block of
+  one head and loops (``lax.fori_loop``) over the key blocks its schedule lists,
+  merging each tile into a float32 online softmax (Dao et al. 2022,
+  FlashAttention). K and V are read through the kv head ``n // G`` of the
+  query head: GQA and MQA never repeat them in memory.
+* The schedule comes from ``attn.blockwise_schedule`` (``Mask.classify`` on
+  block bounds), computed outside the kernel: in NumPy when positions and
+  segment ids are known at trace time, at run time when they are traced. It
+  is an input array, since Triton has no scalar prefetch. EMPTY tiles are never
+  visited and FULL ones never evaluate the mask; PARTIAL ones evaluate the
+  ``Mask`` itself on the tile's position vectors (``attn.pallas.common.allowed``).
+* The backward (``attn.pallas.flash_backward``) is FlashAttention-2's (Dao 2023):
+  a dq kernel over query blocks and a dk/dv kernel over key blocks, both
+  recomputing ``P = exp(logits - lse)`` from the saved float32 lse.
+
+T and S are padded to whole blocks inside (padding keys are masked, padding
+rows dropped); on a compiled GPU the head dims are padded to powers of two, as
+Triton requires. Block sizes come from ``attn.pallas.blocks``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from attn._checks import fail, positive_int
+from attn.blockwise_schedule import Schedule
+from attn.blockwise_tiles import TileConfig
+from attn.dense import MASKED, check_call
+from attn.pallas import blocks as blocks_lib
+from attn.pallas.common import FlashConfig, logits, masked_unless_full, matmul, tile_visible
+from attn.pallas.schedule import schedules
+
+
+class KernelInts(NamedTuple):
+    """The integer inputs of the kernels; no gradient flows to them."""
+
+    by_query: Schedule  # forward and dq: key blocks per query block
+    by_key: Schedule  # dk/dv: query blocks per key block
+    q_pos: jax.Array  # [B,Tp] int32
+    kv_pos: jax.Array  # [B,Sp] int32
+    q_seg: jax.Array | None  # [B,Tp] int32
+    kv_seg: jax.Array | None  # [B,Sp] int32
+
+
+def flash_attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sink_logits=None,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+):
+    """Softmax attention as Pallas kernels (forward and FlashAttention-2 backward).
+
+    Computes ``attn.dot_product_attention``'s function; takes its arguments
+    except ``bias`` and ``return_weights``.
+
+    Args:
+      q: ``[B,T,N,H]`` queries (float32, bfloat16 or float16).
+      k: ``[B,S,K,H]`` keys, ``N % K == 0``; v: ``[B,S,K,E]`` values.
+      mask, scale, softcap, sink_logits, q_positions, kv_positions,
+        q_segment_ids, kv_segment_ids: as in ``attn.dot_product_attention``
+        (segment ids: both or neither).
+      return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
+        sees nothing), which ``attn.merge_attention`` merges and which is
+        differentiable.
+      block_q, block_k: tile sizes for every kernel; None takes
+        ``attn.pallas.blocks.BLOCKS`` for the platform. Compiled, they must be
+        powers of two >= 16.
+      interpret: run the kernels in Pallas interpret mode; None means on a CPU.
+
+    Returns:
+      ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` if ``return_lse``.
+    """
+    call = check_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        softcap=softcap,
+        sink_logits=sink_logits,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
+    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
+        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
+    B, T, S, N, K, G, H, E = call.dims
+    platform = jax.default_backend()
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    table = blocks_lib.platform_blocks("cpu" if interpret else platform)
+    minimum = 1 if interpret else blocks_lib.MIN_BLOCK
+    bq, bk, bwd_bq, bwd_bk = (
+        _block(given, default, length, minimum, interpret, name)
+        for given, default, length, name in (
+            (block_q, table.block_q, T, "block_q"),
+            (block_k, table.block_k, S, "block_k"),
+            (block_q, table.bwd_block_q, T, "block_q"),
+            (block_k, table.bwd_block_k, S, "block_k"),
+        )
+    )
+    num_warps = table.num_warps or (4 if H <= 64 else 8)
+    config = FlashConfig(
+        mask=call.mask,
+        scale=call.scale,
+        softcap=call.softcap,
+        has_sink=call.sink_logits is not None,
+        has_segments=call.q_segment_ids is not None,
+        T=T,
+        S=S,
+        G=G,
+        block_q=bq,
+        block_k=bk,
+        bwd_block_q=bwd_bq,
+        bwd_block_k=bwd_bk,
+        interpret=interpret,
+        num_warps=None if interpret else num_warps,
+        num_stages=None if interpret else table.num_stages,
+    )
+    tiles = TileConfig(
+        mask=call.mask,
+        scale=call.scale,
+        softcap=call.softcap,
+        has_sink=config.has_sink,
+        has_segments=config.has_segments,
+        T=T,
+        S=S,
+        B=B,
+        K=K,
+        G=G,
+        dtype=jnp.dtype(q.dtype).name,
+        block_q=bq,
+        block_k=bk,
+        tile_heads=B * K,
+    )
+    Tp, Sp = _round_up(T, max(bq, bwd_bq)), _round_up(S, max(bk, bwd_bk))
+    rows = [(call.q_positions, T), (call.kv_positions, S)]
+    if config.has_segments:
+        rows += [(call.q_segment_ids, T), (call.kv_segment_ids, S)]
+    given = [q_positions, kv_positions, q_segment_ids, kv_segment_ids]
+    plan = schedules(tiles, rows, given, bwd_bq, bwd_bk)
+    q_pos, kv_pos = _pad(call.q_positions, Tp, "edge"), _pad(call.kv_positions, Sp, "edge")
+    q_seg = kv_seg = None
+    if config.has_segments:
+        q_seg, kv_seg = _pad(call.q_segment_ids, Tp, "edge"), _pad(call.kv_segment_ids, Sp, "edge")
+    ints = KernelInts(plan.by_query, plan.by_key, q_pos, kv_pos, q_seg, kv_seg)
+
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    Hp, Ep = (H, E) if interpret else (_head_pad(H), _head_pad(E))
+    qp = _pad(q.astype(dtype), Tp, "constant", Hp)
+    kp = _pad(k.astype(dtype), Sp, "constant", Hp)
+    vp = _pad(v.astype(dtype), Sp, "constant", Ep)
+    sink = call.sink_logits.reshape(N) if config.has_sink else jnp.zeros((N,), jnp.float32)
+    out, lse = _flash(config, qp, kp, vp, sink, ints)
+    out = out[:, :T, :, :E].astype(q.dtype)
+    return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
+
+
+def _block(given, default, length, minimum, interpret, name) -> int:
+    if given is None:
+        return blocks_lib.fit_block(default, length, minimum)
+    given = positive_int(given, name)
+    if not interpret and (given & (given - 1) or given < blocks_lib.MIN_BLOCK):
+        fail(name, f"a power of two >= {blocks_lib.MIN_BLOCK} for a compiled kernel", given)
+    return given
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _head_pad(d: int) -> int:
+    return max(blocks_lib.next_power_of_2(d), blocks_lib.MIN_BLOCK)
+
+
+def _pad(x, length: int, mode: str, last: int | None = None):
+    """Pads axis 1 to ``length`` (and the last axis of ``[B,L,heads,D]`` to ``last``)."""
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, length - x.shape[1])
+    if last is not None:
+        widths[-1] = (0, last - x.shape[-1])
+    if all(w == (0, 0) for w in widths):
+        return x
+    return jnp.pad(x, widths, mode=mode)
+
+
+def compiler_params(config: FlashConfig):
+    """Triton launch settings on a GPU; nothing elsewhere."""
+    if config.interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def forward(config: FlashConfig, q, k, v, sink, ints: KernelInts):
+    """``(out [B,Tp,N,E], lse [B,N,Tp] float32)`` over the ``by_query`` schedule.
+
+    Rows past the last scheduled query block are left unwritten (they are padding).
+    """
+    B, Tp, N, H = q.shape
+    Sp, E = k.shape[1], v.shape[-1]
+    G, bq = config.G, config.block_q
+    sched = ints.by_query
+    nq, W = sched.key_tile.shape
+    per_block = pl.BlockSpec((None, W), lambda b, n, i: (i, 0))
+    one = pl.BlockSpec((None, 1), lambda b, n, i: (i, 0))
+    q_rows = pl.BlockSpec((None, bq), lambda b, n, i: (b, i))
+    kv_rows = pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0))
+    in_specs = [
+        per_block,
+        per_block,
+        one,
+        pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
+        pl.BlockSpec((None, Sp, None, E), lambda b, n, i: (b, 0, n // G, 0)),
+        q_rows,
+        kv_rows,
+    ]
+    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, ints.q_pos, ints.kv_pos]
+    if config.has_segments:
+        in_specs += [q_rows, kv_rows]
+        args += [ints.q_seg, ints.kv_seg]
+    in_specs.append(pl.BlockSpec((None, 1), lambda b, n, i: (n, 0)))
+    args.append(sink[:, None])
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, config),
+        grid=(B, N, nq),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, bq, None, E), lambda b, n, i: (b, i, n, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, Tp, N, E), q.dtype),
+            jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
+        ],
+        interpret=config.interpret,
+        compiler_params=compiler_params(config),
+        name="attn_flash_forward",
+    )(*args)
+
+
+def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref,
+                    q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
+    if config.has_segments:
+        q_seg_ref, kv_seg_ref, *refs = refs
+    sink_ref, o_ref, lse_ref = refs
+    bq, bk = config.block_q, config.block_k
+    q, q_pos = q_ref[...], q_pos_ref[...]
+    q_seg = q_seg_ref[...] if config.has_segments else None
+
+    def body(t, carry):
+        m, l, acc = carry
+        start = pl.multiple_of(key_ref[t] * bk, bk)
+        keys = pl.ds(start, bk)
+        s = logits(config, q, k_ref[keys, :])
+
+        def visible():
+            k_seg = kv_seg_ref[keys] if config.has_segments else None
+            return tile_visible(config, q_pos, kv_pos_ref[keys], start, q_seg, k_seg)
+
+        s = masked_unless_full(config, s, kind_ref[t], visible)
+        m_new = jnp.maximum(m, s.max(-1))
+        alpha = jnp.exp(m - m_new)
+        # A row that has seen nothing yet (max still MASKED) must add nothing:
+        # subtracting +inf makes its p exactly 0.
+        p = jnp.exp(s - jnp.where(m_new > MASKED, m_new, jnp.inf)[:, None])
+        v = v_ref[keys, :]
+        l = alpha * l + p.sum(-1)
+        acc = alpha[:, None] * acc + matmul(p.astype(v.dtype), v)
+        return m_new, l, acc
+
+    if config.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
+        m0, l0 = jnp.full((bq,), sink_ref[0], jnp.float32), jnp.ones((bq,), jnp.float32)
+    else:
+        m0, l0 = jnp.full((bq,), MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32)
+    acc0 = jnp.zeros((bq, o_ref.shape[-1]), jnp.float32)
+    m, l, acc = lax.fori_loop(0, count_ref[0], body, (m0, l0, acc0))
+    seen = l > 0
+    safe = jnp.where(seen, l, 1.0)
+    o_ref[...] = (acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(config: FlashConfig, q, k, v, sink, ints: KernelInts):
+    return forward(config, q, k, v, sink, ints)
+
+
+def _flash_fwd(config, q, k, v, sink, ints):
+    out, lse = forward(config, q, k, v, sink, ints)
+    return (out, lse), (q, k, v, sink, ints, out, lse)
+
+
+def _flash_bwd(config, residuals, cotangents):
+    from attn.pallas.flash_backward import backward
+
+    q, k, v, sink, ints, out, lse = residuals
+    d_out, d_lse = cotangents
+    dq, dk, dv, dsink = backward(config, q, k, v, sink, ints, out, lse, d_out, d_lse)
+    return dq, dk, dv, dsink, None  # the integer inputs get no cotangent
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

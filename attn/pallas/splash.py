@@ -1,0 +1,285 @@
+"""``impl="splash"``: our masks on JAX's TPU splash-attention kernel.
+
+Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) takes
+masks on array indices, one per head (``MultiHeadMask``), and skips the blocks
+they leave empty. Ours are on positions, so with contiguous positions (the
+default ones, or explicit ones that are ranges) a mask maps as:
+
+    full()                          FullMask
+    causal()                        CausalMask(offset = first q position - first k position)
+    sliding_window(w) [& causal()]  LocalMask(window (w - 1, 0), same offset)
+    bidirectional_window(r)         LocalMask(window (r, r), same offset)
+    causal() & chunked(c)           ChunkedCausalMask(c), when q and k start at one multiple of c
+
+and anything else (initial tokens, global tokens, unions, other positions)
+becomes a ``NumpyMask`` evaluated from ``Mask.allowed`` when tracing, up to
+``NUMPY_MASK_LIMIT`` entries. Refused, with the reason: traced positions (splash
+masks are static), positions that differ across the batch (one mask serves
+every row), ``return_lse`` (splash's lse output is not differentiable), and
+NumPy masks above the limit.
+
+Semantics are ours, where splash's differ:
+
+* the logit scale is folded into q (splash has none);
+* a row that sees no key gives zeros: splash leaves such rows to its finite
+  mask value (a mean of V). Every call passes sink logits, ``MASKED`` when the
+  caller has none: the sink then dominates exactly the empty rows, whose
+  output becomes 0, and weighs ``exp(MASKED - max) = 0`` everywhere else;
+* T and S are padded to whole blocks of 128 (the TPU's lanes); padding keys are
+  hidden by the mask or, for masks that would see them, by a segment id no
+  query has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn import masks
+from attn._checks import fail
+from attn.dense import MASKED, check_call
+from attn.pallas.blocks import SPLASH_BLOCK
+
+# The largest [T,S] boolean mask the NumPy fallback builds when tracing (64 MB).
+NUMPY_MASK_LIMIT = 2**26
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refusal:
+    arg: str
+    expected: str
+    got: object
+
+
+def splash_reason(q, k, v, **kwargs) -> str | None:
+    """Why ``splash_attention`` would refuse these arguments, or None where they map.
+
+    Takes ``attn.attention``'s keyword arguments (``bias`` and ``return_weights``
+    included); checks nothing that splash would not refuse.
+    """
+    refusal = _refusal(q, k, **kwargs)
+    if refusal is None:
+        return None
+    return f"{refusal.arg}: expected {refusal.expected}, got {refusal.got}"
+
+
+def _refusal(q, k, *, mask=None, bias=None, return_weights=False, return_lse=False,
+             q_positions=None, kv_positions=None, **_) -> _Refusal | None:  # fmt: skip
+    if bias is not None:
+        return _Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
+    if return_weights:
+        return _Refusal("return_weights", "False for impl='splash' (it never forms them)", True)
+    if return_lse:
+        return _Refusal(
+            "return_lse", "False for impl='splash' (its lse output is not differentiable)", True
+        )
+    for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+        if isinstance(x, jax.core.Tracer):
+            return _Refusal(name, "concrete positions for impl='splash' (its masks are static)",
+                            "a traced array")  # fmt: skip
+        if x is not None:
+            x = np.asarray(x)
+            if x.ndim == 2 and (x != x[:1]).any():
+                return _Refusal(
+                    name, "the same positions in every batch row for impl='splash'", "rows differ"
+                )
+    T, S = _shape(q, 1), _shape(k, 1)
+    if _maps_to_numpy(mask, q_positions, kv_positions, T, S):
+        Tp, Sp = _padded(T), _padded(S)
+        if Tp * Sp > NUMPY_MASK_LIMIT:
+            return _Refusal(
+                "mask",
+                f"a mask splash computes, or at most {NUMPY_MASK_LIMIT} entries for its NumPy "
+                f"fallback, for impl='splash'",
+                f"{mask!r} over [{Tp},{Sp}]",
+            )
+    return None
+
+
+def _shape(x, axis):
+    shape = getattr(x, "shape", ())
+    return shape[axis] if len(shape) == 4 else 1
+
+
+def _block(length: int) -> int:
+    platform = "tpu" if jax.default_backend() == "tpu" else "cpu"
+    return min(SPLASH_BLOCK[platform], -(-length // LANES) * LANES)
+
+
+def _padded(length: int) -> int:
+    block = _block(length)
+    return -(-length // block) * block
+
+
+def _first_rows(x):
+    return None if x is None else np.asarray(x).reshape(-1, np.shape(x)[-1])[0]
+
+
+def _contiguous(x) -> bool:
+    return x is None or bool((np.diff(_first_rows(x)) == 1).all())
+
+
+def _maps_to_numpy(mask, q_positions, kv_positions, T: int, S: int) -> bool:
+    if not (_contiguous(q_positions) and _contiguous(kv_positions)):
+        return True
+    q0 = S - T if q_positions is None else int(_first_rows(q_positions)[0])
+    k0 = 0 if kv_positions is None else int(_first_rows(kv_positions)[0])
+    return _computable(mask, q0 - k0, q0, k0) is None
+
+
+def _computable(mask, offset: int, q0: int, k0: int):
+    """``(kind, argument)`` of the splash mask for contiguous positions, or None."""
+    match mask:
+        case None | masks.Full():
+            return "full", None
+        case masks.Causal():
+            return "causal", None
+        case (
+            masks.SlidingWindow(window=w)
+            | masks.And(masks.Causal(), masks.SlidingWindow(window=w))
+            | masks.And(masks.SlidingWindow(window=w), masks.Causal())
+        ):
+            return "local", (w - 1, 0)
+        case masks.BidirectionalWindow(radius=r):
+            return "local", (r, r)
+        case masks.And(masks.Causal(), masks.Chunked(c=c)) | masks.And(
+            masks.Chunked(c=c), masks.Causal()
+        ):
+            if offset == 0 and q0 == k0 and q0 % c == 0:
+                return "chunked", c
+    return None
+
+
+def _splash_mask(mask, q_pos: np.ndarray, k_pos: np.ndarray, Tp: int, Sp: int):
+    """The splash mask ``[Tp, Sp]`` and whether padding keys need a segment id to hide them."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sam
+
+    T, S = q_pos.size, k_pos.size
+    shape = (Tp, Sp)
+    spec = None
+    if _contiguous(q_pos[None]) and _contiguous(k_pos[None]):
+        offset = int(q_pos[0] - k_pos[0])
+        spec = _computable(mask, offset, int(q_pos[0]), int(k_pos[0]))
+    if spec is None:
+        table = np.zeros(shape, bool)
+        table[:T, :S] = np.asarray(mask.allowed(q_pos, k_pos))
+        return sa.NumpyMask(table), False
+    kind, arg = spec
+    if kind == "full":
+        return sa.FullMask(shape), Sp > S
+    if kind == "causal":
+        return sa.CausalMask(shape, offset=offset), False
+    if kind == "local":
+        # A causal window never reaches keys past the last real one; a band does.
+        return sa.LocalMask(shape, window_size=arg, offset=offset), arg[1] > 0 and Sp > S
+    return sam.ChunkedCausalMask(shape, chunk_size=arg), False
+
+
+def splash_attention(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sink_logits=None,
+    q_positions=None,
+    kv_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    return_lse: bool = False,
+    interpret: bool | None = None,
+):
+    """Softmax attention through splash attention, with our semantics (module doc).
+
+    Args: as ``attn.dot_product_attention`` (no ``bias`` or returned weights,
+    and ``return_lse`` must be False), plus ``interpret`` (None: interpret mode
+    anywhere but on a TPU).
+
+    Returns:
+      ``out [B,T,N,E]`` in q's dtype.
+
+    Raises:
+      ValueError: naming the argument that does not map (see ``splash_reason``).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    refusal = _refusal(
+        q, k, mask=mask, return_lse=return_lse, q_positions=q_positions, kv_positions=kv_positions
+    )
+    if refusal is not None:
+        fail(refusal.arg, refusal.expected, refusal.got)
+    call = check_call(
+        q,
+        k,
+        v,
+        mask=mask,
+        scale=scale,
+        softcap=softcap,
+        sink_logits=sink_logits,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+    )
+    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
+        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
+    B, T, S, N = call.dims.B, call.dims.T, call.dims.S, call.dims.N
+    interpret = jax.default_backend() != "tpu" if interpret is None else bool(interpret)
+    bq, bk = _block(T), _block(S)
+    Tp, Sp = _padded(T), _padded(S)
+    q_pos = _first_rows(q_positions)
+    q_pos = np.arange(T) + S - T if q_pos is None else q_pos.astype(np.int64)
+    k_pos = _first_rows(kv_positions)
+    k_pos = np.arange(S) if k_pos is None else k_pos.astype(np.int64)
+    splash_mask, hide_padding = _splash_mask(call.mask, q_pos, k_pos, Tp, Sp)
+
+    q_seg, kv_seg = call.q_segment_ids, call.kv_segment_ids
+    if q_seg is not None:
+        if hide_padding:  # an id no query has
+            fill = jnp.min(q_seg) - 1
+            kv_seg = jnp.concatenate([kv_seg, jnp.broadcast_to(fill, (B, Sp - S))], 1)
+        else:
+            kv_seg = jnp.pad(kv_seg, ((0, 0), (0, Sp - S)), mode="edge")
+        q_seg = jnp.pad(q_seg, ((0, 0), (0, Tp - T)), mode="edge")
+    elif hide_padding:
+        q_seg = jnp.zeros((B, Tp), jnp.int32)
+        kv_seg = jnp.broadcast_to((jnp.arange(Sp) >= S).astype(jnp.int32), (B, Sp))
+
+    block_sizes = sa.BlockSizes(
+        block_q=bq, block_kv=bk, block_kv_compute=bk,
+        block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
+        block_q_dq=bq, block_kv_dq=bk,
+    )  # fmt: skip
+    kernel = sa.make_splash_mha(
+        sa.MultiHeadMask([splash_mask] * N),
+        block_sizes=block_sizes,
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=call.softcap,
+        interpret=interpret,
+    )
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    qs = (q.astype(jnp.float32) * call.scale).astype(dtype)
+    qs = jnp.pad(qs, ((0, 0), (0, Tp - T), (0, 0), (0, 0))).transpose(0, 2, 1, 3)  # [B,N,Tp,H]
+    ks, vs = (
+        jnp.pad(x.astype(dtype), ((0, 0), (0, Sp - S), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
+        for x in (k, v)
+    )
+    if call.sink_logits is not None:
+        sinks = call.sink_logits.reshape(N)
+    else:
+        sinks = jnp.full((N,), MASKED, jnp.float32)
+
+    def one_row(q, k, v, q_seg, kv_seg):
+        ids = None if q_seg is None else sa.SegmentIds(q=q_seg, kv=kv_seg)
+        return kernel(q, k, v, segment_ids=ids, sinks=sinks)
+
+    out = jax.vmap(one_row)(qs, ks, vs, q_seg, kv_seg)  # [B,N,Tp,E]
+    return out.transpose(0, 2, 1, 3)[:, :T].astype(q.dtype)
