@@ -49,10 +49,15 @@ def dense(d_in: int, d_out: int, *, dtype, param_dtype, rngs, **kwargs) -> nnx.L
     return nnx.Linear(d_in, d_out, dtype=dtype, param_dtype=param_dtype, rngs=rngs, **kwargs)
 
 
+# Kernels that need positions known when tracing: jax.nn's take no positions or
+# segment ids at all, and splash builds its mask from concrete positions.
+STATIC_POSITION_IMPLS = (*JAX_NN_IMPLS, "splash")
+
+
 def cached_impl(impl: str) -> str:
-    """jax.nn's kernels cannot take the positions and segment ids that cached and
-    cross-attention calls pass, so those calls let "auto" pick one that can."""
-    return "auto" if impl in JAX_NN_IMPLS else impl
+    """Cached and cross-attention calls pass traced positions and segment ids, which
+    ``STATIC_POSITION_IMPLS`` cannot take, so those calls let "auto" pick one that can."""
+    return "auto" if impl in STATIC_POSITION_IMPLS else impl
 
 
 def step_positions(start, T: int):

@@ -10,6 +10,7 @@ from flax import nnx
 
 import models
 from models import AttentionConfig, ModelConfig, pattern
+from models.heads import cached_impl
 
 LINEAR = {"kind": "linear", "rope": False}
 MLA = {"kind": "mla"}
@@ -202,3 +203,12 @@ def test_layers_accept_any_sequence_and_are_stored_as_a_tuple():
     assert hash(config) == hash(models.ModelConfig(layers=tuple(layers)))
     with pytest.raises(ValueError, match="layers: expected a sequence of AttentionConfig"):
         models.ModelConfig(layers=["mha"])
+
+
+def test_cached_calls_leave_kernels_that_need_static_positions_to_auto():
+    assert [cached_impl(i) for i in ("xla", "cudnn", "splash")] == ["auto"] * 3
+    assert [cached_impl(i) for i in ("dense", "blockwise", "pallas")] == [
+        "dense",
+        "blockwise",
+        "pallas",
+    ]
