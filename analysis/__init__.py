@@ -16,6 +16,15 @@ Files: ``metrics.py`` (entropy, previous-token, duplicate-token, induction,
 first-token mass and sink rate), ``importance.py`` (normalizing head importance,
 pruning orders and masks), ``plots.py`` (attention grids, heatmaps, curves) and
 ``_checks.py`` (input validation).
+
+``python -m analysis.claims`` measures every claim the project reproduces and
+prints a table (also ``results/claims/table.md`` and ``results.json``): one
+row per claim with the measured value, the criterion and whether it holds.
+Claims 1-9 are fast checks computed with ``attn`` and ``models``
+(``claim_checks.py``; under a minute on 2 cores); claim 10 reads the main
+comparison's results and claims 11-14 the experiments' (committed under
+``docs/results/``), or runs them first with ``--run``. ``--only 1,5`` picks
+rows. The committed table is ``docs/results/claims/table.md``.
 """
 
 from analysis import importance, metrics, plots

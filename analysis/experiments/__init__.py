@@ -1,0 +1,16 @@
+"""The experiments on trained heads; each writes ``results/<name>/`` and supports a claim.
+
+- ``induction_heads``: induction heads form with a jump in in-context learning (Olsson et al.).
+- ``sinks_streaming``: first-token (sink) mass, and streaming past the training length
+  with full attention, a plain window, and a window plus 4 initial tokens (StreamingLLM).
+- ``head_pruning``: head importance and the pruning curve, by importance vs random
+  (Michel et al.).
+- ``windows_global``: window layers with a global layer in every three keep
+  long-range recall that window-only layers lose (MQAR accuracy per gap).
+
+Run one with ``python -m analysis.experiments.<name> [--quick] [--out DIR]``. Each
+module has ``NAME``, ``run(config, out_dir) -> dict`` and ``main(argv) -> int``;
+its config is ``configs/<name>.py`` (``get_config(quick=False)``).
+"""
+
+NAMES = ("induction_heads", "sinks_streaming", "head_pruning", "windows_global")

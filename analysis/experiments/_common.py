@@ -1,0 +1,181 @@
+"""What every experiment shares: the results files, the claim entry, timing and the CLI.
+
+Each experiment writes ``out_dir/results.json`` (its data, a ``"claim"`` entry
+``{"measured", "criterion", "holds"}`` and ``"runtime_s"``), ``out_dir/table.md``
+and its PNGs; ``python -m analysis.claims`` reads the JSON. Training runs go to
+``out_dir/runs/<run>/`` (``train.loop.train`` resumes from their checkpoints,
+so an interrupted experiment keeps what it saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from flax import nnx
+
+import train.cli
+import train.loop
+from attn._checks import fail
+from models import capture_weights
+
+RESULTS_FILE = "results.json"
+TABLE_FILE = "table.md"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def claim(measured: str, criterion: str, holds: bool) -> dict[str, Any]:
+    """The claim entry of ``results.json``: the measured value, the rule, the verdict."""
+    if not isinstance(measured, str) or not measured:
+        fail("measured", "a non-empty str", repr(measured))
+    if not isinstance(criterion, str) or not criterion:
+        fail("criterion", "a non-empty str", repr(criterion))
+    return {"measured": measured, "criterion": criterion, "holds": bool(holds)}
+
+
+def _jsonable(x):
+    """NumPy and JAX values as plain JSON (non-finite floats become None)."""
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, jax.Array | np.ndarray):
+        return _jsonable(np.asarray(x).tolist())
+    if isinstance(x, np.bool_ | bool):
+        return bool(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, float | np.floating):
+        return float(x) if math.isfinite(x) else None
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return _jsonable(dataclasses.asdict(x))
+    return x
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats with 3 significant decimals."""
+
+    def cell(v):
+        if isinstance(v, float | np.floating):
+            return f"{v:.3f}" if math.isfinite(v) else "n/a"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(out_dir: Path, results: dict[str, Any], table: str) -> dict[str, Any]:
+    """Writes ``results.json`` and ``table.md`` (the claim first, then ``table``).
+
+    Returns the results as written (JSON types).
+    """
+    entry = results.get("claim")
+    if not isinstance(entry, dict) or set(entry) != {"measured", "criterion", "holds"}:
+        fail("results", "a 'claim' entry {measured, criterion, holds}", repr(entry))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = _jsonable(results)
+    (out_dir / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    verdict = "holds" if entry["holds"] else "does not hold"
+    head = (
+        f"# {results['name']}\n\n"
+        f"- measured: {entry['measured']}\n- criterion: {entry['criterion']}\n"
+        f"- verdict: **{verdict}**\n- runtime: {results['runtime_s']:.0f} s\n\n"
+    )
+    (out_dir / TABLE_FILE).write_text(head + table)
+    return results
+
+
+class Timer:
+    """Wall-clock seconds since construction."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def run_dir(out_dir: Path, name: str) -> Path:
+    """Where a training run of the experiment lives (resumable)."""
+    return Path(out_dir) / "runs" / name
+
+
+def train_run(config, out_dir: Path, name: str, *, progress: bool = False) -> tuple[dict, Path]:
+    """Trains (or resumes, or finds finished) one run under ``out_dir/runs/name``.
+
+    Returns ``(summary, workdir)``.
+    """
+    workdir = run_dir(out_dir, name)
+    summary = train.loop.train(config, workdir, progress=progress, desc=name)
+    return summary, workdir
+
+
+def token_losses(model: nnx.Module, tokens, targets) -> np.ndarray:
+    """Cross-entropy of each next-token prediction, ``[B,T]`` float32 (nats).
+
+    Args:
+      model: a ``Decoder``.
+      tokens: ``[B,T]`` inputs.
+      targets: ``[B,T]`` the token each position should predict.
+    """
+    logits = _logits(model, jnp.asarray(tokens))
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(targets))
+    return np.asarray(ce, np.float32)
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens).astype(jnp.float32)
+
+
+def capture(model: nnx.Module, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits [B,T,V], weights [L,B,N,T,T])`` of a decoder, as float32 NumPy."""
+    logits, weights = _capture(model, jnp.asarray(tokens))
+    return np.asarray(logits), np.stack([np.asarray(w) for w in weights])
+
+
+@nnx.jit
+def _capture(model, tokens):
+    return capture_weights(model, tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """Runs one experiment and writes results.json, table.md and PNGs.
+
+    Attributes:
+      quick: the tiny settings the tests use (seconds, numbers not meaningful).
+      out: the output folder; default ``results/<name>``.
+      config: the experiment's config file; default ``configs/<name>.py``.
+    """
+
+    quick: bool = False
+    out: Path | None = None
+    config: Path | None = None
+
+
+def main(name: str, run: Callable[[Any, Path], dict], doc: str | None, argv=None) -> int:
+    """The command line of an experiment: ``[--quick] [--out DIR] [--config FILE]``."""
+    args = tyro.cli(Args, args=argv, prog=f"python -m analysis.experiments.{name}", description=doc)
+    train.cli.enable_compilation_cache()  # later runs and checkpoint loads skip compiling
+    path = args.config or REPO_ROOT / "configs" / f"{name}.py"
+    config = train.cli.load_config(path, quick=args.quick)
+    out = args.out or Path("results") / name
+    results = run(config, Path(out))
+    entry = results["claim"]
+    verdict = "holds" if entry["holds"] else "does not hold"
+    print(f"{name}: {entry['measured']} ({entry['criterion']}: {verdict})")
+    print(f"runtime {results['runtime_s']:.0f} s")
+    print(f"wrote {Path(out) / RESULTS_FILE} and {Path(out) / TABLE_FILE}")
+    return 0

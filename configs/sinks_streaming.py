@@ -1,0 +1,46 @@
+"""Experiment 2, attention sinks and streaming: ``python -m analysis.experiments.sinks_streaming``.
+
+A 4-layer, 4-head byte-level decoder of width 64 trained at T = 64 for 800
+steps; streams of 8T = 512 bytes.
+"""
+
+import dataclasses
+
+from analysis.experiments.sinks_streaming import Config
+from models import ModelConfig, pattern, presets
+from train.config import OptimConfig, TrainConfig
+from train.tasks import TaskConfig
+
+
+def get_config(quick: bool = False) -> Config:
+    run = TrainConfig(
+        task=TaskConfig(name="bytes", seq_len=64),
+        model=ModelConfig(
+            width=64,
+            mlp_width=128,
+            layers=pattern(("mha",) * 4, presets(num_heads=4, head_dim=16)),
+        ),
+        optim=OptimConfig(lr=3e-3),
+        steps=800,
+        batch_size=32,
+        eval_every=200,
+        eval_batches=4,
+        ckpt_every=200,
+        keep_checkpoints=100,
+        log_every=20,
+    )
+    if quick:
+        run = dataclasses.replace(
+            run,
+            task=TaskConfig(name="bytes", seq_len=8),
+            model=ModelConfig(
+                width=16, mlp_width=16, layers=pattern(("mha",), presets(num_heads=2, head_dim=8))
+            ),
+            steps=10,
+            batch_size=4,
+            eval_every=10,
+            eval_batches=1,
+            ckpt_every=10,
+        )
+        return Config(train=run, eval_batch=2, stream_factor=3, num_streams=2)
+    return Config(train=run)

@@ -1,0 +1,185 @@
+"""The experiments: their helpers on hand-made inputs, and each quick run end to end.
+
+The quick runs use the configs' ``quick=True`` settings (a few training steps of
+tiny models): they check the files, the claim entry and that the numbers are
+in range, not the claims themselves.
+
+Most of their cost is compilation, and ``train.load_run`` compiles the same
+initialization once per checkpoint it loads: a persistent compilation cache
+(a temporary folder, unless one is configured already, as ``tests/train`` does)
+makes every load after the first a cache hit.
+"""
+
+import atexit
+import dataclasses
+import json
+import shutil
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+
+from analysis.experiments import (
+    NAMES,
+    _common,
+    head_pruning,
+    induction_heads,
+    sinks_streaming,
+    windows_global,
+)
+from train.cli import load_config
+
+if not jax.config.jax_compilation_cache_dir:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="attnlab_xla_cache_")
+    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+MODULES = {
+    "induction_heads": induction_heads,
+    "sinks_streaming": sinks_streaming,
+    "head_pruning": head_pruning,
+    "windows_global": windows_global,
+}
+
+
+def quick_config(name):
+    return load_config(_common.REPO_ROOT / "configs" / f"{name}.py", quick=True)
+
+
+def check_common(results, out, name):
+    """Files written, the claim entry well-formed, the JSON equal to what run returned."""
+    assert (out / "results.json").is_file() and (out / "table.md").is_file()
+    assert json.loads((out / "results.json").read_text()) == results
+    assert results["name"] == name
+    entry = results["claim"]
+    assert set(entry) == {"measured", "criterion", "holds"}
+    assert isinstance(entry["holds"], bool)
+    assert entry["measured"] and entry["criterion"]
+    assert results["runtime_s"] > 0
+    table = (out / "table.md").read_text()
+    assert entry["measured"] in table and table.count("\n|") >= 2
+    pngs = list(out.glob("*.png"))
+    assert pngs and all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_every_module_has_the_interface():
+    assert tuple(MODULES) == NAMES
+    for name, module in MODULES.items():
+        assert name == module.NAME
+        assert callable(module.run) and callable(module.main)
+
+
+def test_claim_and_write_results(tmp_path):
+    entry = _common.claim("x = 1", "x > 0", np.bool_(True))
+    assert entry == {"measured": "x = 1", "criterion": "x > 0", "holds": True}
+    with pytest.raises(ValueError, match="measured"):
+        _common.claim("", "x > 0", True)
+    results = {"name": "t", "claim": entry, "runtime_s": 1.5, "a": np.arange(3), "b": np.nan}
+    written = _common.write_results(tmp_path, results, _common.markdown_table(["k"], [[0.5]]))
+    assert written["a"] == [0, 1, 2] and written["b"] is None
+    assert "| 0.500 |" in (tmp_path / "table.md").read_text()
+    with pytest.raises(ValueError, match="claim"):
+        _common.write_results(tmp_path, {"name": "t", "runtime_s": 1.0}, "")
+
+
+def test_transition_step():
+    steps = [0, 10, 20, 30, 40]
+    assert induction_heads.transition_step(steps, [0.0, 0.1, 0.2, 0.9, 1.0]) == 30
+    # A falling curve: half of the drop from 4 to 0 is first reached at step 20.
+    assert induction_heads.transition_step(steps, [4.0, 3.5, 1.9, 0.5, 0.0]) == 20
+    assert induction_heads.transition_step(steps, [1.0] * 5) == 40
+    assert induction_heads.transition_step(steps, [0, 0.05, 0.1, 0.5, 1], 0.1) == 20
+
+
+def test_query_gaps():
+    # Context k1 v1 k2 v2 = 3 9 5 8, then queries of 5 at position 6 and 3 at position 9.
+    tokens = np.array([[3, 9, 5, 8, 0, 0, 5, 0, 0, 3]])
+    weights = np.zeros((1, 10), np.float32)
+    weights[0, [6, 9]] = 1
+    gaps = windows_global.query_gaps(tokens, weights, num_pairs=2)
+    expected = np.full((1, 10), -1)
+    expected[0, 6], expected[0, 9] = 6 - 2, 9 - 0
+    np.testing.assert_array_equal(gaps, expected)
+
+
+def test_prunable_fraction():
+    f = [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert head_pruning.prunable_fraction(f, [0.9, 0.88, 0.86, 0.5, 0.0], 0.05) == 0.5
+    # A later recovery does not count: the first drop ends the prunable range.
+    assert head_pruning.prunable_fraction(f, [0.9, 0.7, 0.9, 0.9, 0.9], 0.05) == 0.0
+
+
+def test_configs_validate():
+    cfg = quick_config("induction_heads")
+    with pytest.raises(ValueError, match="keep_checkpoints"):
+        dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, keep_checkpoints=1))
+    with pytest.raises(ValueError, match="fractions"):
+        head_pruning.Config(train=quick_config("head_pruning").train, fractions=(0.5, 1.0))
+    w = quick_config("windows_global")
+    with pytest.raises(ValueError, match="global"):
+        windows_global.Config(window_only=w.window_only, hybrid=w.window_only, window=w.window)
+
+
+def test_induction_heads_quick(tmp_path):
+    results = induction_heads.run(quick_config("induction_heads"), tmp_path)
+    check_common(results, tmp_path, "induction_heads")
+    rows = results["checkpoints"]
+    assert [r["step"] for r in rows] == [0, 10, 20]
+    for r in rows:
+        assert 0 <= r["induction_best"] <= 1 and 0 <= r["previous_token_best"] <= 1
+        assert np.isfinite(r["first_copy_loss"]) and r["second_copy_loss"] > 0
+        assert np.shape(r["induction"]) == (2, 4)
+    assert results["induction_jump_step"] in (10, 20)
+    # The workdir holds the run: a second call resumes it instead of training again.
+    assert (tmp_path / "runs" / "induction" / "summary.json").is_file()
+
+
+def test_sinks_streaming_quick(tmp_path):
+    config = quick_config("sinks_streaming")
+    results = sinks_streaming.run(config, tmp_path)
+    check_common(results, tmp_path, "sinks_streaming")
+    assert 0 <= results["sink_rate"] <= 1
+    mass = np.asarray(results["first_token_mass"])
+    assert mass.shape == (1, 2) and ((mass >= 0) & (mass <= 1)).all()
+    for v in sinks_streaming.VARIANTS:
+        ppl = results["perplexity_per_window"][v]
+        assert len(ppl) == config.stream_factor and all(p >= 1 for p in ppl)
+    # Before positions leave the window every variant computes the same function.
+    first = [results["perplexity_per_window"][v][0] for v in sinks_streaming.VARIANTS]
+    np.testing.assert_allclose(first, first[0], rtol=1e-4)
+    assert results["decode_vs_forward_max_abs_nll"] < 1e-3
+
+
+def test_head_pruning_quick(tmp_path):
+    config = quick_config("head_pruning")
+    results = head_pruning.run(config, tmp_path)
+    check_common(results, tmp_path, "head_pruning")
+    imp = np.asarray(results["importance"])
+    assert imp.shape == (2, 4) and (imp >= 0).all()
+    np.testing.assert_allclose(np.linalg.norm(imp, axis=1), 1.0, rtol=1e-6)
+    for curve in (results["accuracy_by_importance"], results["accuracy_random_mean"]):
+        assert len(curve) == len(config.fractions) and all(0 <= a <= 1 for a in curve)
+    # No head masked: both orders measure the same model.
+    assert results["accuracy_by_importance"][0] == results["accuracy_random_mean"][0]
+
+
+def test_windows_global_quick(tmp_path):
+    results = windows_global.run(quick_config("windows_global"), tmp_path)
+    check_common(results, tmp_path, "windows_global")
+    counts = results["queries_per_bucket"]
+    assert sum(counts) == 8 * 2  # one batch of 8 test examples with 2 queries each
+    for name in windows_global.MODELS:
+        assert 0 <= results["accuracy_long_gaps"][name] <= 1
+        acc = [a for a in results["accuracy_by_gap"][name] if a is not None]
+        assert acc and all(0 <= a <= 1 for a in acc)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_command_line_parses(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        MODULES[name].main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "--quick" in out and "--out" in out
