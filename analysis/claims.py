@@ -44,7 +44,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import tyro
 
 from analysis import claim_checks
@@ -195,73 +194,23 @@ def check_row(number: int) -> Row:
 # Claim 10: the main comparison
 
 
-def _mean(value) -> float:
-    """A number, a list of per-seed numbers, or a dict holding ``mean`` (or per-seed values)."""
-    if isinstance(value, dict):
-        for key in ("mean", "test_accuracy", "accuracy"):
-            if key in value:
-                return _mean(value[key])
-        if "per_seed" in value:
-            return _mean(value["per_seed"])
-        raise ValueError(
-            f"accuracy: expected a number or a dict with 'mean', got keys {list(value)}"
-        )
-    if isinstance(value, list | tuple):
-        if not value:
-            raise ValueError("accuracy: expected per-seed values, got an empty list")
-        return float(np.mean([_mean(v) for v in value]))
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"accuracy: expected a number, got {value!r}")
-    return float(value)
-
-
 def compare_accuracies(results: dict[str, Any]) -> dict[str, float]:
-    """``{variant: test accuracy}`` from a ``train.compare`` ``results.json``.
+    """``{variant: mean final test accuracy over seeds}`` from a ``train.compare`` results.json.
 
-    The one place that knows the comparison's format, so a change of it is
-    one change here. Accepted layouts, first match wins:
-
-    - ``best: {variant: {...}}`` whose entry holds the accuracy under
-      ``test_accuracy``, ``accuracy``, ``test_accuracy_mean`` or
-      ``mean_test_accuracy``, as a number (already the mean over seeds), a
-      per-seed list (averaged) or a dict with ``mean``;
-    - ``variants: {variant: ...}`` in the same forms;
-    - only ``runs: [{variant, lr, seed, summary: {test_accuracy}}]``: the
-      mean over seeds of each learning rate, the best learning rate's.
+    The one place that knows the comparison's format:
+    ``results["variants"][name]["accuracy"]["mean"]`` (``train.compare_report``).
 
     Raises:
-      ValueError: none of these layouts, or an accuracy that is not a number.
+      ValueError: another layout, or an accuracy that is not a number.
     """
-    keys = ("test_accuracy", "accuracy", "test_accuracy_mean", "mean_test_accuracy")
-    for table in ("best", "variants"):
-        entries = results.get(table)
-        if isinstance(entries, dict) and entries:
-            out = {}
-            for variant, entry in entries.items():
-                if isinstance(entry, dict):
-                    key = next((k for k in keys if k in entry), None)
-                    if key is None:
-                        raise ValueError(
-                            f"results.json: expected {table}.{variant} to hold one of {keys}, "
-                            f"got keys {sorted(entry)}"
-                        )
-                    out[variant] = _mean(entry[key])
-                else:
-                    out[variant] = _mean(entry)
-            return out
-    runs = results.get("runs")
-    if isinstance(runs, list) and runs:
-        per = {}
-        for r in runs:
-            acc = (r.get("summary") or {}).get("test_accuracy", r.get("test_accuracy"))
-            per.setdefault(r["variant"], {}).setdefault(r.get("lr"), []).append(
-                0.0 if acc is None else float(acc)  # None: a diverged run, as compare counts it
-            )
-        return {v: max(float(np.mean(a)) for a in by_lr.values()) for v, by_lr in per.items()}
-    raise ValueError(
-        "results.json: expected 'best' or 'variants' ({variant: accuracy}) or 'runs', "
-        f"got keys {sorted(results)}"
-    )
+    try:
+        return {
+            name: float(entry["accuracy"]["mean"]) for name, entry in results["variants"].items()
+        }
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(
+            f"results.json: expected variants.<name>.accuracy.mean numbers, got {e!r}"
+        ) from None
 
 
 def _width(results: dict[str, Any]) -> int | None:

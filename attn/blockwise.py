@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn._checks import fail
-from attn.blockwise_kernels import KernelInputs, flash, forward
+from attn.blockwise_kernels import KernelInputs, flash, forward, vary_like
 from attn.blockwise_schedule import build_schedule
 from attn.blockwise_tiles import TileConfig, num_blocks, qkv_tiles, row_tiles, tile_config, untile
 from attn.dense import Call, check_call
@@ -141,6 +141,7 @@ def blockwise_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
+    sink = vary_like(sink, q)
     out, lse = flash(config, *qkv_tiles(config, q, k, v), sink, inputs)
     out = untile(config, out)
     return (out, untile(config, lse[..., None])[..., 0]) if return_lse else out

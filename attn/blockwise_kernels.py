@@ -102,6 +102,18 @@ def _new(like, shape, value=0.0, dtype=jnp.float32):
     return jnp.full_like(like, value, dtype=dtype, shape=shape)
 
 
+def vary_like(x, like):
+    """``x`` varying over every mesh axis ``like`` varies over (inside ``jax.shard_map``).
+
+    A custom VJP's cotangent must have its input's type. Sink logits replicated
+    over the axes that shard the queries get a cotangent that varies there, so
+    they must enter the VJP varying. Adding a zero that varies like ``like``
+    (see ``_new``) makes JAX insert that cast, whose transpose sums the
+    cotangent over those axes; outside ``shard_map`` it adds 0 and nothing else.
+    """
+    return x + _new(like, (), dtype=x.dtype)
+
+
 def _sink_rows(config: TileConfig, sink):
     """Sink logits ``[K,G]`` as per-row values of each head group: ``[groups, X, Q]``."""
     rows = jnp.broadcast_to(sink[None, :, :, None], (config.B, config.K, config.G, config.block_q))

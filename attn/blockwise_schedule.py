@@ -63,20 +63,20 @@ def build_schedule(config: TileConfig, rows: Sequence, given: Sequence) -> Sched
             values.append(np.broadcast_to(x, (config.B, length)).astype(np.int64))
     else:  # traced positions or segment ids: the schedule is decided at run time
         xp, values = jnp, [x for x, _, _ in rows]
-    bounds = [_bounds(xp, x, n, block) for x, (_, n, block) in zip(values, rows, strict=True)]
-    kinds = _block_kinds(xp, config, *bounds)  # [nq, nk]
+    bounds = [block_bounds(xp, x, n, block) for x, (_, n, block) in zip(values, rows, strict=True)]
+    kinds = block_kinds(xp, config, *bounds)  # [nq, nk]
     width = max(int((kinds != BlockKind.EMPTY).sum(1).max()), 1) if xp is np else nk
-    return _for_groups(config, _compact(xp, kinds, width), nq, nk)
+    return _for_groups(config, compact(xp, kinds, width), nq, nk)
 
 
-def _bounds(xp, x, length: int, block: int):
+def block_bounds(xp, x, length: int, block: int):
     """``[B, L]`` -> per block (lo ``[nb]``, hi ``[nb]``), over the batch and the block."""
     pad = num_blocks(length, block) * block - length
     x = xp.pad(x, ((0, 0), (0, pad)), mode="edge").reshape(x.shape[0], -1, block)
     return x.min(axis=(0, 2)), x.max(axis=(0, 2))
 
 
-def _block_kinds(xp, config: TileConfig, q_b, k_b, q_seg_b=None, k_seg_b=None):
+def block_kinds(xp, config: TileConfig, q_b, k_b, q_seg_b=None, k_seg_b=None):
     """``[nq, nk]`` ``BlockKind`` of every block pair from per-block (lo, hi) bounds."""
     (q_lo, q_hi), (k_lo, k_hi) = q_b, k_b
     nq, nk = q_lo.shape[0], k_lo.shape[0]
@@ -94,7 +94,7 @@ def _block_kinds(xp, config: TileConfig, q_b, k_b, q_seg_b=None, k_seg_b=None):
     return xp.where(empty, BlockKind.EMPTY, xp.where(full, BlockKind.FULL, BlockKind.PARTIAL))
 
 
-def _compact(xp, kinds, width: int) -> Schedule:
+def compact(xp, kinds, width: int) -> Schedule:
     """Moves each query block's non-empty key blocks to the front, in key order.
 
     Returns the schedule of the first head group, whose key tiles are the key blocks.

@@ -11,6 +11,7 @@ compile time does not grow with the number of devices.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import NamedTuple
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from attn.blockwise_kernels import KernelInputs, backward, forward
+from attn.blockwise_kernels import KernelInputs, backward, forward, vary_like
 from attn.blockwise_schedule import build_schedule
 from attn.blockwise_tiles import TileConfig, num_blocks, row_tiles
 from attn.masks import BlockKind
@@ -45,19 +46,20 @@ class KVBlock(NamedTuple):
     seg: jax.Array | None  # [B,S] int32
 
 
-def _varying(tree, axis_name: str):
+def _varying(tree, axis_name: str, like=None):
     """Marks values as differing across the ring's devices (shard_map's ``vma`` type).
 
     A scan carry must keep its type, and what ``ppermute`` returns varies, so
-    the initial carry must vary already. Values that vary are left as they are
+    the initial carry must vary already: over ``axis_name``, and over every
+    other manual axis ``like`` (the queries) varies over, as when the enclosing
+    ``shard_map`` also splits the batch. Values that vary are left as they are
     (``pcast`` refuses to cast varying to varying).
     """
 
     def cast(x):
-        try:
-            return lax.pcast(x, axis_name, to="varying")
-        except ValueError:  # already varying over axis_name
-            return x
+        with contextlib.suppress(ValueError):  # raised when x varies over axis_name already
+            x = lax.pcast(x, axis_name, to="varying")
+        return x if like is None else vary_like(x, like)
 
     return jax.tree.map(cast, tree)
 
@@ -147,7 +149,7 @@ def ring_forward(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInput
     out0 = jnp.zeros((n_tiles, X, Q, v.shape[-1]), jnp.float32)
     lse0 = jnp.full((n_tiles, X, Q), -jnp.inf, jnp.float32)
     block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg)
-    carry = _varying((block, out0, lse0, jnp.zeros(3, jnp.int32)), axis_name)
+    carry = _varying((block, out0, lse0, jnp.zeros(3, jnp.int32)), axis_name, q)
     (_, out, lse, counts), _ = lax.scan(step, carry, length=num_devices)
     return out, lse, counts
 
@@ -197,7 +199,7 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
 
     block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg)
     f32 = functools.partial(jnp.zeros_like, dtype=jnp.float32)
-    carry = _varying((block, f32(kT), f32(v), f32(q)), axis_name)
+    carry = _varying((block, f32(kT), f32(v), f32(q)), axis_name, q)
     (_, dkT, dv, dq), _ = lax.scan(step, carry, length=num_devices)
     return dq.astype(q.dtype), dkT.astype(kT.dtype), dv.astype(v.dtype)
 

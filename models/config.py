@@ -30,6 +30,10 @@ KINDS = ("softmax", "mla", "linear")
 # Implementations backed by jax.nn.dot_product_attention (see attn.dispatch).
 JAX_NN_IMPLS = ("xla", "cudnn")
 
+# A softmax layer's implementations: attn.attention's, and "ring" (ring attention
+# over the mesh axis "seq" of the surrounding jax.set_mesh; models.softmax).
+IMPLS = (*attn.IMPLS, "ring")
+
 # Feature maps that approximate exp(q.k); like softmax they take q.k / sqrt(H).
 EXP_KERNEL_MAPS = ("taylor", "favor")
 
@@ -93,6 +97,10 @@ class AttentionConfig:
       global_tokens: (softmax, MLA) positions that see and are seen by all
         (Longformer); needs a window or a radius.
       impl: (softmax, MLA) ``attn.attention``'s implementation; never changes the math.
+        ``"ring"`` (softmax only): ring attention over the mesh axis ``"seq"`` of the
+        mesh set by ``jax.set_mesh`` (sequence parallelism, ``models.softmax``);
+        without such a mesh the layer computes as ``"auto"``. ``"auto"`` itself
+        turns into ring attention under a mesh whose ``"seq"`` axis has > 1 device.
       softcap: (softmax, MLA) logit soft-cap (Gemma 2), or None.
       sink_logits: (softmax, MLA) a learned per-head logit joins each softmax
         denominator (gpt-oss).
@@ -170,8 +178,10 @@ class AttentionConfig:
         if not _is_int(w) or w < 0:
             fail("short_conv", "a non-negative int (the width W; 0 for none)", repr(w))
         self._check_mask()
-        if not isinstance(self.impl, str) or self.impl not in attn.IMPLS:
-            fail("impl", f"one of {attn.IMPLS}", repr(self.impl))
+        if not isinstance(self.impl, str) or self.impl not in IMPLS:
+            fail("impl", f"one of {IMPLS}", repr(self.impl))
+        if self.impl == "ring" and self.kind != "softmax":
+            fail("impl", f"not 'ring' for kind={self.kind!r} (ring is softmax's)", "'ring'")
         if self.impl in JAX_NN_IMPLS and (
             self.initial_tokens
             or self.global_tokens

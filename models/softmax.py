@@ -3,19 +3,93 @@
 ``Softmax`` is what softmax-based layers share (``LatentAttention`` too): the
 layer's mask, soft-cap and learned sink logits around a call into ``attn``,
 the weights tap, and the slot layout of their decode caches.
+
+Sequence parallelism. ``SelfAttention`` runs as ring attention
+(``attn.ring_attention``) when its config says ``impl="ring"``, or ``"auto"``
+under a mesh whose axis ``SEQ_AXIS`` ("seq") has more than one device. The mesh
+is the one the caller set with ``jax.set_mesh(mesh)`` (read back while tracing
+with ``jax.sharding.get_abstract_mesh()``), so no module holds a mesh and the
+same model runs on one device or many. The layer wraps the ring in a
+``jax.shard_map`` that is manual over "seq" only (``axis_names={"seq"}``): the
+sequence axis T is split over "seq" and every other mesh axis stays automatic,
+so a batch split over data or fsdp stays split without the layer naming those
+axes. The ring sees the tokens' real ``positions`` and needs nothing else: the
+caller may lay the sequence out in any order over the devices, and the zigzag
+order of ``ring_layout`` balances causal work (train does it once per batch, on
+the host). Without a mesh, or one without a "seq" axis, ``"ring"`` computes as
+``"auto"``: impl never changes the math, so a model trained sequence-parallel
+evaluates and decodes on one device.
+
+Batch parallelism. Under a mesh with ``BATCH_AXES`` ("data", "fsdp"), each
+device attends only its own rows: the call runs in a ``jax.shard_map`` manual
+over those axes (and "seq" for the ring). XLA cannot split the blockwise
+kernels' tile loops by itself (they index tiles that mix batch and heads), and
+left to partition them it gathers the whole q, k and v on every device.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 import attn
+from attn._checks import fail
 from models.cache import EMPTY, CrossCache, KVCache
 from models.config import AttentionConfig
 from models.heads import Heads, cached_impl, step_positions
+
+# The mesh axis a sequence-parallel model splits its sequences over.
+SEQ_AXIS = "seq"
+# The mesh axes a data- or fully-sharded-parallel model splits its batch over.
+BATCH_AXES = ("data", "fsdp")
+
+
+def seq_devices() -> int | None:
+    """Devices on ``SEQ_AXIS`` of the mesh set by ``jax.set_mesh``; None without that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQ_AXIS not in mesh.axis_names:
+        return None
+    return mesh.shape[SEQ_AXIS]
+
+
+def batch_axes(batch: int) -> tuple[str, ...]:
+    """The ``BATCH_AXES`` of the context mesh (of more than one device) that split ``batch``.
+
+    Empty without a mesh, or when their devices do not divide ``batch`` (then
+    XLA partitions the call as it can).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def ring_layout(length: int, num_devices: int) -> np.ndarray:
+    """The order in which to lay a sequence of ``length`` out over ``num_devices`` devices.
+
+    ``x[:, order]`` puts device i's tokens in the i-th run of ``length / P``
+    (a sharded ``[B,T]`` array's layout) and ``order`` is their positions. The
+    zigzag layout (``attn.ring.zigzag_order``, every device one early and one
+    late chunk: the same causal work on each) where ``2P`` divides the length,
+    else the contiguous one.
+
+    Raises:
+      ValueError: naming ``length`` unless ``num_devices`` divides it.
+    """
+    layout = "zigzag" if length % (2 * num_devices) == 0 else "contiguous"
+    return attn.ring.layout_order(length, num_devices, layout)
+
+
+def _plain_impl(impl: str) -> str:
+    """``attn.attention``'s impl for a call that does not run on the ring."""
+    return "auto" if impl == "ring" else impl
 
 
 class Softmax(Heads):
@@ -99,9 +173,84 @@ class SelfAttention(Softmax):
           ``y [B,T,D]``.
         """
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if positions is None else positions)
-        kwargs = self._full_kwargs(positions, segment_ids)
-        out = self._softmax(attn.attention, q, k, v, impl=self.cfg.impl, tap=True, **kwargs)
-        return self._output(out)
+        if self._on_ring(x.shape[1]):
+            return self._output(self._ring(q, k, v, positions, segment_ids))
+        impl = _plain_impl(self.cfg.impl)
+        axes = () if self.sow_weights else batch_axes(x.shape[0])
+        if not axes:
+            kwargs = self._full_kwargs(positions, segment_ids)
+            out = self._softmax(attn.attention, q, k, v, impl=impl, tap=True, **kwargs)
+            return self._output(out)
+        local = functools.partial(
+            _attention_shard, mask=self.cfg.mask(self.causal), softcap=self.cfg.softcap, impl=impl
+        )
+        args = self._shard_args(q, k, v, positions, segment_ids)
+        split = PartitionSpec(axes)
+        specs = {name: PartitionSpec() if name == "sink" else split for name in args}
+        run = jax.shard_map(local, in_specs=(specs,), out_specs=split, axis_names=set(axes))
+        return self._output(run(args))
+
+    def _shard_args(self, q, k, v, positions, segment_ids) -> dict:
+        """The arrays of a call run per shard: q, k, v; pos, seg and sink where given."""
+        args = {"q": q, "k": k, "v": v}
+        if positions is not None:
+            args["pos"] = jnp.broadcast_to(positions, q.shape[:2])
+        if segment_ids is not None:
+            args["seg"] = segment_ids
+        if self.sink_logits is not None:
+            args["sink"] = self.sink_logits[...]
+        return args
+
+    def _on_ring(self, T: int) -> bool:
+        """Whether this call runs as ring attention (see the module docstring).
+
+        ``"auto"`` takes the ring when the context mesh's "seq" axis has several
+        devices and they divide T (else XLA partitions the plain call); ``"ring"``
+        takes it whenever there is a "seq" axis, and raises if it does not divide T.
+        """
+        impl, devices = self.cfg.impl, seq_devices()
+        if self.sow_weights or impl not in ("auto", "ring") or devices is None:
+            return False  # (the weights tap needs the dense weights [B,N,T,S])
+        if impl == "auto":
+            return devices > 1 and T % devices == 0
+        if T % devices:
+            fail(
+                "x",
+                f"a sequence length T divisible by the {devices} devices of mesh axis "
+                f"{SEQ_AXIS!r} (impl='ring')",
+                f"T={T}",
+            )
+        return True
+
+    def _ring(self, q, k, v, positions, segment_ids):
+        """``out [B,T,N,H]``: ring attention with T split over the context mesh's "seq" axis.
+
+        Args:
+          q: ``[B,T,N,H]``; k, v: ``[B,T,K,H]``, in the sequence's layout order.
+          positions: ``[B,T]`` the tokens' positions (None: ``arange(T)``, the
+            contiguous layout); segment_ids: ``[B,T]`` or None.
+        """
+        B, T = q.shape[:2]
+        devices = seq_devices()
+        if positions is None:
+            positions = jnp.arange(T, dtype=jnp.int32)
+        args = self._shard_args(q, k, v, positions, segment_ids)
+        # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
+        shard = T // devices
+        layout = "zigzag" if shard % 2 == 0 else "contiguous"
+        block_q, block_k = attn.ring.default_blocks(layout, shard, shard, None, None)
+        local = functools.partial(
+            _ring_shard,
+            mask=self.cfg.mask(self.causal),
+            softcap=self.cfg.softcap,
+            block_q=block_q,
+            block_k=block_k,
+        )
+        axes = batch_axes(B)
+        split = PartitionSpec(axes or None, SEQ_AXIS)
+        specs = {name: PartitionSpec() if name == "sink" else split for name in args}
+        run = jax.shard_map(local, in_specs=(specs,), out_specs=split, axis_names={SEQ_AXIS, *axes})
+        return run(args)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty ``KVCache``: k, v ``[B,S,K,H]`` with S from ``cfg.cache_layout(max_len)``."""
@@ -125,9 +274,41 @@ class SelfAttention(Softmax):
         (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
         kwargs = self._cached_kwargs(positions, kv_pos)
         out = self._softmax(
-            attn.attention, q, keys, values, impl=cached_impl(self.cfg.impl), **kwargs
+            attn.attention, q, keys, values, impl=cached_impl(_plain_impl(self.cfg.impl)), **kwargs
         )
         return self._output(out), cache
+
+
+def _attention_shard(args: dict, *, mask, softcap, impl: str):
+    """One device's ``attn.attention`` on its rows of ``args`` (q, k, v; pos, seg, sink)."""
+    pos, seg = args.get("pos"), args.get("seg")
+    kwargs = {} if pos is None else dict(q_positions=pos, kv_positions=pos)
+    if seg is not None:
+        kwargs.update(q_segment_ids=seg, kv_segment_ids=seg)
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    if "sink" in args:
+        kwargs["sink_logits"] = args["sink"]
+    return attn.attention(args["q"], args["k"], args["v"], mask=mask, impl=impl, **kwargs)
+
+
+def _ring_shard(args: dict, *, mask, softcap, block_q: int, block_k: int):
+    """One device's ``attn.ring_attention`` on its shard of ``args`` (q, k, v, pos; seg, sink)."""
+    return attn.ring_attention(
+        args["q"],
+        args["k"],
+        args["v"],
+        axis_name=SEQ_AXIS,
+        mask=mask,
+        q_positions=args["pos"],
+        kv_positions=args["pos"],
+        q_segment_ids=args.get("seg"),
+        kv_segment_ids=args.get("seg"),
+        softcap=softcap,
+        sink_logits=args.get("sink"),
+        block_q=block_q,
+        block_k=block_k,
+    )
 
 
 class CrossAttention(Softmax):
@@ -166,7 +347,7 @@ class CrossAttention(Softmax):
             q,
             memory.k,
             memory.v,
-            impl=cached_impl(cfg.impl),
+            impl=cached_impl(_plain_impl(cfg.impl)),
             tap=True,
             q_segment_ids=jnp.ones((B, T), jnp.int32),
             kv_segment_ids=memory.segment_ids,

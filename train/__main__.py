@@ -14,7 +14,10 @@ a bad config or a workdir holding another run's config is one line on stderr
 and status 2.
 
 ``--mesh data=2,fsdp=4`` (the ``TrainConfig.mesh`` field) trains sharded over a
-device mesh (``train.sharding``); a run may resume under another mesh.
+device mesh (``train.sharding``); a run may resume under another mesh. A ``seq``
+axis (``--mesh data=2,fsdp=2,seq=2``) shards each sequence too, with ring attention.
+On several hosts, run the same command on each: ``train.distributed.initialize``
+joins them first when the environment describes a multi-process job.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import shlex
 import sys
 
 from models.config import PRESETS
+from train import distributed
 from train.cli import enable_compilation_cache, parse
 from train.config import TrainConfig
 from train.loop import NonFiniteLossError, TrainingInterrupted, train
@@ -63,6 +67,11 @@ def main(argv=None) -> int:
         config = dataclasses.replace(config, task=dataclasses.replace(config.task, data=args.data))
     if args.workdir is None:
         print("error: --workdir is required", file=sys.stderr)
+        return 2
+    try:  # before anything touches JAX's devices
+        distributed.initialize()
+    except ValueError as e:  # a malformed JAX_NUM_PROCESSES / JAX_PROCESS_ID
+        print(f"error: {e}", file=sys.stderr)
         return 2
     enable_compilation_cache()
     try:

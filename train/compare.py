@@ -1,30 +1,40 @@
-"""The main job: train every attention variant on the same task, width, budget and seeds.
+"""The main job: train every attention variant to convergence, over seeds, on one task.
 
 ``python -m train.compare`` (default config ``configs/compare_mqar.py``) trains
-each variant with each learning rate of a small sweep and each seed, keeps the
-best learning rate per variant (by mean test accuracy, as Zoology does), and
-writes ``results/<name>/``:
+each variant with each learning rate of a small sweep and each seed, until its
+test accuracy reaches ``train.target_accuracy`` (checked at each evaluation)
+or ``train.steps`` (the cap) runs out. Each variant's best learning rate (by
+mean final test accuracy over the seeds, as Zoology picks it; on ``bytes`` the
+lowest bits per byte) is reported in ``results/<name>/``:
 
-- ``table.md``: variant, layers, parameters, decode-cache bytes (per token for
-  caches that grow, fixed for windows and recurrent states), test accuracy,
-  best learning rate, train tokens/s and wall time; also printed at the end.
-- ``results.json``: the config, every run's summary and curves, the best per variant.
-- ``accuracy.png``: test accuracy per variant (bars; the sweep's other
-  learning rates as dots).
-- ``loss.png``: train loss and test accuracy against step, best run per variant.
+- ``table.md``: per variant its layers (where the softmax layers sit), params,
+  decode-state bytes per sequence, final test accuracy (mean and range over
+  seeds), the steps at which 0.5 and 0.9 were first reached, the steps run and
+  the best learning rate; also printed at the end.
+- ``results.json``: the config, every run (summary, curves, milestones) and
+  ``variants[name]`` with ``accuracy = {mean, min, max, seeds}`` (see
+  ``train.compare_report.summarize_variant`` for every key).
+- ``recall_vs_state.png``: final test accuracy against decode-state bytes per
+  sequence (log x), one point per variant and every seed shown (Zoology's and
+  Based's plot).
+- ``curves.png``: train loss and test accuracy against step, every seed of the
+  best learning rate.
+
+``--task induction|selective_copy|bytes`` runs the same comparison on another
+task (the config's ``get_config(task=...)``); ``bytes`` reports bits per byte
+(test loss / ln 2) instead of accuracy and trains to the cap.
 
 Each run trains in ``runs/<name>/<variant>/lr<lr>_seed<seed>`` with
-checkpoints, so an interrupted comparison picks up where it stopped
-(``--fresh`` starts over). ``--quick`` uses the config file's quick settings
-(``get_config(quick=True)``, about a minute); every field can still be
-overridden, e.g. ``--quick --train.steps 20 --variants mha linear``.
+checkpoints, so an interrupted comparison picks up where it stopped, and a run
+that reached its target stays stopped (``--fresh`` starts over). ``--quick``
+uses the config file's quick settings (``get_config(quick=True)``, about a
+minute); every field can still be overridden, e.g. ``--quick --train.steps 20
+--variants mha linear``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import multiprocessing
 import os
 import shutil
@@ -47,14 +57,23 @@ from train.config import TrainConfig, to_json
 from train.loop import NonFiniteLossError, read_metrics, train
 
 __all__ = [
+    "MILESTONES",
+    "TASKS",
     "VARIANTS",
     "CompareConfig",
     "cache_sizes",
     "chance_accuracy",
     "main",
+    "metric",
     "run_comparison",
+    "state_bytes",
     "variant_layers",
 ]
+
+# The accuracies whose first step the table reports.
+MILESTONES = (0.5, 0.9)
+# ``--task`` values: the config file's get_config(task=...) builds each.
+TASKS = ("mqar", "induction", "selective_copy", "bytes")
 
 # name -> (description, layer pattern for L layers). The names of the pattern
 # are the presets of models.presets, and ``<preset>_conv`` for a preset with a
@@ -70,12 +89,17 @@ VARIANTS: dict[str, tuple[str, Any]] = {
     "linear": ("linear, elu+1", lambda L: ("linear",) * L),
     "linear_decay": ("linear, RetNet decay", lambda L: ("linear_decay",) * L),
     "linear_gated": ("linear, data-dependent gates", lambda L: ("linear_gated",) * L),
+    # Softmax first: its short conv hands each value token its key, so that one
+    # layer does the lookup on the token embeddings. In a one-seed trial (MQAR,
+    # 4 pairs in 24 tokens, lr 1e-2; not committed) it reached 0.9 test accuracy
+    # in 150 steps, and with the softmax layer last (reading the linear layer's
+    # mix of the prefix) in 325.
     "hybrid": (
-        "linear + one softmax layer, short convs",
-        lambda L: ("linear_conv",) * (L - 1) + ("mha_conv",),
+        "softmax in the first layer, then linear; short convs",
+        lambda L: ("mha_conv",) + ("linear_conv",) * (L - 1),
     ),
     "based": (
-        "Taylor linear + one window layer, short convs",
+        "Taylor linear, window in the last layer, short convs",
         lambda L: ("based",) * (L - 1) + ("based_window",),
     ),
 }
@@ -102,6 +126,9 @@ class CompareConfig:
       rope_head_dim: MLA decoupled RoPE key width.
       chunk_size: C of the chunkwise linear attention.
       name: results go to ``results_dir/name`` and runs to ``runs_dir/name``.
+        The test metric, the step cap and the early stop are the train config's:
+        ``train.steps`` caps every run and ``train.target_accuracy`` (checked at
+        each evaluation) stops it once reached.
       results_dir: where tables and plots go.
       runs_dir: where the runs' checkpoints and metrics go.
       fresh: delete this comparison's runs first instead of resuming them.
@@ -221,6 +248,17 @@ def _run_dir(config: CompareConfig, variant: str, lr: float, seed: int) -> Path:
     return Path(config.runs_dir) / config.name / variant / f"lr{lr:g}_seed{seed}"
 
 
+def state_bytes(model_config: ModelConfig, seq_len: int) -> int:
+    """Decode-state bytes of one sequence of ``seq_len`` tokens (full caches at that length)."""
+    per_token, fixed = cache_sizes(model_config)
+    return round(per_token * seq_len) + fixed
+
+
+def softmax_layers(config: CompareConfig, variant: str) -> list[int]:
+    """1-based indices of the variant's softmax (and MLA) layers, windows included."""
+    return [i + 1 for i, c in enumerate(variant_layers(config, variant)) if c.kind != "linear"]
+
+
 def _curves(workdir: Path) -> dict[str, list]:
     records = read_metrics(workdir)
     train_r = [r for r in records if r["kind"] == "train"]
@@ -277,20 +315,20 @@ def _worker_init(started) -> None:
 
 
 def run_comparison(config: CompareConfig) -> dict[str, Any]:
-    """Trains every (variant, lr, seed) and picks each variant's best learning rate.
+    """Trains every (variant, lr, seed) and summarizes each variant at its best learning rate.
 
     With ``jobs > 1`` the runs train in that many worker processes at once,
-    each pinned to a core of its own (small models leave a core's threads idle anyway).
-    The runs are ordered learning rate first, so the first wave compiles each
-    variant and the later ones find it in the compilation cache.
+    each pinned to a core of its own (small models leave a core's threads idle
+    anyway). The runs are ordered learning rate first, so the first wave
+    compiles each variant and the later ones find it in the compilation cache.
 
-    A run whose loss diverges counts as accuracy 0 for its learning rate (it is
-    a legitimate outcome of a sweep, not an error).
+    A run whose loss diverges counts as accuracy 0 (and bits per byte None) for
+    its learning rate: a legitimate outcome of a sweep, not an error.
 
     Returns:
-      ``dict(config, runs, best, wall_s)``: ``runs`` lists every run's summary
-      and curves; ``best`` maps each variant to its best learning rate's mean
-      test accuracy, parameters, cache sizes, tokens/s and wall time.
+      ``dict(config, task, metric, chance_accuracy, runs, variants, wall_s)``:
+      ``runs`` lists every run's summary and curves; ``variants`` maps each
+      variant to ``summarize_variant``'s entry.
     """
     t0 = time.perf_counter()
     if config.fresh:
@@ -328,21 +366,26 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
                 runs[i] = future.result()
                 s = runs[i]["summary"]
                 bar.write(
-                    f"{descs[i]}: test accuracy {s['test_accuracy']:.3f}"
+                    f"{descs[i]}: test accuracy {s['test_accuracy']:.3f} at step {s['step']}"
                     + (f", {s['wall_s']:.0f} s" if "wall_s" in s else ", diverged")
                 )
                 bar.update(1)
-    best = {}
+    from train.compare_report import summarize_variant  # it imports this module
+
+    variants = {}
     for variant in config.variants:
         per_lr = {
-            lr: [r for r in runs if r["variant"] == variant and r["lr"] == lr] for lr in config.lrs
+            lr: [r for r in runs if (r["variant"], r["lr"]) == (variant, lr)] for lr in config.lrs
         }
-        best[variant] = _best(config, variant, per_lr)
+        variants[variant] = summarize_variant(config, variant, per_lr)
+    task = config.train.task
     return {
         "config": to_json(config),
+        "task": task.name,
+        "metric": metric(task),
+        "chance_accuracy": chance_accuracy(task),
         "runs": runs,
-        "best": best,
-        "chance_accuracy": chance_accuracy(config.train.task),
+        "variants": variants,
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -357,211 +400,42 @@ def chance_accuracy(task) -> float | None:
     return 1.0 / task.num_pairs if task.name == "mqar" else None
 
 
-def _best(config: CompareConfig, variant: str, per_lr: dict[float, list]) -> dict[str, Any]:
-    """The variant's entry of the table: its best learning rate's runs, averaged over seeds."""
-
-    def score(lr):
-        accs = [r["summary"]["test_accuracy"] or 0.0 for r in per_lr[lr]]
-        losses = [r["summary"].get("test_loss") or math.inf for r in per_lr[lr]]  # None: diverged
-        return (float(np.mean(accs)), -float(np.mean(losses)))
-
-    lr = max(per_lr, key=score)
-    chosen = [r for r in per_lr[lr] if r["diverged_at"] is None] or per_lr[lr]
-    mean = lambda key: float(np.mean([r["summary"].get(key, math.nan) for r in chosen]))  # noqa: E731
-    model_config = run_config(config, variant, lr, config.seeds[0]).model
-    model_config = dataclasses.replace(model_config, vocab_size=config.train.task.vocab)
-    per_token, fixed = cache_sizes(model_config)
-    accs = [r["summary"]["test_accuracy"] or 0.0 for r in per_lr[lr]]
-    return {
-        "description": VARIANTS[variant][0],
-        "layers": "+".join(VARIANTS[variant][1](config.num_layers)),
-        "lr": lr,
-        "test_accuracy": float(np.mean(accs)),
-        "test_accuracy_std": float(np.std(accs)),
-        "test_accuracy_per_lr": {f"{k:g}": score(k)[0] for k in per_lr},
-        "params": param_count(model_config),
-        "diverged": all(r["diverged_at"] is not None for r in per_lr[lr]),
-        "cache_bytes_per_token": per_token,
-        "cache_bytes_fixed": fixed,
-        "tokens_per_s": mean("tokens_per_s"),
-        "wall_s": mean("wall_s"),
-        "sweep_wall_s": float(
-            sum(r["summary"].get("wall_s", 0.0) for rs in per_lr.values() for r in rs)
-        ),
-    }
-
-
-# ----------------------------------------------------------------------------
-# Output
-
-
-def _bytes(n: float) -> str:
-    if n == 0:
-        return "0"
-    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _task_line(config: CompareConfig) -> str:
-    t, tr = config.train.task, config.train
-    what = {
-        "mqar": f"MQAR, {t.num_pairs} key-value pairs, T={t.seq_len}, V={t.vocab_size}"
-        + (f" (training examples: {t.min_pairs} to {t.num_pairs} pairs)" if t.min_pairs else ""),
-        "induction": f"induction, T={t.seq_len}, V={t.vocab_size}",
-        "selective_copy": f"selective copying, {t.num_copy} tokens, T={t.seq_len}",
-        "bytes": f"bytes, T={t.seq_len}",
-    }[t.name]
-    lrs = ", ".join(f"{x:g}" for x in config.lrs)
-    return (
-        f"{what}; width {tr.model.width}, {config.num_layers} layers, {config.num_heads} heads; "
-        f"{tr.steps} steps of batch {tr.batch_size}; lr sweep {lrs}; "
-        f"seeds {', '.join(map(str, config.seeds))}"
-    )
-
-
-def format_table(results: dict[str, Any], config: CompareConfig) -> str:
-    """The markdown table of ``results`` (one row per variant, best learning rate)."""
-    multi_seed = len(config.seeds) > 1
-    lines = [
-        f"# {config.name}",
-        "",
-        _task_line(config),
-        "",
-        "| variant | layers | params | cache B/token | fixed cache/state | test accuracy "
-        "| best lr | train tokens/s | wall time |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for variant, b in results["best"].items():
-        acc = f"{b['test_accuracy']:.3f}"
-        if b["diverged"]:
-            acc += " (diverged)"
-        if multi_seed:
-            acc += f" ± {b['test_accuracy_std']:.3f}"
-        lines.append(
-            f"| {variant} ({b['description']}) | {b['layers']} | {b['params']:,} "
-            f"| {b['cache_bytes_per_token']:.0f} | {_bytes(b['cache_bytes_fixed'])} | {acc} "
-            f"| {b['lr']:g} | {b['tokens_per_s']:,.0f} | {b['wall_s']:.0f} s |"
-        )
-    lines += [
-        "",
-        "Test accuracy: the fraction of labelled positions predicted exactly, on "
-        f"{config.train.eval_batches} fixed test batches, for the best learning rate of the "
-        "sweep (mean over seeds). Cache: decode-cache bytes per sequence in float32; full "
-        "caches grow per token, windows and recurrent states are fixed. Tokens/s excludes "
-        "compilation and evaluation; wall time is one run's, compilation included"
-        + (f"; {config.jobs} runs trained at once, one core each." if config.jobs > 1 else "."),
-    ]
-    chance = results.get("chance_accuracy")
-    if chance is not None:
-        lines[-1] += (
-            f" Chance is {chance:.3f}: a random one of the {config.train.task.num_pairs} values "
-            "in the sequence (the format learned, no association recalled)."
-        )
-    lines += [
-        "",
-        f"Total wall time of the comparison: {results['wall_s']:.0f} s "
-        f"({len(results['runs'])} runs).",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def plot(results: dict[str, Any], out: Path) -> list[Path]:
-    """Writes ``accuracy.png`` and ``loss.png`` under ``out``; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    best = results["best"]
-    names = list(best)
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(names) + 2), 4))
-    accs = [best[n]["test_accuracy"] for n in names]
-    ax.bar(range(len(names)), accs, color="tab:blue", label="best lr")
-    for i, n in enumerate(names):
-        others = list(best[n]["test_accuracy_per_lr"].values())
-        ax.scatter([i] * len(others), others, color="black", s=10, zorder=3)
-        ax.text(i, accs[i] + 0.02, f"{accs[i]:.2f}", ha="center", fontsize=8)
-    ax.scatter([], [], color="black", s=10, label="each lr")
-    chance = results.get("chance_accuracy")
-    if chance is not None:
-        ax.axhline(chance, color="gray", ls="--", lw=1, label=f"chance ({chance:.2f})")
-    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax.set_ylim(0, 1.1)
-    ax.set_ylabel("test accuracy")
-    ax.set_title(results["config"]["name"])
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    paths = [out / "accuracy.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
-
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
-    for n in names:
-        runs = [r for r in results["runs"] if r["variant"] == n and r["lr"] == best[n]["lr"]]
-        c = runs[0]["curves"]
-        ax_loss.plot(c["train_step"], c["train_loss"], label=n)
-        ax_acc.plot(c["eval_step"], c["test_accuracy"], marker=".", label=n)
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("train loss")
-    ax_loss.set_yscale("log")
-    ax_acc.set_xlabel("step")
-    ax_acc.set_ylabel("test accuracy")
-    ax_acc.set_ylim(0, 1.05)
-    if chance is not None:
-        ax_acc.axhline(chance, color="gray", ls="--", lw=1, label="chance")
-    ax_acc.legend(fontsize=8)
-    fig.suptitle(f"{results['config']['name']}: best learning rate per variant, seed 0")
-    fig.tight_layout()
-    paths.append(out / "loss.png")
-    fig.savefig(paths[1], dpi=120)
-    plt.close(fig)
-    return paths
-
-
-def _finite(tree):
-    """``tree`` with NaN and infinities as None (strict JSON has neither)."""
-    if isinstance(tree, dict):
-        return {k: _finite(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_finite(v) for v in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
-
-
-def write_results(results: dict[str, Any], config: CompareConfig) -> Path:
-    """Writes ``table.md``, ``results.json`` and the plots; returns the folder."""
-    out = Path(config.results_dir) / config.name
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(format_table(results, config))
-    (out / "results.json").write_text(json.dumps(_finite(results), indent=1, allow_nan=False))
-    plot(results, out)
-    return out
+def metric(task) -> str:
+    """The table's headline metric: bits per byte on ``bytes``, accuracy elsewhere."""
+    return "bits_per_byte" if task.name == "bytes" else "accuracy"
 
 
 def main(argv=None) -> int:
-    """``python -m train.compare [--config FILE] [--quick] [field overrides]``."""
+    """``python -m train.compare [--config FILE] [--quick] [--task T] [field overrides]``."""
+    from train.compare_report import format_table, write_results
+
     argv = list(sys.argv[1:] if argv is None else argv)
     quick = "--quick" in argv
     argv = [a for a in argv if a != "--quick"]
+    config_kwargs = {"quick": quick}
+    if "--task" in argv:
+        i = argv.index("--task")
+        if i + 1 >= len(argv) or argv[i + 1] not in TASKS:
+            got = argv[i + 1] if i + 1 < len(argv) else "nothing"
+            raise SystemExit(f"--task: expected one of {', '.join(TASKS)}, got {got}")
+        config_kwargs["task"] = argv[i + 1]
+        del argv[i : i + 2]
     config, _ = parse(
         "python -m train.compare",
-        "Train every attention variant on the same task and budget; write results/<name>/. "
-        "Flags of this command: --config FILE (default configs/compare_mqar.py), --quick "
-        "(the config's quick settings); every field below overrides the config.",
+        "Train every attention variant on the same task to its target accuracy or step cap; "
+        "write results/<name>/. Flags of this command: --config FILE (default "
+        "configs/compare_mqar.py), --quick (the config's quick settings), --task "
+        f"{'|'.join(TASKS)} (default mqar); every field below overrides the config.",
         argv,
         default_config=str(Path(__file__).resolve().parent.parent / "configs" / "compare_mqar.py"),
-        config_kwargs={"quick": quick},
+        config_kwargs=config_kwargs,
     )
     enable_compilation_cache()
     results = run_comparison(config)
-    out = write_results(results, config)
+    out, paths = write_results(results, config)
     print()
     print(format_table(results, config))
-    print(f"wrote {out}/table.md, results.json, accuracy.png, loss.png")
+    print(f"wrote {out}/: " + ", ".join(p.name for p in paths))
     return 0
 
 

@@ -95,6 +95,11 @@ class TrainConfig:
         size 1; the product must be the device count; ``""`` puts every device
         on ``data``); see ``train.sharding``. It does not change the result
         beyond float rounding, so a run may resume on another mesh.
+      target_accuracy: None trains all ``steps``. A float in (0, 1]: stop at the
+        first evaluation whose test accuracy reaches it (a checkpoint is saved
+        there, and a resumed run that already reached it trains no further).
+        It only decides where the run stops, never what a step computes, so it
+        may change on resume.
     """
 
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -109,6 +114,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     mesh: str | None = None
+    target_accuracy: float | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "eval_batches", "ckpt_every"):
@@ -120,6 +126,9 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"seed: expected an int >= 0, got {self.seed}")
+        t = self.target_accuracy
+        if t is not None and (isinstance(t, bool) or not 0 < t <= 1):
+            raise ValueError(f"target_accuracy: expected None or a float in (0, 1], got {t!r}")
         if self.mesh is not None:
             mesh_shape(self.mesh)  # the syntax; the device count is checked when a run starts
 

@@ -21,7 +21,8 @@ Files in the workdir:
   evaluation. On resume from step s, records after s (logged by the
   interrupted process after its last checkpoint) are dropped before appending,
   so no step appears twice.
-- ``summary.json``: written when the run completes.
+- ``summary.json``: written when the run completes: all ``steps`` taken, or
+  an evaluation reached ``target_accuracy`` (the run stops there).
 
 A non-finite loss or gradient norm raises ``NonFiniteLossError`` naming the
 step; nothing is saved after the last good checkpoint.
@@ -33,6 +34,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -211,9 +213,16 @@ def weighted_metrics(logits, batch) -> tuple[jax.Array, jax.Array, jax.Array]:
     return loss, correct, count
 
 
+def _logits(model, batch):
+    """The model on a batch; a sequence-parallel batch carries its tokens' ``positions``."""
+    if "positions" in batch:
+        return model(batch["tokens"], positions=batch["positions"])
+    return model(batch["tokens"])
+
+
 def _train_step(model, optimizer, batch):
     def loss_fn(model):
-        loss, correct, count = weighted_metrics(model(batch["tokens"]), batch)
+        loss, correct, count = weighted_metrics(_logits(model, batch), batch)
         return loss, (correct, count)
 
     (loss, (correct, count)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
@@ -226,7 +235,7 @@ def _train_step(model, optimizer, batch):
 
 
 def _eval_step(model, batch):
-    loss, correct, count = weighted_metrics(model(batch["tokens"]), batch)
+    loss, correct, count = weighted_metrics(_logits(model, batch), batch)
     return jnp.stack([loss * count, correct, count])
 
 
@@ -260,8 +269,17 @@ def _place(mesh, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
 
 
 def _on_mesh(mesh, step_fn):
-    """``step_fn`` taking host batches, which it splits over ``mesh`` first."""
-    return lambda batch: step_fn(sharding.shard_batch(mesh, batch))
+    """``step_fn`` taking host batches, which it splits over ``mesh`` first.
+
+    It runs under ``jax.set_mesh(mesh)``: the models read the mesh from there
+    when they trace (ring attention over its ``seq`` axis, ``models.softmax``).
+    """
+
+    def run(batch):
+        with jax.set_mesh(mesh):
+            return step_fn(sharding.shard_batch(mesh, batch))
+
+    return run
 
 
 def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None) -> dict:
@@ -443,7 +461,9 @@ def train(
 
     Returns:
       ``dict(step, params, train_loss, train_accuracy, test_loss, test_accuracy,
-      tokens_per_s, wall_s)``; the test metrics are those of the last evaluation,
+      tokens_per_s, wall_s, target_reached, partial)``; ``step`` is where the run
+      stopped (before ``config.steps`` when an evaluation reached
+      ``config.target_accuracy``); the test metrics are those of the last evaluation,
       ``tokens_per_s`` counts training steps only (not compilation, evaluation
       or saving) over all sessions of the run, and ``wall_s`` is the total time.
 
@@ -457,6 +477,9 @@ def train(
     mesh = None if config.mesh is None else sharding.make_mesh(config.mesh)
     if mesh is not None:
         sharding.check_batch_size(mesh, config.batch_size)
+        if mesh.shape["seq"] > 1:  # sequence parallelism: see train.sharding
+            sharding.check_seq_len(mesh, config.task.seq_len)
+            sharding.check_sequence_parallel(config.model)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     config, extended_from = _check_config(workdir, config.with_task_vocab())
@@ -489,8 +512,14 @@ def train(
             f"{workdir}: resuming from step {start} of {config.steps}{note}", file=sys.stderr
         )
     metrics_path = workdir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, start)
+    # On several hosts every process runs this loop; one writes the shared files.
+    writer = jax.process_index() == 0
+    if writer:
+        _truncate_metrics(metrics_path, start)
     end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))
+    reached = start > 0 and _reached_target(read_metrics(workdir), start, config.target_accuracy)
+    if reached:  # the run stopped at its target: resuming it trains no further
+        end = start
 
     def wall() -> float:
         return totals["wall_s"] + time.perf_counter() - t_begin
@@ -516,7 +545,7 @@ def train(
     done = start
     stop = _StopOnSigint()
     try:
-        with metrics_path.open("a") as log, stop:
+        with metrics_path.open("a") if writer else open(os.devnull, "w") as log, stop:
             if start < end:
                 batch = task.batch(config.seed, "train", start, config.batch_size)
             for step in range(start, end):
@@ -566,10 +595,14 @@ def train(
                         **evaluate(model, task, config, step_fn=eval_step),
                     }
                     log.write(json.dumps(record) + "\n")
-                if done % config.ckpt_every == 0 or done == end:
+                    reached = _reached_target([record], done, config.target_accuracy)
+                if done % config.ckpt_every == 0 or done == end or reached:
                     log.flush()  # the records up to a checkpoint reach the disk before it
                     meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
                     ckpt.save(done, snapshot(model, optimizer, done), meta)
+                if reached:
+                    end = done
+                    break
         ckpt.wait()
         if stop.requested and done < end:
             raise TrainingInterrupted(done, ckpt.latest_step(), config.steps)
@@ -584,10 +617,17 @@ def train(
     finally:
         bar.close()
         ckpt.close()
-    return _summary(workdir, config, model, end, tokens_per_s(), wall())
+    return _summary(workdir, config, model, end, tokens_per_s(), wall(), reached)
 
 
-def _summary(workdir, config, model, step, tokens_per_s, wall_s) -> dict[str, Any]:
+def _reached_target(records, step: int, target: float | None) -> bool:
+    """Whether the evaluation at ``step`` among ``records`` reached ``target`` accuracy."""
+    return target is not None and any(
+        r["kind"] == "eval" and r["step"] == step and r["test_accuracy"] >= target for r in records
+    )
+
+
+def _summary(workdir, config, model, step, tokens_per_s, wall_s, reached) -> dict[str, Any]:
     """The run's result from its last records; written to ``summary.json`` once complete."""
     records = read_metrics(workdir)
     last = {
@@ -603,8 +643,9 @@ def _summary(workdir, config, model, step, tokens_per_s, wall_s) -> dict[str, An
         "test_accuracy": last["eval"].get("test_accuracy"),
         "tokens_per_s": tokens_per_s,
         "wall_s": wall_s,
-        "partial": step < config.steps,  # stopped early (--stop-at): resume to finish
+        "target_reached": reached,  # stopped at config.target_accuracy
+        "partial": step < config.steps and not reached,  # stopped by stop_at: resume to finish
     }
-    if step == config.steps:
+    if (step == config.steps or reached) and jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

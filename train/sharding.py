@@ -10,16 +10,26 @@ A run with ``TrainConfig.mesh`` set (e.g. ``"data=2,fsdp=4"``) trains on a
 - optimizer state: the same rule, applied to each array's shape. Adam's moments
   have their parameter's shape, so they follow its sharding; scalars (the step
   count, the injected learning rate) are replicated.
-- batches: the batch axis (B) is split over ``("data", "fsdp")``; B must be a
-  multiple of ``data * fsdp``.
+- batches: the batch axis (B) is split over ``("data", "fsdp")`` and the
+  sequence axis (T) over ``seq``; B must be a multiple of ``data * fsdp`` and
+  T of ``seq``. On several hosts each process supplies only the block its
+  devices hold (``train.distributed``).
 
 The rules are functions of the array shapes and the mesh only, so a run saved
 on one mesh restores onto another (orbax reshards to the restore target's
 shardings) and continues with the same result up to float rounding: the
 reductions over sharded axes may add in another order.
 
-``seq > 1`` (sequence parallelism) needs ring attention (``attn.ring``) inside
-the models, which is not wired yet; such a mesh is refused with a ``ValueError``.
+``seq > 1`` is sequence parallelism: every batch is laid out on the host in
+the zigzag order of ``models.softmax.ring_layout`` (each seq device holds an
+early and a late chunk, which balances causal attention) with the tokens' real
+``positions`` added to it, and the steps run under ``jax.set_mesh(mesh)``, where
+the models' softmax layers (``impl="auto"`` or ``"ring"``) run as ring
+attention over ``seq``. Everything else in a decoder works token by token and
+the loss is a mean over tokens, so the order changes nothing but float
+rounding. Layers that depend on the array order or see the whole sequence
+(linear attention, short convolutions, MLA, explicit other impls) are refused
+by ``check_sequence_parallel`` with a ``ValueError`` naming the layer.
 
 ``jit`` does the rest: XLA inserts the collectives (all-gathers of fsdp shards,
 reductions of gradients over ``data``) from the input shardings, and the step
@@ -34,21 +44,27 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.softmax import SEQ_AXIS, ring_layout
+from train import distributed
+
 __all__ = [
     "AXES",
     "FSDP_MIN_SIZE",
     "batch_sharding",
     "check_batch_size",
+    "check_seq_len",
+    "check_sequence_parallel",
     "constrain",
     "make_mesh",
     "mesh_shape",
     "param_spec",
     "place",
+    "seq_layout",
     "shard_batch",
     "shardings",
 ]
 
-AXES = ("data", "fsdp", "seq")
+AXES = ("data", "fsdp", SEQ_AXIS)
 BATCH_AXES = ("data", "fsdp")
 
 # Parameters below this many elements are replicated: sharding them saves little
@@ -72,7 +88,7 @@ def mesh_shape(spec: str | None, num_devices: int | None = None) -> dict[str, in
 
     Raises:
       ValueError: naming ``mesh``, for bad syntax, unknown or repeated axes,
-        sizes < 1, a product other than ``num_devices``, or ``seq > 1``.
+        sizes < 1, or a product other than ``num_devices``.
     """
     sizes = dict.fromkeys(AXES, 1)
     if spec is None or not spec.strip():
@@ -92,11 +108,6 @@ def mesh_shape(spec: str | None, num_devices: int | None = None) -> dict[str, in
         sizes[name] = int(value)
         if sizes[name] < 1:
             raise ValueError(f"mesh: expected sizes >= 1, got {spec!r}")
-    if sizes["seq"] > 1:
-        raise ValueError(
-            f"mesh: seq > 1 (sequence parallelism) needs impl='ring' attention, which is not "
-            f"wired into the models yet; use data and fsdp axes only, got {spec!r}"
-        )
     if num_devices is not None and math.prod(sizes.values()) != num_devices:
         raise ValueError(
             f"mesh: expected axis sizes whose product is the device count {num_devices}, "
@@ -107,6 +118,11 @@ def mesh_shape(spec: str | None, num_devices: int | None = None) -> dict[str, in
 
 def make_mesh(spec: str | None, devices=None) -> Mesh:
     """A ``Mesh`` with axes ``AXES`` over ``devices`` (default ``jax.devices()``).
+
+    The devices fill the mesh in their order, ``data`` outermost; ``jax.devices()``
+    lists them process by process, so on several hosts each process holds a
+    block of ``data`` (and of ``fsdp`` and ``seq`` within it), and collectives on
+    the inner axes stay within a host where the sizes allow.
 
     Raises:
       ValueError: see ``mesh_shape``.
@@ -158,9 +174,10 @@ def constrain(mesh: Mesh, tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, _sharding(mesh, x)), tree)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Batches split over ``("data", "fsdp")`` on their first (B) axis."""
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES))
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Batch arrays ``[B,T,...]`` split over ``("data", "fsdp")`` on B and ``seq`` on T
+    (``[B]`` arrays: B only)."""
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *((SEQ_AXIS,) if ndim > 1 else ())))
 
 
 def check_batch_size(mesh: Mesh, batch_size: int) -> None:
@@ -172,6 +189,83 @@ def check_batch_size(mesh: Mesh, batch_size: int) -> None:
         )
 
 
+def check_seq_len(mesh: Mesh, seq_len: int) -> None:
+    """Raises ``ValueError`` naming ``task.seq_len`` unless the mesh's ``seq`` size divides it."""
+    seq = mesh.shape[SEQ_AXIS]
+    if seq_len % seq:
+        raise ValueError(
+            f"task.seq_len: expected a multiple of the mesh's seq = {seq}, got {seq_len}"
+        )
+
+
+def check_sequence_parallel(model, name: str = "model") -> None:
+    """Raises ``ValueError`` naming the first layer that cannot run with the sequence sharded.
+
+    Sequence-parallel steps feed the model its tokens in the zigzag order with
+    their positions (see the module docstring). A softmax layer attends by
+    position, as ring attention over ``seq``; these cannot:
+
+    - ``kind="linear"``: its recurrence runs in array order, which the layout
+      permutes, and its state would have to pass from shard to shard;
+    - ``short_conv > 0``: each token mixes its array neighbours, which the layout
+      separates (and the shard boundaries cut);
+    - ``kind="mla"``: no ring implementation; XLA would gather the whole
+      sequence's latents on every device;
+    - softmax layers with an explicit ``impl`` other than ``"auto"``/``"ring"``:
+      those kernels would gather the whole sequence on every device.
+
+    Args:
+      model: a ``models.ModelConfig`` (its ``layers`` and ``encoder_layers``).
+      name: the field's name in the messages.
+    """
+    for field in ("layers", "encoder_layers"):
+        for i, layer in enumerate(getattr(model, field, ()) or ()):
+            where = f"{name}.{field}[{i}]"
+            if layer.kind == "linear":
+                raise ValueError(
+                    f"{where}.kind: expected 'softmax' under a mesh with seq > 1, got 'linear' "
+                    "(linear attention runs its recurrence in array order, which the "
+                    "sequence-parallel layout permutes; it cannot run sequence-parallel)"
+                )
+            if layer.short_conv:
+                raise ValueError(
+                    f"{where}.short_conv: expected 0 under a mesh with seq > 1, got "
+                    f"{layer.short_conv} (a short convolution mixes array neighbours, which the "
+                    "sequence-parallel layout separates across devices)"
+                )
+            if layer.kind == "mla":
+                raise ValueError(
+                    f"{where}.kind: expected 'softmax' under a mesh with seq > 1, got 'mla' "
+                    "(latent attention has no ring implementation: every device would gather "
+                    "the whole sequence)"
+                )
+            if layer.impl not in ("auto", "ring"):
+                raise ValueError(
+                    f"{where}.impl: expected 'auto' or 'ring' under a mesh with seq > 1, got "
+                    f"{layer.impl!r} (sequence parallelism runs softmax attention on the ring)"
+                )
+
+
+def seq_layout(mesh: Mesh, batch: dict) -> dict:
+    """A host batch in the sequence-parallel layout: its ``[B,T,...]`` arrays reordered
+    along T by ``ring_layout``, with ``positions [B,T]`` int32 (the order) added.
+
+    Unchanged when the mesh's ``seq`` is 1.
+    """
+    seq = mesh.shape[SEQ_AXIS]
+    if seq == 1:
+        return batch
+    T = next(np.shape(x)[1] for x in batch.values() if np.ndim(x) > 1)
+    order = ring_layout(T, seq)
+    out = {k: np.asarray(x)[:, order] if np.ndim(x) > 1 else x for k, x in batch.items()}
+    B = next(iter(out.values())).shape[0]
+    out["positions"] = np.broadcast_to(order.astype(np.int32), (B, T)).copy()
+    return out
+
+
 def shard_batch(mesh: Mesh, batch):
-    """A host batch (arrays ``[B, ...]``) placed on ``mesh`` with ``batch_sharding``."""
-    return jax.device_put(batch, batch_sharding(mesh))
+    """A host batch (arrays ``[B, ...]``) as global arrays on ``mesh``: in the ``seq_layout``,
+    split by ``batch_sharding``, each process supplying its own block."""
+    batch = seq_layout(mesh, batch)
+    specs = {k: batch_sharding(mesh, np.ndim(x)) for k, x in batch.items()}
+    return distributed.put_batch(mesh, batch, specs)

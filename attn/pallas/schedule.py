@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn._checks import default_positions
-from attn.blockwise_schedule import Schedule, _block_kinds, _bounds, _compact
+from attn.blockwise_schedule import Schedule, block_bounds, block_kinds, compact
 from attn.blockwise_tiles import TileConfig
 from attn.masks import BlockKind
 from attn.pallas.blocks import next_power_of_2
@@ -69,13 +69,13 @@ def _values(config: TileConfig, rows, given):
 def _layout(xp, config: TileConfig, values, transpose: bool) -> Schedule:
     blocks = [config.block_q, config.block_k] * 2
     lengths = [config.T, config.S] * 2
-    bounds = [_bounds(xp, x, n, b) for x, n, b in zip(values, lengths, blocks, strict=False)]
-    kinds = _block_kinds(xp, config, *bounds)  # [nq, nk]
+    bounds = [block_bounds(xp, x, n, b) for x, n, b in zip(values, lengths, blocks, strict=False)]
+    kinds = block_kinds(xp, config, *bounds)  # [nq, nk]
     if transpose:
         kinds = kinds.T
     # Static: as wide as the busiest block; at run time: every block.
     width = max(int((kinds != BlockKind.EMPTY).sum(1).max()), 1) if xp is np else kinds.shape[1]
-    schedule = _compact(xp, kinds, width)
+    schedule = compact(xp, kinds, width)
     # Triton tiles are powers of two; the extra entries are never visited.
     pad = next_power_of_2(width) - width
     return Schedule(

@@ -32,12 +32,15 @@ def experiment_result(measured="induction score jumps at step 300", holds=True):
     }
 
 
-def compare_result(best):
+def compare_result(accuracy: dict[str, float]):
     """A ``train.compare`` results.json with only what claim 10 reads."""
+    variants = {
+        name: {"accuracy": {"mean": a, "min": a, "max": a, "seeds": [a], "count": 1}}
+        for name, a in accuracy.items()
+    }
     return {
         "config": {"name": "compare_mqar", "train": {"model": {"width": 64}}},
-        "runs": [],
-        "best": best,
+        "variants": variants,
         "chance_accuracy": 0.125,
         "wall_s": 500.0,
     }
@@ -184,43 +187,21 @@ def test_malformed_experiment_result_is_an_error(tmp_path, bad):
     assert row.status == "error" and row.holds is None
 
 
-def test_compare_accuracies_layouts():
-    # The current layout: best lr per variant, test_accuracy the mean over seeds.
-    best = {"mha": {"test_accuracy": 0.98, "lr": 3e-3}, "linear": {"test_accuracy": 0.14}}
-    assert claims.compare_accuracies({"best": best}) == {"mha": 0.98, "linear": 0.14}
-    # Per-variant "accuracy"; per-seed lists; a dict with the mean.
-    assert claims.compare_accuracies({"best": {"mha": {"accuracy": 0.5}}}) == {"mha": 0.5}
-    per_seed = {"mha": {"test_accuracy": [1.0, 0.8]}, "linear": {"test_accuracy": {"mean": 0.2}}}
-    assert claims.compare_accuracies({"best": per_seed}) == pytest.approx(
-        {"mha": 0.9, "linear": 0.2}
-    )
-    assert claims.compare_accuracies({"variants": {"mha": 0.7}}) == {"mha": 0.7}
-    # train.compare over seeds: variants[name]["accuracy"] aggregates the seeds.
-    agg = {"mean": 0.6, "min": 0.4, "max": 0.8, "seeds": [0.4, 0.8], "count": 2}
-    assert claims.compare_accuracies({"variants": {"mha": {"accuracy": agg}}}) == {"mha": 0.6}
-    # Only runs: the mean over seeds per lr, the best lr's.
-    runs = [
-        {"variant": "mha", "lr": 1e-3, "seed": s, "summary": {"test_accuracy": a}}
-        for s, a in ((0, 0.2), (1, 0.4))
-    ] + [
-        {"variant": "mha", "lr": 1e-2, "seed": s, "summary": {"test_accuracy": a}}
-        for s, a in ((0, 0.9), (1, None))  # None: diverged, counts as 0
-    ]
-    assert claims.compare_accuracies({"runs": runs}) == pytest.approx({"mha": 0.45})
+def test_compare_accuracies_reads_the_committed_comparison():
+    committed = json.loads((claims.REPO / "docs/results/compare_mqar/results.json").read_text())
+    acc = claims.compare_accuracies(committed)
+    assert {"mha", "linear", "hybrid"} <= set(acc)
+    assert acc["mha"] == committed["variants"]["mha"]["accuracy"]["mean"]
     with pytest.raises(ValueError, match=r"results\.json"):
         claims.compare_accuracies({"config": {}})
-    with pytest.raises(ValueError, match="accuracy"):
-        claims.compare_accuracies({"best": {"mha": {"test_accuracy": "high"}}})
+    with pytest.raises(ValueError, match=r"results\.json"):
+        claims.compare_accuracies({"variants": {"mha": {"accuracy": {"mean": "high"}}}})
 
 
 @pytest.mark.parametrize(("linear", "holds"), [(0.14, True), (0.95, False)])
 def test_compare_row(tmp_path, linear, holds):
-    best = {
-        "mha": {"test_accuracy": 0.98},
-        "linear": {"test_accuracy": linear},
-        "hybrid": {"test_accuracy": 0.5},
-    }
-    path = write_json(tmp_path / "compare_mqar" / "results.json", compare_result(best))
+    accuracy = {"mha": 0.98, "linear": linear, "hybrid": 0.5}
+    path = write_json(tmp_path / "compare_mqar" / "results.json", compare_result(accuracy))
     (row,) = claims.collect([10], results=tmp_path)
     assert row.holds is holds
     assert row.values["accuracy"] == {"mha": 0.98, "linear": linear, "hybrid": 0.5}
@@ -229,7 +210,7 @@ def test_compare_row(tmp_path, linear, holds):
     assert "mha 0.98" in row.measured and "hybrid 0.50" in row.measured
     assert row.runtime_s == 500.0
     assert row.source.endswith("compare_mqar/results.json")
-    path.write_text(json.dumps(compare_result({"mha": {"test_accuracy": 0.9}})))
+    path.write_text(json.dumps(compare_result({"mha": 0.9})))
     assert claims.compare_row(path).status == "error"  # no linear variant
 
 
@@ -240,8 +221,8 @@ def test_run_reads_what_the_runs_wrote(tmp_path, monkeypatch):
 
     def fake_compare(out_dir):
         calls.append("compare")
-        best = {"mha": {"test_accuracy": 0.99}, "linear": {"test_accuracy": 0.26}}
-        return write_json(out_dir / claims.COMPARE_QUICK / "results.json", compare_result(best))
+        accuracy = {"mha": 0.99, "linear": 0.26}
+        return write_json(out_dir / claims.COMPARE_QUICK / "results.json", compare_result(accuracy))
 
     def fake_experiment(name, out_dir):
         calls.append(name)

@@ -1,7 +1,9 @@
-"""The main job end to end: ``python -m train.compare --quick`` with a tiny override."""
+"""The main job: ``python -m train.compare --quick`` end to end on a tiny override, ``--task
+bytes``, and the seed statistics, table and plot on hand-made numbers."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,8 +15,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
-from train.compare import VARIANTS, CompareConfig, cache_sizes, variant_layers
+from train.compare import VARIANTS, CompareConfig, cache_sizes, run_comparison, variant_layers
+from train.compare_report import (
+    aggregate,
+    first_reached,
+    plot_recall_vs_state,
+    summarize_variant,
+    write_results,
+)
 from train.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,8 +42,10 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
         "train.compare",
         "--quick",
         "--variants", "mha", "hybrid",
-        "--lrs", "3e-3", "1e-2",
+        "--lrs", "3e-3",
+        "--seeds", "0", "1",
         "--train.steps", "12",
+        "--train.eval-every", "4",
         "--train.batch-size", "8",
         "--train.task.seq-len", "16",
         "--train.task.num-pairs", "2",
@@ -51,31 +63,171 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     folder = tmp_path / "results" / "tiny"
     table = (folder / "table.md").read_text()
     assert table in out.stdout  # printed at the end
-    header = "| variant | layers | params | cache B/token | fixed cache/state | test accuracy |"
+    header = (
+        "| variant | layers | softmax layers | params | state bytes/seq | final test accuracy "
+        "| step to 0.5 | step to 0.9 | steps run | best lr |"
+    )
     assert header in table
     rows = [line for line in table.splitlines() if line.startswith(("| mha", "| hybrid"))]
     assert len(rows) == 2
-    assert "| hybrid (linear + one softmax layer, short convs) | linear_conv+mha_conv |" in table
+    assert rows[1].startswith(
+        "| hybrid (softmax in the first layer, then linear; short convs) "
+        "| mha_conv+linear_conv | 1 of 2 |"
+    )
 
     results = json.loads((folder / "results.json").read_text())
-    assert set(results["best"]) == {"mha", "hybrid"}
-    assert len(results["runs"]) == 4  # 2 variants x 2 learning rates x 1 seed
-    for name, best in results["best"].items():
-        assert best["lr"] in (3e-3, 1e-2)
-        assert 0 <= best["test_accuracy"] <= 1 and best["params"] > 0
-        assert best["tokens_per_s"] > 0 and best["wall_s"] > 0
-        runs = [r for r in results["runs"] if r["variant"] == name]
-        assert best["test_accuracy"] == max(r["summary"]["test_accuracy"] for r in runs)
+    assert set(results["variants"]) == {"mha", "hybrid"} and results["metric"] == "accuracy"
+    assert len(results["runs"]) == 4  # 2 variants x 1 learning rate x 2 seeds
+    for name, v in results["variants"].items():
+        runs = sorted((r for r in results["runs"] if r["variant"] == name), key=lambda r: r["seed"])
+        accs = [r["summary"]["test_accuracy"] for r in runs]
+        assert v["accuracy"] == {
+            "mean": pytest.approx(np.mean(accs)),
+            "min": min(accs),
+            "max": max(accs),
+            "seeds": accs,
+            "count": 2,
+        }
+        assert v["steps_run"]["seeds"] == [r["summary"]["step"] for r in runs]
+        assert v["params"] > 0 and v["tokens_per_s"] > 0 and v["wall_s"] > 0
     # Full softmax caches grow per token; the hybrid's linear layer adds a fixed state.
-    # K and V x 2 layers x 2 kv heads x head dim 8 x 4 bytes.
-    assert results["best"]["mha"]["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4
-    assert results["best"]["mha"]["cache_bytes_fixed"] == 0
-    assert results["best"]["hybrid"]["cache_bytes_fixed"] > 0
+    # K and V x 2 layers x 2 kv heads x head dim 8 x 4 bytes, per token of the 16.
+    mha = results["variants"]["mha"]
+    assert mha["cache_bytes_per_token"] == 2 * 2 * 2 * 8 * 4 and mha["cache_bytes_fixed"] == 0
+    assert mha["state_bytes"] == 16 * mha["cache_bytes_per_token"]
+    assert results["variants"]["hybrid"]["cache_bytes_fixed"] > 0
     num_pairs = results["config"]["train"]["task"]["num_pairs"]
     assert results["chance_accuracy"] == 1 / num_pairs  # MQAR: a random value of the sequence
     assert f"Chance is {1 / num_pairs:.3f}" in table
-    for png in ("accuracy.png", "loss.png"):
+    for png in ("recall_vs_state.png", "curves.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bytes_reports_bits_per_byte(tmp_path):
+    """``--task bytes``: the config's bytes comparison, tiny, on a small corpus."""
+    corpus = tmp_path / "corpus"  # two files: one piece for each split (train.tasks)
+    corpus.mkdir()
+    for name, line in (("a.txt", "the quick brown fox. "), ("b.txt", "jumps over the dog. ")):
+        (corpus / name).write_text(line * 50)
+    config = get_config(task="bytes")
+    assert config.train.task.name == "bytes" and config.train.target_accuracy is None
+    train_config = dataclasses.replace(
+        config.train,
+        task=dataclasses.replace(config.train.task, seq_len=16, data=str(corpus)),
+        model=dataclasses.replace(config.train.model, width=16),
+        steps=4,
+        batch_size=4,
+        eval_every=2,
+        eval_batches=1,
+    )
+    config = dataclasses.replace(
+        config,
+        train=train_config,
+        variants=("mha",),
+        seeds=(0,),
+        lrs=(3e-3,),
+        num_heads=2,
+        gqa_kv_heads=1,
+        results_dir=str(tmp_path / "results"),
+        runs_dir=str(tmp_path / "runs"),
+        jobs=1,
+        progress=False,
+    )
+    results = run_comparison(config)
+    folder, paths = write_results(results, config)
+    assert results["metric"] == "bits_per_byte" and results["chance_accuracy"] is None
+    (run,) = results["runs"]
+    v = results["variants"]["mha"]
+    assert v["bits_per_byte"]["mean"] == pytest.approx(run["summary"]["test_loss"] / math.log(2))
+    assert v["steps_run"]["mean"] == 4  # no target on bytes: every run trains to its cap
+    table = (folder / "table.md").read_text()
+    assert "| final bits/byte | final test accuracy | steps run |" in table
+    assert f"| {v['bits_per_byte']['mean']:.3f} |" in table
+    assert [p.name for p in paths] == [
+        "table.md",
+        "results.json",
+        "recall_vs_state.png",
+        "curves.png",
+    ]
+
+
+def test_seed_aggregation_on_hand_made_numbers():
+    assert aggregate([0.5, 1.0, 0.75]) == {
+        "mean": 0.75, "min": 0.5, "max": 1.0, "seeds": [0.5, 1.0, 0.75], "count": 3
+    }  # fmt: skip
+    # A milestone two seeds of three reached: the statistics are over those two.
+    assert aggregate([300, None, 100]) == {
+        "mean": 200.0, "min": 100.0, "max": 300.0, "seeds": [300.0, None, 100.0], "count": 2
+    }  # fmt: skip
+    assert aggregate([None, None])["mean"] is None
+    assert first_reached([25, 50, 75, 100], [0.2, 0.6, 0.95, 0.9], 0.9) == 75
+    assert first_reached([25, 50], [0.2, 0.6], 0.9) is None
+
+
+def _hand_made_run(variant, lr, seed, accs, *, step, reached=False, diverged_at=None):
+    steps = [10 * (i + 1) for i in range(len(accs))]
+    return {
+        "variant": variant,
+        "lr": lr,
+        "seed": seed,
+        "diverged_at": diverged_at,
+        "summary": {
+            "step": step,
+            "test_accuracy": accs[-1],
+            "test_loss": 1.0 - accs[-1],
+            "target_reached": reached,
+            "tokens_per_s": 100.0,
+            "wall_s": 2.0,
+        },
+        "curves": {
+            "train_step": steps,
+            "train_loss": [2.0 - a for a in accs],
+            "eval_step": steps,
+            "test_accuracy": accs,
+            "test_loss": [1.0 - a for a in accs],
+        },
+    }
+
+
+def test_summarize_variant_takes_the_best_lr_over_seeds():
+    config = CompareConfig(variants=("mha",), lrs=(1e-3, 1e-2), seeds=(0, 1), num_heads=4)
+    per_lr = {
+        1e-3: [
+            _hand_made_run("mha", 1e-3, 0, [0.2, 0.4], step=20),
+            _hand_made_run("mha", 1e-3, 1, [0.3, 0.5], step=20),
+        ],
+        1e-2: [
+            _hand_made_run("mha", 1e-2, 0, [0.6, 0.95, 1.0], step=30, reached=True),
+            _hand_made_run("mha", 1e-2, 1, [0.3, 0.8], step=20),
+        ],
+    }
+    v = summarize_variant(config, "mha", per_lr)
+    assert v["lr"] == 1e-2 and v["metric_per_lr"] == {"0.001": 0.45, "0.01": 0.9}
+    assert v["accuracy"] == {"mean": 0.9, "min": 0.8, "max": 1.0, "seeds": [1.0, 0.8], "count": 2}
+    assert v["step_to_0.5"]["seeds"] == [10, 20] and v["step_to_0.5"]["mean"] == 15
+    assert v["step_to_0.9"]["seeds"] == [20, None] and v["step_to_0.9"]["count"] == 1
+    assert v["steps_run"]["seeds"] == [30, 20] and v["target_reached"] == 1
+    assert v["softmax_layers"] == [1, 2] and v["diverged"] == 0
+    # A diverged seed scores 0 for its learning rate and has no steps to any milestone.
+    per_lr[1e-2][1] = _hand_made_run("mha", 1e-2, 1, [0.3], step=10, diverged_at=12)
+    v = summarize_variant(config, "mha", per_lr)
+    assert v["lr"] == 1e-2 and v["accuracy"]["seeds"] == [1.0, 0.0] and v["diverged"] == 1
+    assert v["steps_run"]["seeds"] == [30, 12]
+
+
+def test_recall_vs_state_plot_writes_a_png(tmp_path):
+    results = {
+        "config": {"name": "hand_made"},
+        "metric": "accuracy",
+        "chance_accuracy": 0.25,
+        "variants": {
+            "mha": {"state_bytes": 24576, "accuracy": aggregate([1.0, 0.98])},
+            "linear": {"state_bytes": 8704, "accuracy": aggregate([0.3, 0.26])},
+            "window": {"state_bytes": 0, "accuracy": aggregate([0.25, None])},
+        },
+    }
+    path = plot_recall_vs_state(results, tmp_path / "recall.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_variants_and_cache_sizes():
@@ -83,7 +235,7 @@ def test_variants_and_cache_sizes():
     for name in VARIANTS:
         assert len(variant_layers(config, name)) == config.num_layers
     hybrid = variant_layers(config, "hybrid")
-    assert [(a.kind, a.short_conv) for a in hybrid] == [("linear", 4), ("softmax", 4)]
+    assert [(a.kind, a.short_conv) for a in hybrid] == [("softmax", 4), ("linear", 4)]
     based, window = variant_layers(config, "based")
     assert (based.kind, based.feature_map, based.short_conv) == ("linear", "taylor", 4)
     assert (window.kind, window.window, window.short_conv) == ("softmax", 16, 4)

@@ -230,3 +230,38 @@ def test_load_run_rebuilds_the_trained_model_from_its_record(tmp_path):
         load_run(tmp_path, step=15)
     with pytest.raises(ValueError, match="workdir: expected a run folder"):
         load_run(tmp_path / "nothing")
+
+
+def test_target_accuracy_stops_at_the_first_evaluation_reaching_it(tmp_path):
+    config = dataclasses.replace(get_config(), steps=40, eval_every=5)
+    train(config, tmp_path / "full", progress=False)
+    records = read_metrics(tmp_path / "full")
+    evals = [(r["step"], r["test_accuracy"]) for r in records if r["kind"] == "eval"]
+    # A target this run reaches before its end: its best accuracy before the last evaluation.
+    target = max(a for s, a in evals if s < config.steps)
+    stop = next(s for s, a in evals if a >= target)
+    assert target > 0 and stop < config.steps
+
+    early = dataclasses.replace(config, target_accuracy=target)
+    summary = train(early, tmp_path / "early", progress=False)
+    assert summary["step"] == stop and summary["target_reached"] and not summary["partial"]
+    assert summary["test_accuracy"] == dict(evals)[stop]
+    assert json.loads((tmp_path / "early" / "summary.json").read_text())["step"] == stop
+    ckpt = Checkpointer(tmp_path / "early")
+    assert ckpt.latest_step() == stop  # saved where it stopped, off the checkpoint grid or not
+    ckpt.close()
+    records = _train_records(tmp_path / "early")
+    assert records == [r for r in _train_records(tmp_path / "full") if r["step"] <= stop]
+    # Resuming a run that reached its target trains no further...
+    again = train(early, tmp_path / "early", progress=False)
+    assert again["step"] == stop and again["target_reached"]
+    assert _train_records(tmp_path / "early") == records
+    # ...and without the target it continues to the same end as a run that never stopped.
+    rest = train(config, tmp_path / "early", progress=False)
+    assert rest["step"] == 40 and not rest["target_reached"]
+    _assert_bitwise_equal(
+        _final_state(config, tmp_path / "early"), _final_state(config, tmp_path / "full")
+    )
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="target_accuracy"):
+            dataclasses.replace(config, target_accuracy=bad)

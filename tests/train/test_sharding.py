@@ -2,22 +2,17 @@
 
 The runs need several devices: ``sharding_cases.py`` runs them in one subprocess
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on CPU (set before
-JAX starts, which this process has already done).
+JAX starts, which this process has already done), shared with the model cases
+of ``tests/models/test_ring_models.py``.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from tests.train import sharding_cases
 from train import sharding
 from train.config import RESULT_FIELDS, TrainConfig
-
-CASES = Path(__file__).with_name("sharding_cases.py")
 
 
 def test_mesh_strings_give_axis_sizes():
@@ -35,9 +30,19 @@ def test_bad_mesh_strings_raise_naming_mesh(spec):
         sharding.mesh_shape(spec, 8)
 
 
-def test_sequence_parallelism_is_refused_until_ring_attention_is_wired():
-    with pytest.raises(ValueError, match=r"^mesh:.*ring"):
-        sharding.mesh_shape("data=4,seq=2", 8)
+def test_sequence_parallel_batches_are_zigzag_with_their_positions():
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(shape={"data": 1, "fsdp": 1, "seq": 2})  # seq_layout reads the sizes
+    tokens = np.arange(16).reshape(2, 8)
+    out = sharding.seq_layout(mesh, {"tokens": tokens, "weights": tokens * 10, "n": np.ones(2)})
+    order = [0, 1, 6, 7, 2, 3, 4, 5]
+    np.testing.assert_array_equal(out["tokens"], tokens[:, order])
+    np.testing.assert_array_equal(out["weights"], tokens[:, order] * 10)
+    np.testing.assert_array_equal(out["positions"], [order, order])
+    np.testing.assert_array_equal(out["n"], np.ones(2))
+    mesh.shape["seq"] = 1
+    assert sharding.seq_layout(mesh, {"tokens": tokens}).keys() == {"tokens"}
 
 
 def test_the_config_checks_the_mesh_syntax_and_resumes_on_another_mesh():
@@ -60,30 +65,11 @@ def test_fsdp_shards_the_largest_divisible_dim_of_large_arrays():
     assert sharding.param_spec((64, 128), 1) == P()
 
 
-def test_sharded_runs_match_single_device(tmp_path, compilation_cache_dir):
-    """One step on data=8 and on fsdp=8 equals one device's; a run saved on data=8
-    resumes on fsdp=4,data=2 and ends where an uninterrupted single-device run does
-    (rel <= 1e-5); bad meshes and batches raise naming the field."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "JAX_COMPILATION_CACHE_DIR": compilation_cache_dir,
-    }
-    out = subprocess.run(
-        [sys.executable, str(CASES), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert out.returncode == 0, f"{out.stdout}\n{out.stderr[-3000:]}"
-    assert {r["case"] for r in results} == {
-        "layout",
-        "one_step",
-        "resume_on_another_mesh",
-        "bad_meshes",
-    }
-    assert all(r["ok"] for r in results), results
+def test_sharded_runs_match_single_device(tmp_path_factory):
+    """One step on data=8, fsdp=8 and data=2,fsdp=2,seq=2 equals one device's; a run saved
+    on data=8 resumes on fsdp=4,data=2 and ends where an uninterrupted single-device run
+    does (rel <= 1e-5); bad meshes, batches and sequence-parallel layers raise naming the field."""
+    results = sharding_cases.results(tmp_path_factory)
+    cases = ("layout", "one_step", "resume_on_another_mesh", "bad_meshes")
+    assert set(cases) <= results.keys(), results
+    assert all(results[c]["ok"] for c in cases), {c: results[c] for c in cases}
