@@ -14,10 +14,10 @@ heads first (``analysis.pruning_order``) at each fraction and measures test
 importance never sees); the baseline masks random heads at the same fractions,
 averaged over ``random_orders`` orders.
 
-Runtime (full config, measured once): 789 s wall on 2 CPU cores shared with four
-other agents (load average 12 to 17), 206 s of CPU time, so about 3 minutes on
-two quiet cores. Quick config (the test): 53 s wall under load 10; the four quick tests together
-take 68 s of CPU time.
+Runtime (full config): 98 s wall on 2 quiet CPU cores, in a fresh clone run by
+``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
+first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
+(the test): under a minute; the four quick tests together take about 68 s of CPU.
 
 Result (docs/results/head_pruning/, byte LM, next-byte accuracy 0.565 unpruned):
 masking the 8 least important of 32 heads (25%) costs 0.043 (0.522); 4 heads

@@ -20,10 +20,10 @@ Positions are absolute in every cache (the project's caches store each token's
 position), so the sinks of (c) sit at RoPE distances up to 8T, unlike
 StreamingLLM, which renumbers positions inside its cache.
 
-Runtime (full config, measured once): 543 s wall on 2 CPU cores shared with four
-other agents (load average 12 to 14), 205 s of CPU time, so about 2 to 3 minutes
-on two quiet cores. Quick config (the test): 58 s wall under load 10; the four quick tests together
-take 68 s of CPU time.
+Runtime (full config): 100 s wall on 2 quiet CPU cores, in a fresh clone run by
+``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
+first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
+(the test): under a minute; the four quick tests together take about 68 s of CPU.
 
 Result (docs/results/sinks_streaming/): no sink forms at this size (4 layers x 4
 heads, width 64, 800 steps of 2048 bytes): every head's first-token mass is 0.03
