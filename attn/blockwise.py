@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn._checks import fail
 from attn.blockwise_kernels import KernelInputs, flash, forward, vary_like
 from attn.blockwise_schedule import build_schedule
 from attn.blockwise_tiles import TileConfig, num_blocks, qkv_tiles, row_tiles, tile_config, untile
@@ -197,8 +196,6 @@ def _count_tiles(config: TileConfig, q, k, v, sink, inputs: KernelInputs):
 def _prepare(q, k, v, block_q, block_k, **kwargs) -> tuple[TileConfig, KernelInputs, jax.Array]:
     """Checks a call; returns its tile configuration, integer inputs and ``[K,G]`` sink logits."""
     call = check_call(q, k, v, **kwargs)
-    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     config = tile_config(call, block_q, block_k, q.dtype, TILE_SCORES)
     given = [kwargs.get(name) for name in ("q_positions", "kv_positions")]
     given += [kwargs.get(name) for name in ("q_segment_ids", "kv_segment_ids")]

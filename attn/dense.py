@@ -71,6 +71,8 @@ def check_call(
 ) -> Call:
     """Validates the arguments every softmax implementation shares."""
     d = _checks.qkv_dims(q, k, v)
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     mask, scale, softcap = check_static(mask, scale, softcap)
     if q_positions is None and d.T != d.S and not isinstance(mask, Full):
         # The default queries are the last T key positions: that needs T <= S,

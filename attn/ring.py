@@ -192,8 +192,6 @@ def _prepare(q, k, v, axis_name, *, mask, q_positions, kv_positions, block_q, bl
         d, mask, axis_name, num_devices, q_positions, kv_positions
     )
     call = check_call(q, k, v, mask=mask, q_positions=q_positions, kv_positions=kv_positions, **kw)
-    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     block_q = DEFAULT_BLOCK_Q if block_q is None else block_q
     block_k = DEFAULT_BLOCK_K if block_k is None else block_k
     config = tile_config(call, block_q, block_k, jnp.float32, TILE_SCORES)
@@ -360,8 +358,6 @@ def sharded_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     d, num_devices = call.dims, mesh.shape[axis_name]
     per = 2 * num_devices if layout == "zigzag" else num_devices
     for name, length, letter in (("q", d.T, "T"), ("k", d.S, "S")):

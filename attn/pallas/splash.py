@@ -228,8 +228,6 @@ def splash_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    if (call.q_segment_ids is None) != (call.kv_segment_ids is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     B, T, S, N = call.dims.B, call.dims.T, call.dims.S, call.dims.N
     interpret = jax.default_backend() != "tpu" if interpret is None else bool(interpret)
     bq, bk = _block(T), _block(S)

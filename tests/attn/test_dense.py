@@ -277,7 +277,11 @@ def test_jit_and_vmap():
         ({"v": jnp.ones((2, 5, 2, 8))}, "v: expected length 4"),
         ({"q_positions": jnp.arange(5)}, "q_positions"),
         ({"kv_positions": jnp.arange(3.0)}, "kv_positions"),
-        ({"q_segment_ids": jnp.ones((2, 3), int)}, "q_segment_ids"),
+        (
+            {"q_segment_ids": jnp.ones((2, 3), int), "kv_segment_ids": jnp.ones((2, 4), int)},
+            "^q_segment_ids: expected",
+        ),
+        ({"q_segment_ids": jnp.ones((2, 4), int)}, "^q_segment_ids/kv_segment_ids: expected both"),
         ({"sink_logits": jnp.ones(2)}, "sink_logits"),
         ({"scale": -1.0}, "scale"),
         ({"softcap": 0.0}, "softcap"),
