@@ -6,7 +6,7 @@ steps; streams of 8T = 512 bytes.
 
 import dataclasses
 
-from analysis.experiments.sinks_streaming import Config
+from analysis.experiments.sinks_streaming import Config, Size
 from models import ModelConfig, pattern, presets
 from train.config import OptimConfig, TrainConfig
 from train.tasks import TaskConfig
@@ -42,5 +42,8 @@ def get_config(quick: bool = False) -> Config:
             eval_batches=1,
             ckpt_every=10,
         )
-        return Config(train=run, eval_batch=2, stream_factor=3, num_streams=2)
+        # The sweep meets the main run at its size without a BOS: one more run, with one.
+        return Config(
+            train=run, eval_batch=2, stream_factor=3, num_streams=2, sizes=(Size(16, 1, 2),)
+        )
     return Config(train=run)

@@ -18,7 +18,8 @@ Tasks:
 - ``selective_copy``: a few data tokens scattered among blanks, reproduced in
   order after a separator (Gu and Dao 2023).
 - ``bytes``: next-byte prediction over a text corpus (default: the Python
-  standard library's own source files; nothing is downloaded).
+  standard library's own source files; nothing is downloaded), optionally
+  with a beginning-of-sequence token first.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ SPLITS = {"train": 0, "test": 1}  # folded into the seed: train and test never s
 
 TASK_NAMES = ("mqar", "induction", "selective_copy", "bytes")
 BYTE_VOCAB = 256
+# The bytes task's beginning-of-sequence token: NUL, which load_corpus keeps out
+# of every corpus (it skips files that hold one).
+BOS = 0
 
 # Corpus documents are cut into pieces of this many bytes before the train /
 # validation split, so a single large text file splits as well as a folder.
@@ -86,6 +90,10 @@ class TaskConfig:
       data: ``bytes``: a text file or a folder of text files; None for the
         standard library's source files.
       val_percent: ``bytes``: percent of the corpus pieces held out for test.
+      bos: ``bytes``: every window starts with ``BOS`` (byte 0, which no corpus
+        file holds) followed by T - 1 bytes, all T of which are predicted; a
+        fixed first token, as in corpora packed with a BOS per document. False:
+        T bytes predict the next T.
     """
 
     name: Literal["mqar", "induction", "selective_copy", "bytes"] = "mqar"
@@ -98,6 +106,7 @@ class TaskConfig:
     num_copy: int = 8
     data: str | None = None
     val_percent: int = 10
+    bos: bool = False
 
     def __post_init__(self):
         if self.name not in TASK_NAMES:
@@ -131,6 +140,8 @@ class TaskConfig:
                 f"task.num_copy: expected 1 <= num_copy <= (seq_len - 1) / 2 = "
                 f"{(self.seq_len - 1) // 2}, got {self.num_copy}"
             )
+        if not isinstance(self.bos, bool) or (self.bos and self.name != "bytes"):
+            raise ValueError(f"task.bos: expected False unless name is 'bytes', got {self.bos!r}")
         if self.name == "bytes" and not 0 < self.val_percent < 100:
             raise ValueError(f"task.val_percent: expected 1..99, got {self.val_percent}")
 
@@ -370,8 +381,13 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     return Corpus(train=as_array(train), test=as_array(test), source=str(root), files=used)
 
 
-def bytes_batch(rng: np.random.Generator, batch: int, *, stream: np.ndarray, seq_len: int):
+def bytes_batch(
+    rng: np.random.Generator, batch: int, *, stream: np.ndarray, seq_len: int, bos: bool = False
+):
     """Random windows of ``T + 1`` bytes: inputs are the first T, labels the next T.
+
+    With ``bos`` the inputs are ``BOS`` and the window's first T - 1 bytes, and
+    the labels its first T bytes (the same windows, shifted by one).
 
     Returns:
       ``dict(tokens [B,T], labels [B,T], weights [B,T])``, every position scored.
@@ -383,7 +399,14 @@ def bytes_batch(rng: np.random.Generator, batch: int, *, stream: np.ndarray, seq
         )
     starts = rng.integers(0, len(stream) - seq_len, size=(batch, 1))
     windows = stream[starts + np.arange(seq_len + 1)].astype(np.int64)
+    if bos:
+        return _batch(with_bos(windows[:, : seq_len - 1]), windows[:, :seq_len])
     return _batch(windows[:, :-1], windows[:, 1:])
+
+
+def with_bos(tokens: np.ndarray) -> np.ndarray:
+    """``[..., S]`` bytes as ``[..., S + 1]`` with ``BOS`` in front."""
+    return np.concatenate([np.full_like(tokens[..., :1], BOS), tokens], axis=-1)
 
 
 # ----------------------------------------------------------------------------
@@ -435,7 +458,7 @@ class Task:
                 rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_copy=c.num_copy
             )
         stream = self.corpus.train if split == "train" else self.corpus.test
-        return bytes_batch(rng, batch_size, stream=stream, seq_len=c.seq_len)
+        return bytes_batch(rng, batch_size, stream=stream, seq_len=c.seq_len, bos=c.bos)
 
 
 def make_task(config: TaskConfig) -> Task:

@@ -58,6 +58,22 @@ VARIANTS = ("full", "window", "window_sinks")
 
 
 @dataclasses.dataclass(frozen=True)
+class Size:
+    """A model of the sink-onset sweep: ``train.model``'s layer at another size.
+
+    The MLP keeps ``train.model``'s ratio of MLP width to width.
+    """
+
+    width: int
+    layers: int
+    heads: int
+
+    def __post_init__(self):
+        if self.layers < 1 or self.heads < 1 or self.width % self.heads:
+            raise ValueError(f"sizes: expected layers >= 1 and heads dividing width, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """The experiment.
 
@@ -70,6 +86,10 @@ class Config:
       num_initial: initial tokens (sinks) kept by variant (c).
       stable_ratio: a variant is stable when its perplexity on every window past
         T stays within this factor of full attention's on positions T/2 .. T-1.
+      sizes: the sink-onset sweep: each size is trained like ``train`` (same T,
+        steps, batches and optimizer), with and without a BOS first as
+        ``sizes_bos`` says, and its sink statistics are taken at the last step.
+      sizes_bos: the ``task.bos`` settings each size is trained with.
     """
 
     train: train.config.TrainConfig
@@ -78,6 +98,8 @@ class Config:
     num_streams: int = 8
     num_initial: int = 4
     stable_ratio: float = 1.1
+    sizes: tuple[Size, ...] = ()
+    sizes_bos: tuple[bool, ...] = (False, True)
 
     def __post_init__(self):
         t = self.train
@@ -87,6 +109,8 @@ class Config:
             raise ValueError("train.model.layers: expected full causal softmax layers")
         if self.stream_factor < 2:
             raise ValueError(f"stream_factor: expected an int >= 2, got {self.stream_factor}")
+        if self.sizes and (not self.sizes_bos or len(set(self.sizes_bos)) != len(self.sizes_bos)):
+            raise ValueError(f"sizes_bos: expected distinct bools, got {self.sizes_bos}")
 
 
 def _steps(t) -> list[int]:
@@ -142,12 +166,96 @@ def _streams(config: Config):
         )
     starts = np.linspace(0, len(test) - S - 1, config.num_streams).astype(np.int64)
     pieces = np.stack([test[s : s + S + 1] for s in starts]).astype(np.int32)
+    if t.bos:  # as in training: BOS first, every byte predicted
+        return train.tasks.with_bos(pieces[:, : S - 1]), pieces[:, :S]
     return pieces[:, :-1], pieces[:, 1:]
 
 
 def _sinks(model, tokens) -> tuple[np.ndarray, metrics.SinkRate]:
     _, w = _common.capture(model, tokens)
     return metrics.first_token_mass(w), metrics.sink_rate(w)
+
+
+def _size_of(t: train.config.TrainConfig) -> Size:
+    return Size(t.model.width, len(t.model.layers), t.model.layers[0].num_heads)
+
+
+def size_run(t: train.config.TrainConfig, size: Size, bos: bool) -> train.config.TrainConfig:
+    """``t`` with its model at ``size`` and ``task.bos = bos``; one checkpoint, at the end."""
+    m = t.model
+    layer = dataclasses.replace(
+        m.layers[0], num_heads=size.heads, head_dim=size.width // size.heads
+    )
+    model = dataclasses.replace(
+        m,
+        width=size.width,
+        mlp_width=m.mlp_width * size.width // m.width,
+        layers=(layer,) * size.layers,
+    )
+    task = dataclasses.replace(t.task, bos=bos)
+    return dataclasses.replace(t, task=task, model=model, ckpt_every=t.steps)
+
+
+def sweep(config: Config, out_dir: Path, main: dict) -> list[dict]:
+    """The sink statistics of every size x BOS setting, smallest model first.
+
+    Args:
+      main: the main run's row (``train``'s size and BOS setting), reused
+        where the sweep meets it instead of training it again.
+    """
+    t = config.train
+    rows = []
+    for size in config.sizes:
+        for bos in config.sizes_bos:
+            if (size, bos) == (_size_of(t), t.task.bos):
+                rows.append(main)
+                continue
+            run = size_run(t, size, bos)
+            name = f"size_w{size.width}_l{size.layers}_h{size.heads}" + ("_bos" if bos else "")
+            summary, workdir = _common.train_run(run, out_dir, name)
+            model, _ = train.load_run(workdir)
+            task = train.tasks.make_task(run.task)
+            mass, rate = _sinks(model, task.batch(t.seed, "test", 0, config.eval_batch)["tokens"])
+            rows.append(_size_row(size, bos, summary, mass, rate))
+    return sorted(rows, key=lambda r: (r["params"], r["bos"]))
+
+
+def _size_row(size: Size, bos: bool, summary: dict, mass, rate: metrics.SinkRate) -> dict:
+    return {
+        **dataclasses.asdict(size),
+        "bos": bos,
+        "params": summary["params"],
+        "test_loss": summary["test_loss"],
+        "max_first_token_mass": float(mass.max()),
+        "mean_first_token_mass": float(mass.mean()),
+        "sink_rate": rate.overall,
+    }
+
+
+def onset(rows: list[dict], bos: bool) -> dict | None:
+    """The smallest model (by parameters) trained with ``bos`` that has a sink, or None."""
+    return next((r for r in rows if r["bos"] == bos and r["sink_rate"] > 0), None)
+
+
+def _onset_text(rows: list[dict], settings) -> str:
+    parts = []
+    for bos in settings:
+        mine = [r for r in rows if r["bos"] == bos]
+        first = onset(rows, bos)
+        label = "with a BOS" if bos else "without a BOS"
+        if first is None:
+            top = max(mine, key=lambda r: r["params"])
+            parts.append(
+                f"{label} none up to {top['params']:,} params (max head mass "
+                f"{max(r['max_first_token_mass'] for r in mine):.2f})"
+            )
+        else:
+            parts.append(
+                f"{label} from {first['params']:,} params (width {first['width']}, "
+                f"{first['layers']} layers x {first['heads']} heads; sink rate "
+                f"{first['sink_rate']:.2f})"
+            )
+    return "; ".join(parts)
 
 
 def run(config: Config, out_dir: Path) -> dict:
@@ -167,6 +275,7 @@ def run(config: Config, out_dir: Path) -> dict:
             {"step": step, "first_token_mass_per_layer": mass.mean(1), "sink_rate": rate.overall}
         )
     mass, rate = _sinks(model, sink_tokens)  # the final model's
+    sizes = sweep(config, out_dir, _size_row(_size_of(t), t.task.bos, summary, mass, rate))
 
     tokens, targets = _streams(config)
     nll = {
@@ -183,9 +292,11 @@ def run(config: Config, out_dir: Path) -> dict:
     has_sinks = rate.overall > 0
     holds = has_sinks and stable["window_sinks"] and not stable["window"]
     per_layer = mass.mean(1)
+    onset_text = f"; sink onset: {_onset_text(sizes, config.sizes_bos)}" if sizes else ""
     entry = _common.claim(
         f"sink rate {rate.overall:.2f} (first-token mass per layer "
-        f"{', '.join(f'{m:.2f}' for m in per_layer)}); worst perplexity past T={T}: full "
+        f"{', '.join(f'{m:.2f}' for m in per_layer)}){onset_text}; "
+        f"worst perplexity past T={T}: full "
         f"{worst['full']:.2f}, window {worst['window']:.2f}, window+{config.num_initial} sinks "
         f"{worst['window_sinks']:.2f} (full attention on [T/2, T): {reference:.2f})",
         f"some head has first-token mass > {metrics.SINK_THRESHOLD}, window+sinks stays within "
@@ -227,6 +338,47 @@ def run(config: Config, out_dir: Path) -> dict:
             [[i, float(per_layer[i]), float(rate.per_layer[i])] for i in range(L)],
         )
     )
+    if sizes:
+        table += "\n" + _common.markdown_table(
+            [
+                "width",
+                "layers x heads",
+                "params",
+                "BOS first",
+                "test loss",
+                "max head mass",
+                "mean head mass",
+                "sink rate",
+            ],
+            [
+                [
+                    r["width"],
+                    f"{r['layers']} x {r['heads']}",
+                    f"{r['params']:,}",
+                    "yes" if r["bos"] else "no",
+                    r["test_loss"],
+                    r["max_first_token_mass"],
+                    r["mean_first_token_mass"],
+                    r["sink_rate"],
+                ]
+                for r in sizes
+            ],
+        )
+        # Every size is trained with every BOS setting: one line each, over the sizes.
+        line = {bos: [r for r in sizes if r["bos"] == bos] for bos in config.sizes_bos}
+        params = [r["params"] for r in line[config.sizes_bos[0]]]
+        by_bos = {
+            ("BOS first" if bos else "no BOS"): [r["max_first_token_mass"] for r in rs]
+            for bos, rs in line.items()
+        }
+        plots.curves(
+            params,
+            by_bos,
+            out_dir / "sink_onset.png",
+            "parameters",
+            "largest first-token mass of a head",
+            hline=metrics.SINK_THRESHOLD,
+        )
     results = {
         "name": NAME,
         "claim": entry,
@@ -237,6 +389,7 @@ def run(config: Config, out_dir: Path) -> dict:
         "sink_rate": rate.overall,
         "sink_rate_per_layer": rate.per_layer,
         "sink_history": history,
+        "sizes": sizes,
         "perplexity_per_window": {v: ppl[v] for v in VARIANTS},
         "window_ends": ends,
         "reference_perplexity": reference,

@@ -150,6 +150,15 @@ def test_sinks_streaming_quick(tmp_path):
     first = [results["perplexity_per_window"][v][0] for v in sinks_streaming.VARIANTS]
     np.testing.assert_allclose(first, first[0], rtol=1e-4)
     assert results["decode_vs_forward_max_abs_nll"] < 1e-3
+    # The sweep: the main run's own row (no BOS) and one more run with a BOS first.
+    rows = results["sizes"]
+    assert [r["bos"] for r in rows] == [False, True] and rows[0]["params"] == rows[1]["params"]
+    assert rows[0]["sink_rate"] == results["sink_rate"]
+    for r in rows:
+        assert 0 <= r["mean_first_token_mass"] <= r["max_first_token_mass"] <= 1
+    assert (tmp_path / "runs" / "size_w16_l1_h2_bos" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "size_w16_l1_h2").exists()
+    assert "sink onset" in results["claim"]["measured"]
 
 
 def test_head_pruning_quick(tmp_path):
@@ -183,3 +192,14 @@ def test_command_line_parses(name, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "--quick" in out and "--out" in out
+
+
+def test_sink_onset_is_the_smallest_model_with_a_sink():
+    def row(params, bos, rate):
+        return {"params": params, "bos": bos, "sink_rate": rate}
+
+    rows = [row(10, False, 0.0), row(10, True, 0.0), row(40, False, 0.0), row(40, True, 0.25)]
+    assert sinks_streaming.onset(rows, True) == rows[3]
+    assert sinks_streaming.onset(rows, False) is None
+    with pytest.raises(ValueError, match="sizes"):
+        sinks_streaming.Size(width=30, layers=2, heads=4)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from train.tasks import IGNORE, TaskConfig, load_corpus, make_task
+from train.tasks import BOS, IGNORE, TaskConfig, load_corpus, make_task
 
 MQAR = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8)
 
@@ -129,6 +129,15 @@ def test_corpus_from_a_folder(tmp_path):
     for row in b["tokens"]:
         assert row.astype(np.uint8).tobytes() in corpus.train.tobytes()
 
+    # With a BOS first: the same windows one byte later, every byte predicted from BOS on.
+    bos = make_task(TaskConfig(name="bytes", seq_len=16, data=str(tmp_path), bos=True))
+    c = bos.batch(0, "train", 0, 4)
+    assert c["tokens"].shape == (4, 16) and (c["tokens"][:, 0] == BOS).all()
+    np.testing.assert_array_equal(c["tokens"][:, 1:], c["labels"][:, :-1])
+    np.testing.assert_array_equal(c["labels"][:, 1:], b["tokens"][:, 1:])
+    np.testing.assert_array_equal(c["labels"][:, 0], b["tokens"][:, 0])
+    assert (c["weights"] == 1).all() and BOS not in corpus.train
+
 
 def test_corpus_from_a_single_file(tmp_path):
     path = tmp_path / "one.txt"
@@ -150,6 +159,8 @@ def test_bad_configs_name_the_field():
         TaskConfig(name="mqar", seq_len=32, num_pairs=9)
     with pytest.raises(ValueError, match=r"task\.name"):
         TaskConfig(name="nope")
+    with pytest.raises(ValueError, match=r"task\.bos"):
+        TaskConfig(name="mqar", seq_len=32, num_pairs=4, bos=True)
     with pytest.raises(ValueError, match="data"):
         load_corpus("/does/not/exist", 10)
     with pytest.raises(ValueError, match="split"):
