@@ -1,7 +1,9 @@
 """Experiment 2, attention sinks and streaming: ``python -m analysis.experiments.sinks_streaming``.
 
 A 4-layer, 4-head byte-level decoder of width 64 trained at T = 64 for 800
-steps; streams of 8T = 512 bytes.
+steps; streams of 8T = 512 bytes. The sink-onset sweep trains widths 32, 64
+and 128 (2 x 2, 4 x 4 and 4 x 8 layers x heads; 28,832 to 689,280 parameters)
+the same way, each with and without a BOS first.
 """
 
 import dataclasses
@@ -46,4 +48,5 @@ def get_config(quick: bool = False) -> Config:
         return Config(
             train=run, eval_batch=2, stream_factor=3, num_streams=2, sizes=(Size(16, 1, 2),)
         )
-    return Config(train=run)
+    # The sink-onset sweep: 4x the parameters per step, each with and without a BOS.
+    return Config(train=run, sizes=(Size(32, 2, 2), Size(64, 4, 4), Size(128, 4, 8)))

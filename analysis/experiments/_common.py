@@ -10,10 +10,11 @@ so an interrupted experiment keeps what it saved).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,9 +166,13 @@ class Args:
     config: Path | None = None
 
 
-def main(name: str, run: Callable[[Any, Path], dict], doc: str | None, argv=None) -> int:
-    """The command line of an experiment: ``[--quick] [--out DIR] [--config FILE]``."""
+def main(name: str, doc: str | None, argv=None) -> int:
+    """The command line of experiment ``name``: ``[--quick] [--out DIR] [--config FILE]``."""
     args = tyro.cli(Args, args=argv, prog=f"python -m analysis.experiments.{name}", description=doc)
+    # Under ``python -m`` the experiment runs as ``__main__``, a second copy of its module,
+    # while its config file builds the classes of ``analysis.experiments.<name>``: the run
+    # must be that module's, or equal dataclasses from the two copies compare unequal.
+    run = importlib.import_module(f"analysis.experiments.{name}").run
     train.cli.enable_compilation_cache()  # later runs and checkpoint loads skip compiling
     path = args.config or REPO_ROOT / "configs" / f"{name}.py"
     config = train.cli.load_config(path, quick=args.quick)

@@ -267,7 +267,7 @@ def _fraction_of_change(values) -> list[float]:
 
 
 def main(argv=None) -> int:
-    return _common.main(NAME, run, __doc__, argv)
+    return _common.main(NAME, __doc__, argv)
 
 
 if __name__ == "__main__":

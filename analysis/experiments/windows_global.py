@@ -180,7 +180,7 @@ def run(config: Config, out_dir: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    return _common.main(NAME, run, __doc__, argv)
+    return _common.main(NAME, __doc__, argv)
 
 
 if __name__ == "__main__":

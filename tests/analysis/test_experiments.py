@@ -13,7 +13,9 @@ makes every load after the first a cache hit.
 import atexit
 import dataclasses
 import json
+import runpy
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -136,9 +138,18 @@ def test_induction_heads_quick(tmp_path):
     assert (tmp_path / "runs" / "induction" / "summary.json").is_file()
 
 
-def test_sinks_streaming_quick(tmp_path):
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # the second copy
+def test_sinks_streaming_quick(tmp_path, monkeypatch):
+    # As its command line runs it: the module is __main__, a second copy, while the
+    # config's Size comes from analysis.experiments.sinks_streaming; the sweep must
+    # still recognize the main run's size (else it trains that model twice).
     config = quick_config("sinks_streaming")
-    results = sinks_streaming.run(config, tmp_path)
+    argv = ["sinks_streaming", "--quick", "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("analysis.experiments.sinks_streaming", run_name="__main__")
+    assert done.value.code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
     check_common(results, tmp_path, "sinks_streaming")
     assert 0 <= results["sink_rate"] <= 1
     mass = np.asarray(results["first_token_mass"])
