@@ -17,7 +17,7 @@ past that at all.
 Runtime (full config): 159 s wall on 2 quiet CPU cores, in a fresh clone run by
 ``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
 first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
-(the test): under a minute; the four quick tests together take about 68 s of CPU.
+(the test): under a minute; the four quick tests together take about 70 s of CPU.
 
 Result (docs/results/windows_global/, windows of 8): the hybrid recalls every
 query at every gap (1.000 from 1-8 to 41-48; its recall formed between steps 400
