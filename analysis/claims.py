@@ -21,13 +21,8 @@ exit code is 0 whether or not each claim holds (the table is a report); it is
 1 when a row could not be measured (an error: a check raised, a results file
 is malformed, a run failed), with the traceback on stderr.
 
-Runtime of the fast checks, measured on a 2-core CPU shared with other jobs
-(load average 12 to 18): 53 to 67 s wall clock for the whole command, of which
-19 to 22 s of CPU time (compiling the checks' small programs; claims 5 and 8
-take two thirds of it). ``--run`` adds the quick comparison and the four
-experiments (their runtimes are in their docstrings): 17 min 29 s wall for the
-whole command in a fresh clone on 2 quiet cores, into an empty ``--out``, with
-the compilation cache of earlier runs.
+The fast checks take about 15 s on 2 CPU cores, and ``--run`` about 17.5
+minutes; the measured runtimes are in docs/results/README.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from analysis import _checks
-from analysis._checks import fail
+from attn.errors import fail
 
 ORDERS = ("importance", "random")
 

@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from analysis import _checks
-from analysis._checks import fail
+from attn.errors import fail
 
 # Token labels on the axes stay readable up to about this many positions.
 MAX_TICK_LABELS = 32

@@ -24,13 +24,25 @@ the project:
 Arrays are laid out like ``jax.nn.dot_product_attention``: q ``[B,T,N,H]``,
 k ``[B,S,K,H]``, v ``[B,S,K,E]``, out ``[B,T,N,E]``. Grouped-query attention
 reshapes q to ``[B,T,K,G,H]``; K/V are never repeated in memory.
+
+The families, each a package whose docstring lists its pieces:
+
+    softmax/   the call contract every softmax implementation shares (call.py),
+               the dense reference, and blockwise attention on the shared
+               tiling layer (schedule, tiles, kernels)
+    ring/      ring attention over a mesh axis, layouts, sharded_attention, work counts
+    pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
+    linear/    linear attention in three forms, segments, feature maps
+
+beside the pieces every family uses: ``masks`` (which keys a query sees),
+``errors`` (the input checks and their one ``ValueError`` format), ``merge``
+(partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
+``cache`` (cache sizes and slots) and ``dispatch`` (``attention(impl=...)``).
 """
 
-from attn import masks, pallas
-from attn.blockwise import blockwise_attention
+from attn import errors, linear, masks, pallas, ring, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
-from attn.dense import dot_product_attention
 from attn.dispatch import IMPLS, attention
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
@@ -47,6 +59,7 @@ from attn.masks import Mask
 from attn.merge import merge_attention
 from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
+from attn.softmax import blockwise_attention, dot_product_attention
 
 __all__ = [
     "FEATURE_MAPS",
@@ -59,11 +72,13 @@ __all__ = [
     "attention",
     "blockwise_attention",
     "dot_product_attention",
+    "errors",
     "favor_projection",
     "init_linear_state",
     "kv_cache_bytes",
     "latent_attention",
     "latent_cache_bytes",
+    "linear",
     "linear_attention",
     "linear_attention_step",
     "linear_feature_dim",
@@ -71,8 +86,10 @@ __all__ = [
     "masks",
     "merge_attention",
     "pallas",
+    "ring",
     "ring_attention",
     "sharded_attention",
     "short_conv",
     "short_conv_step",
+    "softmax",
 ]

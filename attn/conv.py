@@ -43,12 +43,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import _checks
-from attn._checks import fail
+from attn import errors
+from attn.errors import fail
+from attn.masks import PADDING
 
 __all__ = ["short_conv", "short_conv_step"]
-
-PADDING = 0  # the segment id of padding tokens (as masks.segment_ids_from_lengths)
 
 
 # ----------------------------------------------------------------------------
@@ -138,7 +137,7 @@ def short_conv(x, weight, bias=None, *, state=None, segment_ids=None):
         its start), to pass as ``state`` to the next chunk or step.
     """
     B, T, D, W = _check_args(x, weight, bias, state)
-    seg = _checks.segment_ids(segment_ids, "segment_ids", B, T)
+    seg = errors.segment_ids(segment_ids, "segment_ids", B, T)
     past = jnp.zeros((B, W - 1, D), x.dtype) if state is None else jnp.asarray(state, x.dtype)
     w32 = jnp.asarray(weight, jnp.float32)
 
@@ -199,11 +198,7 @@ def short_conv_step(state, x_t, weight, bias=None, *, segment_id=None):
     if state is None:
         fail("state", "a [B,W-1,D] array (zeros at the start of a sequence)", "None")
     B = x_t.shape[0]
-    seg = None
-    if segment_id is not None:
-        seg = jnp.asarray(segment_id)
-        if seg.shape != (B,) or not jnp.issubdtype(seg.dtype, jnp.integer):
-            fail("segment_id", f"integer ids of shape ({B},)", f"{seg.dtype} {seg.shape}")
-        seg = seg[:, None]
+    seg = errors.segment_ids(segment_id, "segment_id", B)
+    seg = None if seg is None else seg[:, None]
     y, new_state = short_conv(x_t[:, None], weight, bias, state=state, segment_ids=seg)
     return y[:, 0], new_state

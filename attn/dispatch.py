@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 
 from attn import masks
-from attn._checks import fail
-from attn.blockwise import blockwise_attention
-from attn.dense import Call, check_call, dot_product_attention
+from attn.errors import Dims, fail
 from attn.pallas import flash_attention, splash_attention, splash_reason
+from attn.softmax.blockwise import blockwise_attention
+from attn.softmax.call import Call, check_call, dims_or_none
+from attn.softmax.dense import dot_product_attention
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
@@ -83,47 +84,43 @@ def _backend() -> str:
 
 
 def _choose(q, k, v, kwargs) -> str:
+    dims = dims_or_none(q, k, v)
+    if dims is None:  # not a call: the reference reports why
+        return "dense"
     backend = _backend()
     fused_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
     if backend == "gpu":
         jax_nn_ok = _jax_nn_reason(q, k, v, kwargs) is None
-        if jax_nn_ok and _cudnn_fits(q, v, kwargs):
+        if jax_nn_ok and _cudnn_fits(dims, q.dtype, kwargs):
             return "cudnn"
         if fused_ok:
             return "pallas"
         return "xla" if jax_nn_ok else "dense"  # a bias: materialized either way
     if backend == "tpu" and fused_ok:
         return "splash" if splash_reason(q, k, v, **kwargs) is None else "pallas"
-    if backend == "cpu" and fused_ok and _blockwise_faster(q, k):
+    if backend == "cpu" and fused_ok and _blockwise_faster(dims):
         return "blockwise"
     return "dense"
 
 
-def _cudnn_fits(q, v, kwargs) -> bool:
+def _cudnn_fits(dims: Dims, dtype, kwargs) -> bool:
     """Inputs cuDNN's fused kernel takes: half precision, equal head dims 8k <= 128."""
-    H, E = _shape(q, 3), _shape(v, 3)
-    if kwargs.get("bias") is not None and (_shape(q, 1) % 2 or _shape(v, 1) % 2):
+    if kwargs.get("bias") is not None and (dims.T % 2 or dims.S % 2):
         return False
     return (
-        getattr(q, "dtype", None) in _CUDNN_DTYPES
-        and H == E
-        and H % 8 == 0
-        and 0 < H <= _CUDNN_MAX_HEAD_DIM
+        dtype in _CUDNN_DTYPES
+        and dims.H == dims.E
+        and dims.H % 8 == 0
+        and 0 < dims.H <= _CUDNN_MAX_HEAD_DIM
     )
 
 
-def _blockwise_faster(q, k) -> bool:
+def _blockwise_faster(dims: Dims) -> bool:
     """Where blockwise beat dense on CPU (see BLOCKWISE_MIN_T)."""
-    T, S = _shape(q, 1), _shape(k, 1)
+    T, S = dims.T, dims.S
     if T >= BLOCKWISE_MIN_T:
         return True
     return T >= BLOCKWISE_MIN_T_LONG_KEYS and T * S >= BLOCKWISE_MIN_SCORES
-
-
-def _shape(x, axis):
-    """``x.shape[axis]``, or 0 where x is not a rank-4 array (the impl then reports it)."""
-    shape = getattr(x, "shape", ())
-    return shape[axis] if len(shape) == 4 else 0
 
 
 def _blockwise(q, k, v, *, bias=None, return_weights=False, **kwargs):

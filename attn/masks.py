@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn._checks import fail, positive_int
+from attn.errors import fail, positive_int
 
 
 class BlockKind(enum.IntEnum):
@@ -309,14 +309,15 @@ def initial_tokens(n: int) -> Mask:
     return InitialTokens(positive_int(n, "n"))
 
 
-# Deprecated names, kept for one release.
+# Deprecated names, removed in attnlab 0.2.
 Sinks = InitialTokens
 
 
 def sinks(n: int) -> Mask:
-    """Deprecated alias of ``initial_tokens(n)``."""
+    """Deprecated alias of ``initial_tokens(n)`` (removed in attnlab 0.2)."""
     warnings.warn(
-        "attn.masks.sinks is deprecated; use attn.masks.initial_tokens (the same mask)",
+        "attn.masks.sinks is deprecated and is removed in attnlab 0.2; use "
+        "attn.masks.initial_tokens (the same mask)",
         DeprecationWarning,
         stacklevel=2,
     )
@@ -360,7 +361,7 @@ def block_schedule(
     Query block ``i`` holds positions ``q_offset + [i*block_q, min((i+1)*block_q, num_q) - 1]``,
     and likewise for keys; the last blocks may be short. (Blockwise attention
     builds its own schedule, for any positions, segment ids and padding, in
-    ``attn.blockwise_schedule``.)
+    ``attn.softmax.schedule``.)
     """
     qi = np.arange(math.ceil(num_q / block_q))
     ki = np.arange(math.ceil(num_k / block_k))
@@ -372,12 +373,28 @@ def block_schedule(
     return np.broadcast_to(np.asarray(kinds), (qi.size, ki.size)).astype(np.int8)
 
 
-def segment_ids_from_lengths(lengths, length: int):
-    """Segment ids ``[B, length]`` for right padding: 1 for tokens, 0 for padding.
+# The segment id of padding tokens, in every implementation and layer kind.
+PADDING = 0
 
-    Tokens attend only within their segment, so queries (id 1) never see padding
-    keys (id 0). Padding queries see only padding keys; their outputs are
-    meaningless but finite.
+
+def same_segment(q_seg, k_seg):
+    """Boolean ``[..., T, S]``: query and key share a segment and neither is padding.
+
+    The segment rule of every implementation: id 0 is padding (it sees no key
+    and no query sees it), ids >= 1 are segments, tokens attend only within
+    their own. A padding query therefore sees nothing and outputs 0.
+
+    Args:
+      q_seg: ``[..., T]`` ints; k_seg: ``[..., S]`` ints.
+    """
+    return (q_seg[..., :, None] == k_seg[..., None, :]) & (k_seg != PADDING)[..., None, :]
+
+
+def segment_ids_from_lengths(lengths, length: int):
+    """Segment ids ``[B, length]`` for right padding: 1 for tokens, 0 (``PADDING``) for padding.
+
+    Tokens attend only within their segment and padding is seen by no query,
+    so queries never see padding keys; padding queries see nothing and output 0.
     """
     lengths = jnp.asarray(lengths)
     if lengths.ndim != 1:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import chex
 import jax.numpy as jnp
 
-from attn._checks import fail
+from attn.errors import fail
 
 
 def merge_unnormalized(m_a, l_a, acc_a, m_b, l_b, acc_b):
@@ -31,7 +31,7 @@ def merge_unnormalized(m_a, l_a, acc_a, m_b, l_b, acc_b):
     A partial over keys ``s`` is ``m = max_s x_s``, ``l = sum_s exp(x_s - m)`` and
     ``acc = sum_s exp(x_s - m) v_s``; its attention output is ``acc / l`` and its
     log-sum-exp ``m + log(l)``. Maxima may be ``-inf`` or a large negative
-    sentinel (``attn.dense.MASKED``) for parts with no visible key.
+    sentinel (``attn.softmax.call.MASKED``) for parts with no visible key.
 
     Args:
       m_a, l_a: float32 arrays of one shape X (e.g. ``[B,K,G,C]``, one per query row).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attn._checks import fail
+from attn.errors import fail
 
 LAYOUTS = ("half", "interleaved")
 

@@ -204,7 +204,7 @@ def _time_jax(spec: dict) -> float:
 
     import attn
     from attn import masks
-    from attn.blockwise import blockwise_attention
+    from attn.softmax.blockwise import blockwise_attention
 
     causal = spec["mask"] == "causal"
     if spec["impl"] == "tiles":
@@ -256,7 +256,7 @@ def _tile_matmuls(spec: dict, causal: bool):
     import jax.numpy as jnp
 
     from attn import masks
-    from attn.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, count_blocks
+    from attn.softmax.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, count_blocks
 
     B, T, N, H = spec["batch"], spec["T"], spec["heads"], spec["head_dim"]
     bq, bk = min(DEFAULT_BLOCK_Q, T), min(DEFAULT_BLOCK_K, T)

@@ -5,7 +5,7 @@ Measures, at B=1, N=8, H=E=64, causal, float32, feature map elu1 (by default;
 
 1. Forward time against T for the parallel, recurrent and chunkwise forms of
    ``attn.linear.linear_attention`` and for softmax attention at the same
-   shapes (``attn.blockwise.blockwise_attention`` when it exists, else a causal
+   shapes (``attn.blockwise_attention`` when it exists, else a causal
    ``jax.nn.dot_product_attention`` up to T = 8K).
 2. Decode time per token against context length: one ``linear_attention_step``
    (a constant-size state) against one softmax query over a KV cache of that
@@ -61,7 +61,7 @@ from bench._report import write_report  # noqa: E402
 
 try:
     from attn import masks
-    from attn.blockwise import blockwise_attention
+    from attn.softmax.blockwise import blockwise_attention
 except ImportError:  # written concurrently; fall back to XLA's dense attention
     blockwise_attention = None
 

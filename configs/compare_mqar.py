@@ -55,9 +55,9 @@ fresh virtual environment and an empty compilation cache, on an otherwise idle
 import dataclasses
 
 from models import ModelConfig
-from train.compare import CompareConfig
 from train.config import OptimConfig, TrainConfig
 from train.tasks import TaskConfig
+from train.variants import CompareConfig
 
 # The current eight and the Based-style preset (Taylor linear attention plus a
 # sliding window, both with short convolutions; Arora et al. 2024).

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import attn
 from attn import masks
-from attn._checks import fail
+from attn.errors import fail
 from attn.linear import FEATURE_MAPS, FORMS
 
 KINDS = ("softmax", "mla", "linear")
@@ -33,9 +33,6 @@ JAX_NN_IMPLS = ("xla", "cudnn")
 # A softmax layer's implementations: attn.attention's, and "ring" (ring attention
 # over the mesh axis "seq" of the surrounding jax.set_mesh; models.softmax).
 IMPLS = (*attn.IMPLS, "ring")
-
-# Feature maps that approximate exp(q.k); like softmax they take q.k / sqrt(H).
-EXP_KERNEL_MAPS = ("taylor", "favor")
 
 
 def _is_int(x) -> bool:
@@ -451,13 +448,3 @@ class ModelConfig:
         return AttentionConfig(
             kind="softmax", num_heads=first.num_heads, head_dim=first.head_dim, rope=False
         )
-
-
-def __getattr__(name: str):
-    # The presets live in models/patterns.py (which imports this module); still reachable
-    # here, where they were first defined, imported on first use to avoid an import cycle.
-    if name in ("PRESETS", "pattern", "presets"):
-        from models import patterns as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

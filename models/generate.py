@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from attn._checks import fail
+from attn.errors import fail
 from models.cache import DecodeCache, full_cache_slots
-from models.transformer import _check_lengths, _check_tokens
+from models.inputs import check_lengths, check_tokens
 
 
 def generate(
@@ -51,7 +51,7 @@ def generate(
     Returns:
       ``[B, max_new_tokens]`` int32 tokens.
     """
-    prompt = _check_tokens(prompt, "prompt", vocab=model.config.vocab_size)
+    prompt = check_tokens(prompt, "prompt", vocab=model.config.vocab_size)
     B, T = prompt.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):
         fail("max_new_tokens", "a positive int", repr(max_new_tokens))
@@ -74,7 +74,7 @@ def generate(
         isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
     ):
         fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
-    lengths = _check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
+    lengths = check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     if cache is None and hasattr(model, "encoder_blocks"):

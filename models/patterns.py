@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from attn._checks import fail
+from attn.errors import fail
 from models.config import AttentionConfig
 
 # The width of the presets' short convolutions (the current token and the three
@@ -46,7 +46,7 @@ def presets(
     ``num_initial_tokens`` positions), ``global_tokens`` (window plus Longformer
     global positions), ``linear`` (elu+1), ``linear_decay`` (RetNet gammas),
     ``linear_gated`` (data-dependent gates), ``based`` and ``based_window`` (below).
-    ``window_sinks`` is a deprecated alias of ``streaming``, kept for one release.
+    ``window_sinks`` is a deprecated alias of ``streaming``, removed in attnlab 0.2.
 
     ``based`` and ``based_window`` are the two attention layers of Based (Arora
     et al. 2024, "Simple linear attention language models balance the
@@ -81,7 +81,7 @@ def presets(
         ),
         "window": dataclasses.replace(base, window=window),
         "streaming": streaming,
-        "window_sinks": streaming,  # deprecated alias of "streaming"
+        "window_sinks": streaming,  # deprecated alias of "streaming", removed in attnlab 0.2
         "global_tokens": dataclasses.replace(
             base, window=window, global_tokens=tuple(global_positions)
         ),

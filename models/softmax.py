@@ -6,7 +6,8 @@ the weights tap, and the slot layout of their decode caches.
 
 Sequence parallelism. ``SelfAttention`` runs as ring attention
 (``attn.ring_attention``) when its config says ``impl="ring"``, or ``"auto"``
-under a mesh whose axis ``SEQ_AXIS`` ("seq") has more than one device. The mesh
+under a mesh whose axis ``models.mesh.SEQ_AXIS`` ("seq") has more than one
+device (``models.mesh`` holds the policy: which axes split what). The mesh
 is the one the caller set with ``jax.set_mesh(mesh)`` (read back while tracing
 with ``jax.sharding.get_abstract_mesh()``), so no module holds a mesh and the
 same model runs on one device or many. The layer wraps the ring in a
@@ -15,12 +16,12 @@ sequence axis T is split over "seq" and every other mesh axis stays automatic,
 so a batch split over data or fsdp stays split without the layer naming those
 axes. The ring sees the tokens' real ``positions`` and needs nothing else: the
 caller may lay the sequence out in any order over the devices, and the zigzag
-order of ``ring_layout`` balances causal work (train does it once per batch, on
+order of ``models.mesh.ring_layout`` balances causal work (train does it once per batch, on
 the host). Without a mesh, or one without a "seq" axis, ``"ring"`` computes as
 ``"auto"``: impl never changes the math, so a model trained sequence-parallel
 evaluates and decodes on one device.
 
-Batch parallelism. Under a mesh with ``BATCH_AXES`` ("data", "fsdp"), each
+Batch parallelism. Under a mesh with ``models.mesh.BATCH_AXES`` ("data", "fsdp"), each
 device attends only its own rows: the call runs in a ``jax.shard_map`` manual
 over those axes (and "seq" for the ring). XLA cannot split the blockwise
 kernels' tile loops by itself (they index tiles that mix batch and heads), and
@@ -30,61 +31,18 @@ left to partition them it gathers the whole q, k and v on every device.
 from __future__ import annotations
 
 import functools
-import math
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 import attn
-from attn._checks import fail
+from attn import ring
+from attn.errors import fail
 from models.cache import EMPTY, CrossCache, KVCache
 from models.config import AttentionConfig
 from models.heads import Heads, cached_impl, step_positions
-
-# The mesh axis a sequence-parallel model splits its sequences over.
-SEQ_AXIS = "seq"
-# The mesh axes a data- or fully-sharded-parallel model splits its batch over.
-BATCH_AXES = ("data", "fsdp")
-
-
-def seq_devices() -> int | None:
-    """Devices on ``SEQ_AXIS`` of the mesh set by ``jax.set_mesh``; None without that axis."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or SEQ_AXIS not in mesh.axis_names:
-        return None
-    return mesh.shape[SEQ_AXIS]
-
-
-def batch_axes(batch: int) -> tuple[str, ...]:
-    """The ``BATCH_AXES`` of the context mesh (of more than one device) that split ``batch``.
-
-    Empty without a mesh, or when their devices do not divide ``batch`` (then
-    XLA partitions the call as it can).
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return ()
-    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-    return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
-
-
-def ring_layout(length: int, num_devices: int) -> np.ndarray:
-    """The order in which to lay a sequence of ``length`` out over ``num_devices`` devices.
-
-    ``x[:, order]`` puts device i's tokens in the i-th run of ``length / P``
-    (a sharded ``[B,T]`` array's layout) and ``order`` is their positions. The
-    zigzag layout (``attn.ring.zigzag_order``, every device one early and one
-    late chunk: the same causal work on each) where ``2P`` divides the length,
-    else the contiguous one.
-
-    Raises:
-      ValueError: naming ``length`` unless ``num_devices`` divides it.
-    """
-    layout = "zigzag" if length % (2 * num_devices) == 0 else "contiguous"
-    return attn.ring.layout_order(length, num_devices, layout)
+from models.mesh import SEQ_AXIS, batch_axes, seq_devices, shard_rows
 
 
 def _plain_impl(impl: str) -> str:
@@ -185,10 +143,7 @@ class SelfAttention(Softmax):
             _attention_shard, mask=self.cfg.mask(self.causal), softcap=self.cfg.softcap, impl=impl
         )
         args = self._shard_args(q, k, v, positions, segment_ids)
-        split = PartitionSpec(axes)
-        specs = {name: PartitionSpec() if name == "sink" else split for name in args}
-        run = jax.shard_map(local, in_specs=(specs,), out_specs=split, axis_names=set(axes))
-        return self._output(run(args))
+        return self._output(shard_rows(local, args, PartitionSpec(axes), set(axes)))
 
     def _shard_args(self, q, k, v, positions, segment_ids) -> dict:
         """The arrays of a call run per shard: q, k, v; pos, seg and sink where given."""
@@ -238,7 +193,7 @@ class SelfAttention(Softmax):
         # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
         shard = T // devices
         layout = "zigzag" if shard % 2 == 0 else "contiguous"
-        block_q, block_k = attn.ring.default_blocks(layout, shard, shard, None, None)
+        block_q, block_k = ring.default_blocks(layout, shard, shard, None, None)
         local = functools.partial(
             _ring_shard,
             mask=self.cfg.mask(self.causal),
@@ -247,10 +202,7 @@ class SelfAttention(Softmax):
             block_k=block_k,
         )
         axes = batch_axes(B)
-        split = PartitionSpec(axes or None, SEQ_AXIS)
-        specs = {name: PartitionSpec() if name == "sink" else split for name in args}
-        run = jax.shard_map(local, in_specs=(specs,), out_specs=split, axis_names={SEQ_AXIS, *axes})
-        return run(args)
+        return shard_rows(local, args, PartitionSpec(axes or None, SEQ_AXIS), {SEQ_AXIS, *axes})
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty ``KVCache``: k, v ``[B,S,K,H]`` with S from ``cfg.cache_layout(max_len)``."""

@@ -26,81 +26,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
-from attn import masks
-from attn._checks import fail
+from attn.errors import fail
+from models import inputs
 from models.block import Block
 from models.cache import DecodeCache, cache_overflow
 from models.config import AttentionConfig, ModelConfig
-
-
-def _concrete(x):
-    """NumPy value of x, or None under a trace (value checks are then skipped)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
-    """Integer ids ``[B,T]``; with ``vocab``, values in ``[0, vocab)`` when concrete.
-
-    Under a trace the values cannot be checked; ``_LM._embed`` then gives an
-    out-of-range id a NaN embedding, so its logits are NaN rather than plausible.
-    """
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-        fail(name, "integer token ids of shape [B,T]", f"{tokens.dtype} {tokens.shape}")
-    if tokens.shape[1] == 0:
-        fail(name, "at least one token per row", f"shape {tokens.shape}")
-    value = None if vocab is None else _concrete(tokens)
-    if value is not None and ((value < 0).any() or (value >= vocab).any()):
-        fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
-    return tokens
-
-
-def _check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int = 0):
-    """None, or ``[B]`` int32 lengths in ``[minimum, T]`` (values checked when concrete)."""
-    if lengths is None:
-        return None
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        fail(name, f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
-    value = _concrete(lengths)
-    if value is not None and ((value < minimum).any() or (value > T).any()):
-        fail(name, f"values in [{minimum}, {T}]", value.tolist())
-    return lengths.astype(jnp.int32)
-
-
-def _segments(tokens, lengths, segment_ids, name: str = "lengths"):
-    """Segment ids ``[B,T]`` int32 (id 0 is padding) from ``lengths`` or ``segment_ids``, or None.
-
-    The one representation of padding and packing inside the models: ``lengths``
-    becomes ``masks.segment_ids_from_lengths`` (1 on tokens, 0 on right padding).
-    """
-    B, T = tokens.shape
-    if lengths is not None and segment_ids is not None:
-        fail("segment_ids", f"None when {name} is given", "both")
-    if segment_ids is not None:
-        segment_ids = jnp.asarray(segment_ids)
-        if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            fail(
-                "segment_ids",
-                f"integer ids of shape ({B}, {T})",
-                f"{segment_ids.dtype} {segment_ids.shape}",
-            )
-        return segment_ids.astype(jnp.int32)
-    lengths = _check_lengths(lengths, B, T, name)
-    return None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-
-
-def _check_positions(positions, tokens):
-    if positions is None:
-        return None
-    positions = jnp.asarray(positions)
-    if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
-        fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)
-    return positions
+from models.mesh import explicit_spec
 
 
 def packed_positions(segment_ids):
@@ -129,7 +62,9 @@ class _LM(nnx.Module):
         """``[B,T]`` ids -> ``[B,T,D]``. Ids outside ``[0, V)`` (only possible under a
         trace, where they are not checked) embed as NaN instead of wrapping around."""
         tokens = jnp.where(tokens < 0, self.config.vocab_size, tokens)
-        return self.embed(tokens)  # an id >= V gathers NaN (jnp.take's "fill" mode)
+        spec = explicit_spec(tokens)  # under Explicit axes: rows where the tokens are
+        out = None if spec is None else PartitionSpec(*spec, None)
+        return self.embed(tokens, out_sharding=out)  # an id >= V gathers NaN ("fill" mode)
 
     def _init_embeddings(self, config: ModelConfig, rngs: nnx.Rngs):
         if not isinstance(config, ModelConfig):
@@ -218,7 +153,7 @@ class _LM(nnx.Module):
             lengths are concrete. Under ``jit`` the overflowing rows' logits are NaN
             instead (see ``models.cache.cache_overflow``).
         """
-        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
+        tokens = inputs.check_tokens(tokens, vocab=self.config.vocab_size)
         B, T = tokens.shape
         if not isinstance(cache, DecodeCache) or cache.lengths.shape != (B,):
             fail("cache", f"a DecodeCache for batch {B} (see init_cache)", type(cache).__name__)
@@ -228,7 +163,7 @@ class _LM(nnx.Module):
             fail(
                 "cache", "a cache holding the short-conv states (see init_cache)", "no conv states"
             )
-        lengths = _check_lengths(lengths, B, T)
+        lengths = inputs.check_lengths(lengths, B, T)
         cache_overflow(cache, T if lengths is None else lengths)  # raises when concrete
         # Jitted at the boundary: eager calls compile once per shape instead of
         # dispatching op by op; inside a caller's jit it is inlined.
@@ -305,12 +240,12 @@ class Decoder(_LM):
         Returns:
           ``logits [B,T,V]`` float32.
         """
-        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
+        tokens = inputs.check_tokens(tokens, vocab=self.config.vocab_size)
         x = self._forward(
             self.blocks,
             tokens,
-            positions=_check_positions(positions, tokens),
-            segment_ids=_segments(tokens, None, segment_ids),
+            positions=inputs.check_positions(positions, tokens),
+            segment_ids=inputs.segments(tokens, None, segment_ids),
         )
         return self._logits(x)
 
@@ -345,12 +280,12 @@ class Encoder(_LM):
 
         Arguments as ``__call__``.
         """
-        tokens = _check_tokens(tokens, vocab=self.config.vocab_size)
+        tokens = inputs.check_tokens(tokens, vocab=self.config.vocab_size)
         return self._forward(
             self.blocks,
             tokens,
-            positions=_check_positions(positions, tokens),
-            segment_ids=_segments(tokens, lengths, segment_ids),
+            positions=inputs.check_positions(positions, tokens),
+            segment_ids=inputs.segments(tokens, lengths, segment_ids),
         )
 
     def __call__(self, tokens, *, lengths=None, segment_ids=None, positions=None):
@@ -389,8 +324,8 @@ class EncoderDecoder(_LM):
 
     def encode(self, src, *, src_lengths=None):
         """Encoder output ``[B,S,D]`` and source segment ids ``[B,S]`` (1 real, 0 padding)."""
-        src = _check_tokens(src, "src", vocab=self.config.vocab_size)
-        seg = _segments(src, src_lengths, None, "src_lengths")
+        src = inputs.check_tokens(src, "src", vocab=self.config.vocab_size)
+        seg = inputs.segments(src, src_lengths, None, "src_lengths")
         x = self._forward(self.encoder_blocks, src, segment_ids=seg)
         seg = jnp.ones(src.shape, jnp.int32) if seg is None else seg
         return self.encoder_norm(x), seg
@@ -409,7 +344,7 @@ class EncoderDecoder(_LM):
           ``logits [B,T,V]`` float32.
         """
         memory, seg = self.encode(src, src_lengths=src_lengths)
-        tgt = _check_tokens(tgt, "tgt", vocab=self.config.vocab_size)
+        tgt = inputs.check_tokens(tgt, "tgt", vocab=self.config.vocab_size)
         if tgt.shape[0] != memory.shape[0]:
             fail("tgt", f"batch {memory.shape[0]} like src", tgt.shape)
         return self._logits(self._forward(self.blocks, tgt, memory=self._memories(memory, seg)))
@@ -422,7 +357,7 @@ class EncoderDecoder(_LM):
           max_len: target tokens to decode (prompt + generated).
           src: ``[B,S]`` ints; src_lengths: ``[B]`` or None.
         """
-        src = _check_tokens(src, "src", vocab=self.config.vocab_size)
+        src = inputs.check_tokens(src, "src", vocab=self.config.vocab_size)
         if src.shape[0] != batch:
             fail("src", f"batch {batch}", src.shape)
         memory, seg = self.encode(src, src_lengths=src_lengths)

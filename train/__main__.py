@@ -27,7 +27,7 @@ import json
 import shlex
 import sys
 
-from models.config import PRESETS
+from models.patterns import PRESETS
 from train import distributed
 from train.cli import enable_compilation_cache, parse
 from train.config import TrainConfig

@@ -13,7 +13,8 @@ from pathlib import Path
 import jax
 import tyro
 
-from models.config import ModelConfig, pattern, presets
+from models.config import ModelConfig
+from models.patterns import pattern, presets
 from train.config import TrainConfig
 
 __all__ = ["enable_compilation_cache", "load_config", "parse", "with_pattern"]

@@ -14,6 +14,9 @@ lowest bits per byte) is reported in ``results/<name>/``:
 - ``results.json``: the config, every run (summary, curves, milestones) and
   ``variants[name]`` with ``accuracy = {mean, min, max, seeds}`` (see
   ``train.compare_report.summarize_variant`` for every key).
+
+The variants and their metadata (``VARIANTS``, ``CompareConfig``, layers,
+sizes) are in ``train.variants``.
 - ``recall_vs_state.png``: final test accuracy against decode-state bytes per
   sequence (log x), one point per variant and every seed shown (Zoology's and
   Based's plot).
@@ -34,229 +37,28 @@ minute); every field can still be overridden, e.g. ``--quick --train.steps 20
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import shutil
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-from flax import nnx
 from tqdm.auto import tqdm
 
-from models import Decoder, ModelConfig, cache_bytes, pattern, presets
-from models.patterns import SHORT_CONV
 from train.cli import enable_compilation_cache, parse
-from train.config import TrainConfig, to_json
+from train.compare_report import format_table, summarize_variant, write_results
+from train.config import to_json
 from train.loop import NonFiniteLossError, read_metrics, train
+from train.variants import TASKS, CompareConfig, chance_accuracy, metric, run_config
 
-__all__ = [
-    "MILESTONES",
-    "TASKS",
-    "VARIANTS",
-    "CompareConfig",
-    "cache_sizes",
-    "chance_accuracy",
-    "main",
-    "metric",
-    "run_comparison",
-    "state_bytes",
-    "variant_layers",
-]
-
-# The accuracies whose first step the table reports.
-MILESTONES = (0.5, 0.9)
-# ``--task`` values: the config file's get_config(task=...) builds each.
-TASKS = ("mqar", "induction", "selective_copy", "bytes")
-
-# name -> (description, layer pattern for L layers). The names of the pattern
-# are the presets of models.presets, and ``<preset>_conv`` for a preset with a
-# short convolution of width models.patterns.SHORT_CONV on its input.
-VARIANTS: dict[str, tuple[str, Any]] = {
-    "mha": ("softmax, multi-head", lambda L: ("mha",) * L),
-    "gqa": ("softmax, grouped-query", lambda L: ("gqa",) * L),
-    "mqa": ("softmax, multi-query", lambda L: ("mqa",) * L),
-    "mla": ("multi-head latent", lambda L: ("mla",) * L),
-    "window": ("sliding window", lambda L: ("window",) * L),
-    "streaming": ("sliding window + initial tokens", lambda L: ("streaming",) * L),
-    "local_global": ("windows + one global layer", lambda L: ("window",) * (L - 1) + ("mha",)),
-    "linear": ("linear, elu+1", lambda L: ("linear",) * L),
-    "linear_decay": ("linear, RetNet decay", lambda L: ("linear_decay",) * L),
-    "linear_gated": ("linear, data-dependent gates", lambda L: ("linear_gated",) * L),
-    # Softmax first: its short conv hands each value token its key, so that one
-    # layer does the lookup on the token embeddings. In a one-seed trial (MQAR,
-    # 4 pairs in 24 tokens, lr 1e-2; not committed) it reached 0.9 test accuracy
-    # in 150 steps, and with the softmax layer last (reading the linear layer's
-    # mix of the prefix) in 325.
-    "hybrid": (
-        "softmax in the first layer, then linear; short convs",
-        lambda L: ("mha_conv",) + ("linear_conv",) * (L - 1),
-    ),
-    "based": (
-        "Taylor linear, window in the last layer, short convs",
-        lambda L: ("based",) * (L - 1) + ("based_window",),
-    ),
-}
-
-
-@dataclass(frozen=True)
-class CompareConfig:
-    """A comparison: one base run, the variants, the learning-rate sweep, the seeds.
-
-    Attributes:
-      train: the shared task, model width, budget and bookkeeping. Its
-        ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
-      variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
-        local_global, linear, linear_decay, linear_gated, hybrid, based.
-      lrs: the learning-rate sweep; the best per variant is reported.
-      seeds: every (variant, lr) trains once per seed; accuracies are averaged.
-      num_layers: L, layers of every variant.
-      num_heads: N query heads; head dim is ``width / N``.
-      gqa_kv_heads: K for ``gqa``.
-      window: sliding-window length (itself included) for window variants.
-      num_initial_tokens: the always-visible first positions of ``streaming``.
-      kv_rank: MLA latent rank R.
-      q_rank: MLA query latent rank (None: direct query projection).
-      rope_head_dim: MLA decoupled RoPE key width.
-      chunk_size: C of the chunkwise linear attention.
-      name: results go to ``results_dir/name`` and runs to ``runs_dir/name``.
-        The test metric, the step cap and the early stop are the train config's:
-        ``train.steps`` caps every run and ``train.target_accuracy`` (checked at
-        each evaluation) stops it once reached.
-      results_dir: where tables and plots go.
-      runs_dir: where the runs' checkpoints and metrics go.
-      fresh: delete this comparison's runs first instead of resuming them.
-      progress: show progress (a bar per run, or with ``jobs > 1`` one over the runs).
-      jobs: runs trained at once, each in its own process pinned to one core
-        (1: one after another in this process, XLA using every core).
-    """
-
-    train: TrainConfig = field(default_factory=TrainConfig)
-    variants: tuple[str, ...] = ("mha", "linear")
-    lrs: tuple[float, ...] = (1e-3,)
-    seeds: tuple[int, ...] = (0,)
-    num_layers: int = 2
-    num_heads: int = 4
-    gqa_kv_heads: int = 2
-    window: int = 16
-    num_initial_tokens: int = 4
-    kv_rank: int = 16
-    q_rank: int | None = None
-    rope_head_dim: int = 4
-    chunk_size: int = 32
-    name: str = "compare"
-    results_dir: str = "results"
-    runs_dir: str = "runs"
-    fresh: bool = False
-    progress: bool = True
-    jobs: int = 2
-
-    def __post_init__(self):
-        unknown = [v for v in self.variants if v not in VARIANTS]
-        if unknown or not self.variants:
-            raise ValueError(f"variants: expected names from {sorted(VARIANTS)}, got {unknown}")
-        if len(set(self.variants)) != len(self.variants):
-            raise ValueError(f"variants: expected distinct names, got {self.variants}")
-        if not self.lrs or any(not lr > 0 for lr in self.lrs):
-            raise ValueError(f"lrs: expected positive learning rates, got {self.lrs}")
-        if not self.seeds:
-            raise ValueError(f"seeds: expected at least one seed, got {self.seeds}")
-        if self.jobs < 1:
-            raise ValueError(f"jobs: expected an int >= 1, got {self.jobs}")
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers: expected an int >= 1, got {self.num_layers}")
-        width = self.train.model.width
-        if self.num_heads < 1 or width % self.num_heads:
-            raise ValueError(
-                f"num_heads: expected a divisor of model.width={width}, got {self.num_heads}"
-            )
-        if self.gqa_kv_heads < 1 or self.num_heads % self.gqa_kv_heads:
-            raise ValueError(
-                f"gqa_kv_heads: expected a divisor of num_heads={self.num_heads}, "
-                f"got {self.gqa_kv_heads}"
-            )
-        if not self.name or "/" in self.name:
-            raise ValueError(f"name: expected a folder name, got {self.name!r}")
-
-
-def variant_layers(config: CompareConfig, variant: str):
-    """The ``ModelConfig.layers`` of one variant under the comparison's shared sizes."""
-    registry = presets(
-        num_heads=config.num_heads,
-        head_dim=config.train.model.width // config.num_heads,
-        gqa_kv_heads=config.gqa_kv_heads,
-        window=config.window,
-        num_initial_tokens=config.num_initial_tokens,
-        kv_rank=config.kv_rank,
-        q_rank=config.q_rank,
-        rope_head_dim=config.rope_head_dim,
-        chunk_size=config.chunk_size,
-    )
-    registry |= {
-        f"{name}_conv": dataclasses.replace(layer, short_conv=SHORT_CONV)
-        for name, layer in registry.items()
-        if not layer.short_conv
-    }
-    return pattern(VARIANTS[variant][1](config.num_layers), registry)
-
-
-def run_config(config: CompareConfig, variant: str, lr: float, seed: int) -> TrainConfig:
-    """The ``TrainConfig`` of one run of the comparison."""
-    base = config.train
-    return dataclasses.replace(
-        base,
-        model=dataclasses.replace(base.model, layers=variant_layers(config, variant)),
-        optim=dataclasses.replace(base.optim, lr=lr),
-        seed=seed,
-    )
-
-
-def _abstract_model(model_config: ModelConfig) -> Decoder:
-    """The model with shapes instead of arrays: sizes without initializing anything."""
-    return nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
-
-
-def param_count(model_config: ModelConfig) -> int:
-    """Trainable parameters of a ``Decoder`` with this config."""
-    state = nnx.state(_abstract_model(model_config), nnx.Param)
-    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
-
-
-def cache_sizes(model_config: ModelConfig) -> tuple[float, int]:
-    """Decode-cache bytes of one sequence: ``(per token, fixed)``.
-
-    Measured on the model's own ``init_cache`` (shapes only, nothing allocated)
-    at two lengths past any window: full caches grow by ``per token`` bytes,
-    ring buffers, linear states and short-convolution states stay at ``fixed`` bytes.
-    """
-    model = _abstract_model(model_config)
-    short, long = 1 << 16, 1 << 17  # longer than any window in a comparison
-    size = {
-        n: cache_bytes(jax.eval_shape(lambda n=n: model.init_cache(1, n))) for n in (short, long)
-    }
-    per_token = (size[long] - size[short]) / (long - short)
-    return per_token, int(size[short] - per_token * short)
+__all__ = ["main", "run_comparison"]
 
 
 def _run_dir(config: CompareConfig, variant: str, lr: float, seed: int) -> Path:
     return Path(config.runs_dir) / config.name / variant / f"lr{lr:g}_seed{seed}"
-
-
-def state_bytes(model_config: ModelConfig, seq_len: int) -> int:
-    """Decode-state bytes of one sequence of ``seq_len`` tokens (full caches at that length)."""
-    per_token, fixed = cache_sizes(model_config)
-    return round(per_token * seq_len) + fixed
-
-
-def softmax_layers(config: CompareConfig, variant: str) -> list[int]:
-    """1-based indices of the variant's softmax (and MLA) layers, windows included."""
-    return [i + 1 for i, c in enumerate(variant_layers(config, variant)) if c.kind != "linear"]
 
 
 def _curves(workdir: Path) -> dict[str, list]:
@@ -370,8 +172,6 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
                     + (f", {s['wall_s']:.0f} s" if "wall_s" in s else ", diverged")
                 )
                 bar.update(1)
-    from train.compare_report import summarize_variant  # it imports this module
-
     variants = {}
     for variant in config.variants:
         per_lr = {
@@ -390,25 +190,8 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
     }
 
 
-def chance_accuracy(task) -> float | None:
-    """Test accuracy of a model that knows the task's format but recalls nothing, or None.
-
-    On MQAR every answer is one of the ``num_pairs`` values in its sequence, so
-    picking one of them at random scores ``1 / num_pairs``: a fixed-state model
-    that reaches only that has learned the format, not the associations.
-    """
-    return 1.0 / task.num_pairs if task.name == "mqar" else None
-
-
-def metric(task) -> str:
-    """The table's headline metric: bits per byte on ``bytes``, accuracy elsewhere."""
-    return "bits_per_byte" if task.name == "bytes" else "accuracy"
-
-
 def main(argv=None) -> int:
     """``python -m train.compare [--config FILE] [--quick] [--task T] [field overrides]``."""
-    from train.compare_report import format_table, write_results
-
     argv = list(sys.argv[1:] if argv is None else argv)
     quick = "--quick" in argv
     argv = [a for a in argv if a != "--quick"]

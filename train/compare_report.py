@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from train.compare import (
+from train.variants import (
     MILESTONES,
     VARIANTS,
     CompareConfig,

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 
 from models.config import ModelConfig
-from train.sharding import mesh_shape
+from train.sharding import AXIS_TYPES, mesh_shape
 from train.tasks import TaskConfig
 
 __all__ = ["OptimConfig", "TrainConfig", "differences", "from_json", "to_json"]
@@ -95,6 +95,9 @@ class TrainConfig:
         size 1; the product must be the device count; ``""`` puts every device
         on ``data``); see ``train.sharding``. It does not change the result
         beyond float rounding, so a run may resume on another mesh.
+      mesh_axis_types: ``"auto"`` (the default: XLA lays out every intermediate)
+        or ``"explicit"`` (arrays carry their shardings in their types, as on a
+        mesh from ``jax.make_mesh``); the same result, so it may change on resume.
       target_accuracy: None trains all ``steps``. A float in (0, 1]: stop at the
         first evaluation whose test accuracy reaches it (a checkpoint is saved
         there, and a resumed run that already reached it trains no further).
@@ -114,6 +117,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     mesh: str | None = None
+    mesh_axis_types: str = "auto"
     target_accuracy: float | None = None
 
     def __post_init__(self):
@@ -131,6 +135,11 @@ class TrainConfig:
             raise ValueError(f"target_accuracy: expected None or a float in (0, 1], got {t!r}")
         if self.mesh is not None:
             mesh_shape(self.mesh)  # the syntax; the device count is checked when a run starts
+        if self.mesh_axis_types not in AXIS_TYPES:
+            raise ValueError(
+                f"mesh_axis_types: expected one of {tuple(AXIS_TYPES)}, "
+                f"got {self.mesh_axis_types!r}"
+            )
 
     def with_task_vocab(self) -> TrainConfig:
         """This config with ``model.vocab_size`` set to the task's vocabulary."""

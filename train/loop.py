@@ -50,6 +50,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from models.mesh import SEQ_AXIS
 from train import sharding
 from train.checkpoint import Checkpointer, load_state, snapshot
 from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, differences, from_json, to_json
@@ -220,9 +221,22 @@ def _logits(model, batch):
     return model(batch["tokens"])
 
 
-def _train_step(model, optimizer, batch):
+def _gathered(model, gather):
+    """``model``, or (with ``gather``) a copy of it computing with ``gather(state)``.
+
+    A copy, so that the caller's state keeps its layout (and gradients flow
+    through ``gather`` to it).
+    """
+    if gather is None:
+        return model
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, gather(state))
+
+
+def _train_step(model, optimizer, batch, gather=None):
     def loss_fn(model):
-        loss, correct, count = weighted_metrics(_logits(model, batch), batch)
+        logits = _logits(_gathered(model, gather), batch)
+        loss, correct, count = weighted_metrics(logits, batch)
         return loss, (correct, count)
 
     (loss, (correct, count)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
@@ -234,32 +248,55 @@ def _train_step(model, optimizer, batch):
     }
 
 
-def _eval_step(model, batch):
-    loss, correct, count = weighted_metrics(_logits(model, batch), batch)
+def _eval_step(model, batch, gather=None):
+    loss, correct, count = weighted_metrics(_logits(_gathered(model, gather), batch), batch)
     return jnp.stack([loss * count, correct, count])
 
 
-# nnx.cached_partial binds the modules once per run: it skips re-flattening the
-# object graph on every call, which costs more than a small model's step on CPU.
 _jit_train_step = nnx.jit(_train_step)
 _jit_eval_step = nnx.jit(_eval_step)
 
 
 @functools.lru_cache(maxsize=8)
-def _sharded_train_step(mesh):
-    """``_train_step`` for state laid out on ``mesh`` by ``train.sharding``'s rules.
+def _sharded_steps(mesh):
+    """``_train_step`` and ``_eval_step`` for state laid out on ``mesh`` by ``train.sharding``.
 
-    The collectives come from the input shardings; the updated model and optimizer
-    state are constrained back to the rules, so the layout never drifts.
+    Under Auto axes the collectives come from the input shardings. Under
+    Explicit ones each step gathers the parameters it computes with
+    (``sharding.gather``: FSDP's all-gather, whose transpose scatters the
+    gradients back to the shards). The updated model and optimizer state are
+    constrained back to the rules, so the layout never drifts.
     """
+    gather = functools.partial(sharding.gather, mesh) if sharding.is_explicit(mesh) else None
 
-    def step(model, optimizer, batch):
-        out = _train_step(model, optimizer, batch)
+    def train_step(model, optimizer, batch):
+        out = _train_step(model, optimizer, batch, gather)
         for obj in (model, optimizer):
             nnx.update(obj, sharding.constrain(mesh, nnx.state(obj)))
         return out
 
-    return nnx.jit(step)
+    def eval_step(model, batch):
+        return _eval_step(model, batch, gather)
+
+    return nnx.jit(train_step), nnx.jit(eval_step)
+
+
+def _step_fns(mesh, model: nnx.Module, optimizer: nnx.Optimizer):
+    """The run's jitted ``(train_step, eval_step)`` on host batches, bound to its state.
+
+    ``nnx.cached_partial`` binds the modules once per run: it skips re-flattening
+    the object graph on every call, which costs more than a small model's step on CPU.
+    """
+    if mesh is None:
+        return (
+            nnx.cached_partial(_jit_train_step, model, optimizer),
+            nnx.cached_partial(_jit_eval_step, model),
+        )
+    train_step, eval_step = _sharded_steps(mesh)
+    return (
+        _on_mesh(mesh, nnx.cached_partial(train_step, model, optimizer)),
+        _on_mesh(mesh, nnx.cached_partial(eval_step, model)),
+    )
 
 
 def _place(mesh, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
@@ -474,60 +511,16 @@ def train(
         or ``batch_size`` does not split over it.
     """
     t_begin = time.perf_counter()
-    mesh = None if config.mesh is None else sharding.make_mesh(config.mesh)
-    if mesh is not None:
-        sharding.check_batch_size(mesh, config.batch_size)
-        if mesh.shape["seq"] > 1:  # sequence parallelism: see train.sharding
-            sharding.check_seq_len(mesh, config.task.seq_len)
-            sharding.check_sequence_parallel(config.model)
+    mesh = _mesh(config)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     config, extended_from = _check_config(workdir, config.with_task_vocab())
-    task = make_task(config.task)
-    model, optimizer = init_state(config, task.vocab_size, model_fn)
-    if mesh is not None:  # the restore target below then carries the mesh's shardings
-        _place(mesh, model, optimizer)
-    schedule = jax.jit(make_schedule(config.optim, config.steps))  # one compile, not one per op
-    ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
-    # Totals over all sessions of the run, carried in the checkpoints' metadata.
-    totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
-    # (loss, accuracy) of the steps since the last train record: a record averages
-    # its interval, so an interrupted interval's steps travel in the checkpoint.
-    window = []
-    start = 0
-    latest = ckpt.latest_step()
-    if latest is not None:
-        tree, meta = ckpt.restore(latest, snapshot(model, optimizer, 0))
-        start = load_state(model, optimizer, tree)
-        totals.update(meta["totals"])
-        window = [tuple(x) for x in meta["window"]]
-        note = ""
-        if extended_from is not None:
-            horizon = config.optim.horizon(config.steps)
-            note = (
-                f" (extended from {extended_from} steps; the learning rate holds its final "
-                f"value after step {horizon})"
-            )
-        tqdm.write(
-            f"{workdir}: resuming from step {start} of {config.steps}{note}", file=sys.stderr
-        )
-    metrics_path = workdir / "metrics.jsonl"
-    # On several hosts every process runs this loop; one writes the shared files.
-    writer = jax.process_index() == 0
-    if writer:
-        _truncate_metrics(metrics_path, start)
+    run = _Run(config, workdir, mesh, model_fn, t_begin)
+    start = run.resume(extended_from)
     end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))
     reached = start > 0 and _reached_target(read_metrics(workdir), start, config.target_accuracy)
     if reached:  # the run stopped at its target: resuming it trains no further
         end = start
-
-    def wall() -> float:
-        return totals["wall_s"] + time.perf_counter() - t_begin
-
-    def tokens_per_s() -> float:
-        return totals["train_tokens"] / max(totals["train_s"], 1e-9)
-
-    tokens_per_step = config.batch_size * config.task.seq_len
     bar = tqdm(
         total=config.steps,
         initial=start,
@@ -535,89 +528,191 @@ def train(
         disable=not progress,
         dynamic_ncols=True,
     )
-    if mesh is None:
-        train_step = nnx.cached_partial(_jit_train_step, model, optimizer)
-        eval_step = nnx.cached_partial(_jit_eval_step, model)
-    else:
-        train_step = _on_mesh(mesh, nnx.cached_partial(_sharded_train_step(mesh), model, optimizer))
-        eval_step = _on_mesh(mesh, nnx.cached_partial(_jit_eval_step, model))
-
-    done = start
-    stop = _StopOnSigint()
+    done, stop = start, _StopOnSigint()
     try:
-        with metrics_path.open("a") if writer else open(os.devnull, "w") as log, stop:
-            if start < end:
-                batch = task.batch(config.seed, "train", start, config.batch_size)
-            for step in range(start, end):
-                if stop.requested:  # Ctrl-C: stop between steps, with a checkpoint of the last
-                    if ckpt.latest_step() != done:
-                        log.flush()
-                        meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
-                        ckpt.save(done, snapshot(model, optimizer, done), meta)
-                    break
-                t0 = time.perf_counter()
-                out = train_step(batch)
-                if step + 1 < end:  # built while the step runs: dispatch is asynchronous
-                    batch = task.batch(config.seed, "train", step + 1, config.batch_size)
-                loss, acc, gnorm = (float(out[k]) for k in ("loss", "accuracy", "grad_norm"))
-                done = step + 1
-                if not (math.isfinite(loss) and math.isfinite(gnorm)):
-                    ckpt.wait()
-                    raise NonFiniteLossError(done, loss, gnorm, ckpt.latest_step())
-                if step > start:  # a session's first step includes compilation
-                    totals["train_s"] += time.perf_counter() - t0
-                    totals["train_tokens"] += tokens_per_step
-                window.append((loss, acc))
-                if done % config.log_every == 0 or done == config.steps:
-                    mean_loss, mean_acc = (float(x) for x in np.mean(window, axis=0))
-                    window.clear()
-                    record = {
-                        "step": done,
-                        "kind": "train",
-                        "loss": mean_loss,
-                        "accuracy": mean_acc,
-                        "grad_norm": gnorm,
-                        "lr": float(schedule(step)),
-                        "tokens_per_s": tokens_per_s(),
-                        "wall_s": wall(),
-                    }
-                    log.write(json.dumps(record) + "\n")
-                    bar.set_postfix(
-                        loss=f"{mean_loss:.3f}",
-                        acc=f"{mean_acc:.3f}",
-                        tok_s=f"{tokens_per_s():.0f}",
-                    )
-                bar.update(1)
-                if done % config.eval_every == 0 or done == config.steps:
-                    record = {
-                        "step": done,
-                        "kind": "eval",
-                        **evaluate(model, task, config, step_fn=eval_step),
-                    }
-                    log.write(json.dumps(record) + "\n")
-                    reached = _reached_target([record], done, config.target_accuracy)
-                if done % config.ckpt_every == 0 or done == end or reached:
-                    log.flush()  # the records up to a checkpoint reach the disk before it
-                    meta = {"totals": {**totals, "wall_s": wall()}, "window": window}
-                    ckpt.save(done, snapshot(model, optimizer, done), meta)
-                if reached:
-                    end = done
-                    break
-        ckpt.wait()
+        with run.metrics_log(start) as log, stop:
+            done, end, reached_now = _run_steps(run, start, end, log, stop, bar)
+            reached = reached or reached_now
+        run.ckpt.wait()
         if stop.requested and done < end:
-            raise TrainingInterrupted(done, ckpt.latest_step(), config.steps)
+            raise TrainingInterrupted(done, run.ckpt.latest_step(), config.steps)
     except KeyboardInterrupt as e:
         if isinstance(e, TrainingInterrupted):
             raise
         # A second Ctrl-C (or one outside the main thread's handler): no new checkpoint,
         # but one being written is completed, never left half-way.
-        ckpt.wait()
-        ckpt.refresh()
-        raise TrainingInterrupted(done, ckpt.latest_step(), config.steps) from e
+        run.ckpt.wait()
+        run.ckpt.refresh()
+        raise TrainingInterrupted(done, run.ckpt.latest_step(), config.steps) from e
     finally:
         bar.close()
-        ckpt.close()
-    return _summary(workdir, config, model, end, tokens_per_s(), wall(), reached)
+        run.ckpt.close()
+    return _summary(workdir, config, run.model, end, run.tokens_per_s(), run.wall(), reached)
+
+
+def _mesh(config: TrainConfig):
+    """The run's mesh (None without ``config.mesh``), checked against the batch and model."""
+    if config.mesh is None:
+        return None
+    mesh = sharding.make_mesh(config.mesh, axis_types=config.mesh_axis_types)
+    sharding.check_batch_size(mesh, config.batch_size)
+    if mesh.shape[SEQ_AXIS] > 1:  # sequence parallelism: see train.sharding
+        sharding.check_seq_len(mesh, config.task.seq_len)
+        sharding.check_sequence_parallel(config.model)
+    return mesh
+
+
+class _Run:
+    """One session of a run: its state, its steps, and what it saves, logs and evaluates.
+
+    ``totals`` are the wall time, training time and tokens over all sessions of
+    the run, carried in the checkpoints' metadata; ``window`` holds the (loss,
+    accuracy) of the steps since the last train record (a record averages its
+    interval, so an interrupted interval's steps travel in the checkpoint).
+    """
+
+    def __init__(self, config: TrainConfig, workdir: Path, mesh, model_fn, t_begin: float):
+        self.config, self.workdir, self.t_begin = config, workdir, t_begin
+        self.task = make_task(config.task)
+        self.model, self.optimizer = init_state(config, self.task.vocab_size, model_fn)
+        if mesh is not None:  # the restore target then carries the mesh's shardings
+            _place(mesh, self.model, self.optimizer)
+        self.train_step, self.eval_step = _step_fns(mesh, self.model, self.optimizer)
+        # One compile, not one per op.
+        self.schedule = jax.jit(make_schedule(config.optim, config.steps))
+        self.ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
+        self.totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
+        self.window: list[tuple[float, float]] = []
+
+    def resume(self, extended_from: int | None) -> int:
+        """Restores the newest checkpoint, if any; returns the step it holds (0 without)."""
+        latest = self.ckpt.latest_step()
+        if latest is None:
+            return 0
+        tree, meta = self.ckpt.restore(latest, snapshot(self.model, self.optimizer, 0))
+        start = load_state(self.model, self.optimizer, tree)
+        self.totals.update(meta["totals"])
+        self.window = [tuple(x) for x in meta["window"]]
+        note = ""
+        if extended_from is not None:
+            horizon = self.config.optim.horizon(self.config.steps)
+            note = (
+                f" (extended from {extended_from} steps; the learning rate holds its final "
+                f"value after step {horizon})"
+            )
+        tqdm.write(
+            f"{self.workdir}: resuming from step {start} of {self.config.steps}{note}",
+            file=sys.stderr,
+        )
+        return start
+
+    def metrics_log(self, start: int):
+        """The metrics file, opened for appending after dropping the records past ``start``.
+
+        On several hosts every process runs the loop and one writes the shared
+        files; the others write to the null device.
+        """
+        if jax.process_index() != 0:
+            return open(os.devnull, "w")
+        path = self.workdir / "metrics.jsonl"
+        _truncate_metrics(path, start)
+        return path.open("a")
+
+    def wall(self) -> float:
+        return self.totals["wall_s"] + time.perf_counter() - self.t_begin
+
+    def tokens_per_s(self) -> float:
+        return self.totals["train_tokens"] / max(self.totals["train_s"], 1e-9)
+
+    def save(self, done: int, log) -> None:
+        """A checkpoint of step ``done``, after the records up to it reached the disk."""
+        log.flush()
+        meta = {"totals": {**self.totals, "wall_s": self.wall()}, "window": self.window}
+        self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)
+
+    def step(self, batch, first: bool, prefetch):
+        """One update on ``batch``; times it unless ``first`` (which includes compilation).
+
+        ``prefetch()`` builds the next batch while the step runs (dispatch is
+        asynchronous). Returns ``((loss, accuracy, grad_norm), its result)``.
+        """
+        t0 = time.perf_counter()
+        out = self.train_step(batch)
+        following = prefetch()
+        metrics = tuple(float(out[k]) for k in ("loss", "accuracy", "grad_norm"))
+        if not first:
+            self.totals["train_s"] += time.perf_counter() - t0
+            self.totals["train_tokens"] += self.config.batch_size * self.config.task.seq_len
+        return metrics, following
+
+    def train_record(self, done: int, gnorm: float) -> dict[str, Any]:
+        """The mean of the steps since the last record, as a ``metrics.jsonl`` record."""
+        mean_loss, mean_acc = (float(x) for x in np.mean(self.window, axis=0))
+        self.window.clear()
+        return {
+            "step": done,
+            "kind": "train",
+            "loss": mean_loss,
+            "accuracy": mean_acc,
+            "grad_norm": gnorm,
+            "lr": float(self.schedule(done - 1)),
+            "tokens_per_s": self.tokens_per_s(),
+            "wall_s": self.wall(),
+        }
+
+    def eval_record(self, done: int) -> dict[str, Any]:
+        return {
+            "step": done,
+            "kind": "eval",
+            **evaluate(self.model, self.task, self.config, step_fn=self.eval_step),
+        }
+
+
+def _run_steps(run: _Run, start: int, end: int, log, stop, bar) -> tuple[int, int, bool]:
+    """The updates ``start`` to ``end``, with their records, evaluations and checkpoints.
+
+    Returns ``(done, end, reached)``: the updates completed, where the run ends
+    (earlier than ``end`` when an evaluation reached the target accuracy) and
+    whether it did.
+
+    Raises:
+      NonFiniteLossError: a loss or gradient norm was not finite (nothing is saved).
+    """
+    config, done, reached = run.config, start, False
+
+    def batch_at(step: int):
+        return run.task.batch(config.seed, "train", step, config.batch_size) if step < end else None
+
+    batch = batch_at(start)
+    for step in range(start, end):
+        if stop.requested:  # Ctrl-C: stop between steps, with a checkpoint of the last
+            if run.ckpt.latest_step() != done:
+                run.save(done, log)
+            break
+        (loss, acc, gnorm), batch = run.step(batch, step == start, lambda s=step: batch_at(s + 1))
+        done = step + 1
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
+            run.ckpt.wait()
+            raise NonFiniteLossError(done, loss, gnorm, run.ckpt.latest_step())
+        run.window.append((loss, acc))
+        if done % config.log_every == 0 or done == config.steps:
+            record = run.train_record(done, gnorm)
+            log.write(json.dumps(record) + "\n")
+            bar.set_postfix(
+                loss=f"{record['loss']:.3f}",
+                acc=f"{record['accuracy']:.3f}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+            )
+        bar.update(1)
+        if done % config.eval_every == 0 or done == config.steps:
+            record = run.eval_record(done)
+            log.write(json.dumps(record) + "\n")
+            reached = _reached_target([record], done, config.target_accuracy)
+        if done % config.ckpt_every == 0 or done == end or reached:
+            run.save(done, log)
+        if reached:
+            return done, done, True
+    return done, end, reached
 
 
 def _reached_target(records, step: int, target: float | None) -> bool:

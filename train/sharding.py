@@ -21,7 +21,7 @@ shardings) and continues with the same result up to float rounding: the
 reductions over sharded axes may add in another order.
 
 ``seq > 1`` is sequence parallelism: every batch is laid out on the host in
-the zigzag order of ``models.softmax.ring_layout`` (each seq device holds an
+the zigzag order of ``models.mesh.ring_layout`` (each seq device holds an
 early and a late chunk, which balances causal attention) with the tokens' real
 ``positions`` added to it, and the steps run under ``jax.set_mesh(mesh)``, where
 the models' softmax layers (``impl="auto"`` or ``"ring"``) run as ring
@@ -42,19 +42,22 @@ import math
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from models.softmax import SEQ_AXIS, ring_layout
+from models.mesh import BATCH_AXES, SEQ_AXIS, ring_layout
 from train import distributed
 
 __all__ = [
     "AXES",
+    "AXIS_TYPES",
     "FSDP_MIN_SIZE",
     "batch_sharding",
     "check_batch_size",
     "check_seq_len",
     "check_sequence_parallel",
     "constrain",
+    "gather",
+    "is_explicit",
     "make_mesh",
     "mesh_shape",
     "param_spec",
@@ -64,8 +67,9 @@ __all__ = [
     "shardings",
 ]
 
-AXES = ("data", "fsdp", SEQ_AXIS)
-BATCH_AXES = ("data", "fsdp")
+AXES = (*BATCH_AXES, SEQ_AXIS)
+# ``TrainConfig.mesh_axis_types``: the axis types of the run's mesh.
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # Parameters below this many elements are replicated: sharding them saves little
 # memory and costs a collective each (norm scales, biases, small embeddings).
@@ -116,7 +120,7 @@ def mesh_shape(spec: str | None, num_devices: int | None = None) -> dict[str, in
     return sizes
 
 
-def make_mesh(spec: str | None, devices=None) -> Mesh:
+def make_mesh(spec: str | None, devices=None, axis_types: str = "auto") -> Mesh:
     """A ``Mesh`` with axes ``AXES`` over ``devices`` (default ``jax.devices()``).
 
     The devices fill the mesh in their order, ``data`` outermost; ``jax.devices()``
@@ -124,13 +128,29 @@ def make_mesh(spec: str | None, devices=None) -> Mesh:
     block of ``data`` (and of ``fsdp`` and ``seq`` within it), and collectives on
     the inner axes stay within a host where the sizes allow.
 
+    Args:
+      spec: the axis sizes (``mesh_shape``).
+      devices: the devices, in order.
+      axis_types: ``"auto"`` (XLA shards every intermediate, as ``jax.sharding.Mesh``
+        does) or ``"explicit"`` (arrays carry their sharding in their types, as
+        from ``jax.make_mesh``; the steps then gather parameters themselves).
+
     Raises:
-      ValueError: see ``mesh_shape``.
+      ValueError: see ``mesh_shape``; ``axis_types`` not in ``AXIS_TYPES``.
     """
+    if axis_types not in AXIS_TYPES:
+        raise ValueError(
+            f"mesh_axis_types: expected one of {tuple(AXIS_TYPES)}, got {axis_types!r}"
+        )
     devices = jax.devices() if devices is None else list(devices)
     sizes = mesh_shape(spec, len(devices))
     grid = np.asarray(devices, dtype=object).reshape([sizes[a] for a in AXES])
-    return Mesh(grid, AXES)
+    return Mesh(grid, AXES, axis_types=(AXIS_TYPES[axis_types],) * len(AXES))
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    """Whether ``mesh``'s axes are Explicit (then every array states its sharding)."""
+    return AxisType.Explicit in mesh.axis_types
 
 
 def param_spec(shape, fsdp: int, min_size: int = FSDP_MIN_SIZE) -> PartitionSpec:
@@ -171,7 +191,18 @@ def place(mesh: Mesh, tree):
 
 def constrain(mesh: Mesh, tree):
     """Inside ``jit``: ``tree`` constrained to ``shardings`` (keeps the updated state's layout)."""
-    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, _sharding(mesh, x)), tree)
+    put = jax.sharding.reshard if is_explicit(mesh) else jax.lax.with_sharding_constraint
+    return jax.tree.map(lambda x: put(x, _sharding(mesh, x)), tree)
+
+
+def gather(mesh: Mesh, tree):
+    """Inside ``jit``: every array of ``tree`` whole on every device of ``mesh``.
+
+    What an Explicit mesh's step computes with (FSDP's all-gather of the
+    parameters); its transpose leaves each gradient on its parameter's shards.
+    """
+    whole = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda x: jax.sharding.reshard(x, whole), tree)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

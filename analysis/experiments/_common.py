@@ -27,7 +27,7 @@ from flax import nnx
 
 import train.cli
 import train.loop
-from attn._checks import fail
+from attn.errors import fail
 from models import capture_weights
 
 RESULTS_FILE = "results.json"

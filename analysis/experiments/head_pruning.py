@@ -14,10 +14,7 @@ heads first (``analysis.pruning_order``) at each fraction and measures test
 importance never sees); the baseline masks random heads at the same fractions,
 averaged over ``random_orders`` orders.
 
-Runtime (full config): 105 s wall on 2 quiet CPU cores, in a fresh clone run by
-``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
-first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
-(the test): under a minute; the four quick tests together take about 70 s of CPU.
+Its runtime is recorded in its results (``runtime_s``) and in docs/results/README.md.
 
 Result (docs/results/head_pruning/, byte LM, next-byte accuracy 0.565 unpruned):
 masking the 8 least important of 32 heads (25%) costs 0.043 (0.522); 4 heads

@@ -22,10 +22,7 @@ The jump step of a curve is the first checkpoint where it has covered half of
 its change from step 0 to the end (``transition_step``); the claim compares
 the best head's induction-score jump with the second-copy loss drop.
 
-Runtime (full config): 36 s wall on 2 quiet CPU cores, in a fresh clone run by
-``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
-first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
-(the test): under a minute; the four quick tests together take about 70 s of CPU.
+Its runtime is recorded in its results (``runtime_s``) and in docs/results/README.md.
 
 Result (docs/results/induction_heads/): the best head's induction score rises
 from 0.03 to 0.97 and the second-copy loss falls from 3.9 to 0.4 nats together

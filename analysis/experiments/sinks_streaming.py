@@ -26,11 +26,7 @@ BOS byte first (``TaskConfig.bos``, as corpora packed with a BOS per document
 start), and its heads' first-token mass is measured on held-out windows of the
 same kind. The onset is the smallest model with a sink rate above 0.
 
-Runtime (full config): 677 s wall on 2 quiet CPU cores, in a fresh clone run by
-``python -m analysis.claims --run`` (with the compilation cache of earlier
-runs): about 100 s for the main run and the streams, the rest for the five
-sweep runs, most of it the two at width 128. Quick config (the test): under a
-minute; the four quick tests together take about 70 s of CPU.
+Its runtime is recorded in its results (``runtime_s``) and in docs/results/README.md.
 
 Result (docs/results/sinks_streaming/): no sink forms in the main model (4
 layers x 4 heads, width 64, 800 steps of 2048 bytes): every head's first-token

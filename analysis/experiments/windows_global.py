@@ -14,10 +14,7 @@ whose value token lies inside its window has gap <= w; stacking three windows
 reaches 3(w - 1) positions back at most, so window-only layers cannot see keys
 past that at all.
 
-Runtime (full config): 159 s wall on 2 quiet CPU cores, in a fresh clone run by
-``python -m analysis.claims --run`` (with the compilation cache of earlier runs;
-first measured at load 9 to 17, which took 3 to 5 times as long). Quick config
-(the test): under a minute; the four quick tests together take about 70 s of CPU.
+Its runtime is recorded in its results (``runtime_s``) and in docs/results/README.md.
 
 Result (docs/results/windows_global/, windows of 8): the hybrid recalls every
 query at every gap (1.000 from 1-8 to 41-48; its recall formed between steps 400

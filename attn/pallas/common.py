@@ -1,4 +1,5 @@
-"""What the Pallas kernels share: the call's static configuration and the tile mask.
+"""What the Pallas kernels share: the call's static configuration, its integer inputs,
+the launch settings and the tile mask.
 
 Internal to ``attn.pallas``. Arrays keep the project's layouts, padded to whole
 blocks: q ``[B,Tp,N,H]``, k ``[B,Sp,K,H]``, v ``[B,Sp,K,E]``, out like q with E,
@@ -8,34 +9,53 @@ segment ids ``[B,Tp]`` / ``[B,Sp]`` int32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from attn import masks
-from attn.dense import MASKED
+from attn.softmax.call import MASKED, shape_logits
+from attn.softmax.schedule import BlockSpec, Schedule
 
 
-class FlashConfig(NamedTuple):
-    """Hashable settings of one call: a static argument of the custom VJP."""
+@dataclasses.dataclass(frozen=True)
+class FlashConfig(BlockSpec):
+    """Hashable settings of one call: a static argument of the custom VJP.
 
-    mask: masks.Mask
-    scale: float
-    softcap: float | None
-    has_sink: bool
-    has_segments: bool
-    T: int  # real lengths; the arrays are padded past them
-    S: int
-    G: int  # query heads per kv head
-    block_q: int
-    block_k: int
-    bwd_block_q: int
-    bwd_block_k: int
+    The inherited ``T`` and ``S`` are the real lengths (the arrays are padded
+    past them) and ``block_q``/``block_k`` the forward and dq kernels' tiles,
+    which the forward schedule is laid out in.
+    """
+
+    bwd_block_q: int  # dk/dv kernel: query rows per inner-loop step
+    bwd_block_k: int  # dk/dv kernel: keys per program
     interpret: bool
     num_warps: int | None
     num_stages: int | None
+
+
+class KernelInts(NamedTuple):
+    """The integer inputs of the kernels; no gradient flows to them."""
+
+    by_query: Schedule  # forward and dq: key blocks per query block
+    by_key: Schedule  # dk/dv: query blocks per key block
+    q_pos: jax.Array  # [B,Tp] int32
+    kv_pos: jax.Array  # [B,Sp] int32
+    q_seg: jax.Array | None  # [B,Tp] int32
+    kv_seg: jax.Array | None  # [B,Sp] int32
+
+
+def compiler_params(config: FlashConfig):
+    """Triton launch settings on a GPU; nothing elsewhere."""
+    if config.interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as plgpu  # loads Triton's lowering: GPU only
+
+    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def allowed(mask: masks.Mask, q_pos, k_pos):
@@ -61,7 +81,7 @@ def tile_visible(config: FlashConfig, q_pos, k_pos, k_start, q_seg=None, k_seg=N
     """Boolean ``[Q, J]``: mask, segment ids, and (where S is padded) the real keys."""
     ok = allowed(config.mask, q_pos, k_pos)
     if q_seg is not None:
-        ok = ok & (q_seg[:, None] == k_seg[None, :])
+        ok = ok & masks.same_segment(q_seg, k_seg)
     J = k_pos.shape[0]
     if config.S % J:  # the last key block holds padding
         index = k_start + lax.broadcasted_iota(jnp.int32, (1, J), 1)
@@ -72,10 +92,7 @@ def tile_visible(config: FlashConfig, q_pos, k_pos, k_start, q_seg=None, k_seg=N
 def logits(config: FlashConfig, q, k):
     """Float32 ``cap(scale * q k^T)`` of a tile ``[Q,H] x [J,H] -> [Q,J]``."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * config.scale
-    if config.softcap is not None:
-        s = config.softcap * jnp.tanh(s / config.softcap)
-    return s
+    return shape_logits(s, config.scale, config.softcap)
 
 
 def masked_unless_full(config: FlashConfig, s, kind, visible):

@@ -9,7 +9,7 @@ zeros, soft-cap, learned sink logits, GQA/MQA, any T and S) as Pallas kernels:
   merging each tile into a float32 online softmax (Dao et al. 2022,
   FlashAttention). K and V are read through the kv head ``n // G`` of the
   query head: GQA and MQA never repeat them in memory.
-* The schedule comes from ``attn.blockwise_schedule`` (``Mask.classify`` on
+* The schedule comes from ``attn.softmax.schedule`` (``Mask.classify`` on
   block bounds), computed outside the kernel: in NumPy when positions and
   segment ids are known at trace time, at run time when they are traced. It
   is an input array, since Triton has no scalar prefetch. EMPTY tiles are never
@@ -27,31 +27,26 @@ Triton requires. Block sizes come from ``attn.pallas.blocks``.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attn._checks import fail, positive_int
-from attn.blockwise_schedule import Schedule
-from attn.blockwise_tiles import TileConfig
-from attn.dense import MASKED, check_call
+from attn.errors import fail, positive_int
 from attn.pallas import blocks as blocks_lib
-from attn.pallas.common import FlashConfig, logits, masked_unless_full, matmul, tile_visible
+from attn.pallas.common import (
+    FlashConfig,
+    KernelInts,
+    compiler_params,
+    logits,
+    masked_unless_full,
+    matmul,
+    tile_visible,
+)
+from attn.pallas.flash_backward import backward
 from attn.pallas.schedule import schedules
-
-
-class KernelInts(NamedTuple):
-    """The integer inputs of the kernels; no gradient flows to them."""
-
-    by_query: Schedule  # forward and dq: key blocks per query block
-    by_key: Schedule  # dk/dv: query blocks per key block
-    q_pos: jax.Array  # [B,Tp] int32
-    kv_pos: jax.Array  # [B,Sp] int32
-    q_seg: jax.Array | None  # [B,Tp] int32
-    kv_seg: jax.Array | None  # [B,Sp] int32
+from attn.softmax.call import MASKED, Call, check_call, spec_fields, static_rows
 
 
 def flash_attention(
@@ -82,7 +77,7 @@ def flash_attention(
       k: ``[B,S,K,H]`` keys, ``N % K == 0``; v: ``[B,S,K,E]`` values.
       mask, scale, softcap, sink_logits, q_positions, kv_positions,
         q_segment_ids, kv_segment_ids: as in ``attn.dot_product_attention``
-        (segment ids: both or neither).
+        (segment ids: both or neither; id 0 is padding).
       return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
         sees nothing), which ``attn.merge_attention`` merges and which is
         differentiable.
@@ -107,11 +102,24 @@ def flash_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    B, T, S, N, K, G, H, E = call.dims
+    config = _config(call, block_q, block_k, interpret)
+    ints = _kernel_ints(config, call)
+    qp, kp, vp = _padded_operands(config, q, k, v)
+    N = call.dims.N
+    sink = call.sink_logits.reshape(N) if config.has_sink else jnp.zeros((N,), jnp.float32)
+    out, lse = _flash(config, qp, kp, vp, sink, ints)
+    T, E = call.dims.T, call.dims.E
+    out = out[:, :T, :, :E].astype(q.dtype)
+    return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
+
+
+def _config(call: Call, block_q, block_k, interpret) -> FlashConfig:
+    """The call's kernel settings: interpret mode, the tiles and the launch parameters."""
     platform = jax.default_backend()
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     table = blocks_lib.platform_blocks("cpu" if interpret else platform)
     minimum = 1 if interpret else blocks_lib.MIN_BLOCK
+    T, S = call.dims.T, call.dims.S
     bq, bk, bwd_bq, bwd_bk = (
         _block(given, default, length, minimum, interpret, name)
         for given, default, length, name in (
@@ -121,16 +129,9 @@ def flash_attention(
             (block_k, table.bwd_block_k, S, "block_k"),
         )
     )
-    num_warps = table.num_warps or (4 if H <= 64 else 8)
-    config = FlashConfig(
-        mask=call.mask,
-        scale=call.scale,
-        softcap=call.softcap,
-        has_sink=call.sink_logits is not None,
-        has_segments=call.q_segment_ids is not None,
-        T=T,
-        S=S,
-        G=G,
+    num_warps = table.num_warps or (4 if call.dims.H <= 64 else 8)
+    return FlashConfig(
+        **spec_fields(call),
         block_q=bq,
         block_k=bk,
         bwd_block_q=bwd_bq,
@@ -139,43 +140,42 @@ def flash_attention(
         num_warps=None if interpret else num_warps,
         num_stages=None if interpret else table.num_stages,
     )
-    tiles = TileConfig(
-        mask=call.mask,
-        scale=call.scale,
-        softcap=call.softcap,
-        has_sink=config.has_sink,
-        has_segments=config.has_segments,
-        T=T,
-        S=S,
-        B=B,
-        K=K,
-        G=G,
-        dtype=jnp.dtype(q.dtype).name,
-        block_q=bq,
-        block_k=bk,
-        tile_heads=B * K,
-    )
-    Tp, Sp = _round_up(T, max(bq, bwd_bq)), _round_up(S, max(bk, bwd_bk))
-    rows = [(call.q_positions, T), (call.kv_positions, S)]
-    if config.has_segments:
-        rows += [(call.q_segment_ids, T), (call.kv_segment_ids, S)]
-    given = [q_positions, kv_positions, q_segment_ids, kv_segment_ids]
-    plan = schedules(tiles, rows, given, bwd_bq, bwd_bk)
-    q_pos, kv_pos = _pad(call.q_positions, Tp, "edge"), _pad(call.kv_positions, Sp, "edge")
-    q_seg = kv_seg = None
-    if config.has_segments:
-        q_seg, kv_seg = _pad(call.q_segment_ids, Tp, "edge"), _pad(call.kv_segment_ids, Sp, "edge")
-    ints = KernelInts(plan.by_query, plan.by_key, q_pos, kv_pos, q_seg, kv_seg)
 
+
+def _padded_lengths(config: FlashConfig) -> tuple[int, int]:
+    """``(Tp, Sp)``: T and S padded to whole blocks of every kernel."""
+    Tp = _round_up(config.T, max(config.block_q, config.bwd_block_q))
+    Sp = _round_up(config.S, max(config.block_k, config.bwd_block_k))
+    return Tp, Sp
+
+
+def _kernel_ints(config: FlashConfig, call: Call) -> KernelInts:
+    """Both schedules, and the positions and segment ids padded to ``_padded_lengths``."""
+    rows = [call.q_positions, call.kv_positions]
+    if config.has_segments:
+        rows += [call.q_segment_ids, call.kv_segment_ids]
+    plan = schedules(config, rows, static_rows(call))
+    Tp, Sp = _padded_lengths(config)
+    # Padding repeats the last entry: the blocks' bounds, and so the schedule, stay those
+    # of the real rows; padding keys are masked by index (tile_visible).
+    q_pos, kv_pos, *segments = (
+        _pad(x, length, "edge") for x, length in zip(rows, (Tp, Sp) * 2, strict=False)
+    )
+    q_seg, kv_seg = segments if segments else (None, None)
+    return KernelInts(plan.by_query, plan.by_key, q_pos, kv_pos, q_seg, kv_seg)
+
+
+def _padded_operands(config: FlashConfig, q, k, v):
+    """q, k, v in one dtype, padded to whole blocks (and, compiled, to power-of-two head dims)."""
+    Tp, Sp = _padded_lengths(config)
+    H, E = q.shape[-1], v.shape[-1]
+    Hp, Ep = (H, E) if config.interpret else (_head_pad(H), _head_pad(E))
     dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-    Hp, Ep = (H, E) if interpret else (_head_pad(H), _head_pad(E))
-    qp = _pad(q.astype(dtype), Tp, "constant", Hp)
-    kp = _pad(k.astype(dtype), Sp, "constant", Hp)
-    vp = _pad(v.astype(dtype), Sp, "constant", Ep)
-    sink = call.sink_logits.reshape(N) if config.has_sink else jnp.zeros((N,), jnp.float32)
-    out, lse = _flash(config, qp, kp, vp, sink, ints)
-    out = out[:, :T, :, :E].astype(q.dtype)
-    return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
+    return (
+        _pad(q.astype(dtype), Tp, "constant", Hp),
+        _pad(k.astype(dtype), Sp, "constant", Hp),
+        _pad(v.astype(dtype), Sp, "constant", Ep),
+    )
 
 
 def _block(given, default, length, minimum, interpret, name) -> int:
@@ -204,15 +204,6 @@ def _pad(x, length: int, mode: str, last: int | None = None):
     if all(w == (0, 0) for w in widths):
         return x
     return jnp.pad(x, widths, mode=mode)
-
-
-def compiler_params(config: FlashConfig):
-    """Triton launch settings on a GPU; nothing elsewhere."""
-    if config.interpret or jax.default_backend() != "gpu":
-        return None
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def forward(config: FlashConfig, q, k, v, sink, ints: KernelInts):
@@ -316,8 +307,6 @@ def _flash_fwd(config, q, k, v, sink, ints):
 
 
 def _flash_bwd(config, residuals, cotangents):
-    from attn.pallas.flash_backward import backward
-
     q, k, v, sink, ints, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, dsink = backward(config, q, k, v, sink, ints, out, lse, d_out, d_lse)

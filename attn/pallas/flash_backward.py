@@ -22,8 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attn.pallas.common import FlashConfig, logits, masked_unless_full, matmul, tile_visible
-from attn.pallas.flash import KernelInts, compiler_params
+from attn.pallas.common import (
+    FlashConfig,
+    KernelInts,
+    compiler_params,
+    logits,
+    masked_unless_full,
+    matmul,
+    tile_visible,
+)
+from attn.softmax.call import softcap_grad
 
 
 def backward(config: FlashConfig, q, k, v, sink, ints: KernelInts, out, lse, d_out, d_lse):
@@ -117,15 +125,13 @@ def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, 
 
 def _ds(config: FlashConfig, x, kind, visible, lse, delta, do, v, p_out=None):
     """``dS`` of a tile from its capped logits x ``[Q,J]`` (and P, if ``p_out`` is a list)."""
-    if config.softcap is not None:
-        t = x / config.softcap
-        cap_grad = 1.0 - t * t  # from the unmasked logits: finite everywhere
+    cap_grad = softcap_grad(x, config.softcap)  # from the unmasked logits: finite everywhere
     x = masked_unless_full(config, x, kind, visible)
     p = jnp.exp(x - lse)  # masked logits give exp(MASKED - lse) = 0
     if p_out is not None:
         p_out.append(p)
     ds = p * (matmul(do, v, (1, 1)) - delta)
-    return ds * cap_grad if config.softcap is not None else ds
+    return ds if cap_grad is None else ds * cap_grad
 
 
 def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, ints: KernelInts):

@@ -25,9 +25,11 @@ Semantics are ours, where splash's differ:
   mask value (a mean of V). Every call passes sink logits, ``MASKED`` when the
   caller has none: the sink then dominates exactly the empty rows, whose
   output becomes 0, and weighs ``exp(MASKED - max) = 0`` everywhere else;
+* segment id 0 is padding, seen by no query and seeing no key: splash matches
+  equal ids only, so padding becomes ``Q_PADDING`` on the query side and
+  ``KV_PADDING`` on the key side, ids no real token has;
 * T and S are padded to whole blocks of 128 (the TPU's lanes); padding keys are
-  hidden by the mask or, for masks that would see them, by a segment id no
-  query has.
+  hidden by the mask or, for masks that would see them, by ``KV_PADDING``.
 """
 
 from __future__ import annotations
@@ -39,13 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import masks
-from attn._checks import fail
-from attn.dense import MASKED, check_call
+from attn.errors import fail
 from attn.pallas.blocks import SPLASH_BLOCK
+from attn.softmax.call import MASKED, check_call, dims_or_none
 
 # The largest [T,S] boolean mask the NumPy fallback builds when tracing (64 MB).
 NUMPY_MASK_LIMIT = 2**26
 LANES = 128
+# Splash's ids for padding (our id 0) on each side: distinct, and below any id >= 0.
+Q_PADDING = np.iinfo(np.int32).min
+KV_PADDING = Q_PADDING + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +66,13 @@ def splash_reason(q, k, v, **kwargs) -> str | None:
     Takes ``attn.attention``'s keyword arguments (``bias`` and ``return_weights``
     included); checks nothing that splash would not refuse.
     """
-    refusal = _refusal(q, k, **kwargs)
+    refusal = _refusal(q, k, v, **kwargs)
     if refusal is None:
         return None
     return f"{refusal.arg}: expected {refusal.expected}, got {refusal.got}"
 
 
-def _refusal(q, k, *, mask=None, bias=None, return_weights=False, return_lse=False,
+def _refusal(q, k, v, *, mask=None, bias=None, return_weights=False, return_lse=False,
              q_positions=None, kv_positions=None, **_) -> _Refusal | None:  # fmt: skip
     if bias is not None:
         return _Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
@@ -87,7 +92,10 @@ def _refusal(q, k, *, mask=None, bias=None, return_weights=False, return_lse=Fal
                 return _Refusal(
                     name, "the same positions in every batch row for impl='splash'", "rows differ"
                 )
-    T, S = _shape(q, 1), _shape(k, 1)
+    dims = dims_or_none(q, k, v)
+    if dims is None:  # not a call at all: check_call says why
+        return None
+    T, S = dims.T, dims.S
     if _maps_to_numpy(mask, q_positions, kv_positions, T, S):
         Tp, Sp = _padded(T), _padded(S)
         if Tp * Sp > NUMPY_MASK_LIMIT:
@@ -98,11 +106,6 @@ def _refusal(q, k, *, mask=None, bias=None, return_weights=False, return_lse=Fal
                 f"{mask!r} over [{Tp},{Sp}]",
             )
     return None
-
-
-def _shape(x, axis):
-    shape = getattr(x, "shape", ())
-    return shape[axis] if len(shape) == 4 else 1
 
 
 def _block(length: int) -> int:
@@ -211,7 +214,13 @@ def splash_attention(
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     refusal = _refusal(
-        q, k, mask=mask, return_lse=return_lse, q_positions=q_positions, kv_positions=kv_positions
+        q,
+        k,
+        v,
+        mask=mask,
+        return_lse=return_lse,
+        q_positions=q_positions,
+        kv_positions=kv_positions,
     )
     if refusal is not None:
         fail(refusal.arg, refusal.expected, refusal.got)
@@ -228,7 +237,7 @@ def splash_attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    B, T, S, N = call.dims.B, call.dims.T, call.dims.S, call.dims.N
+    T, S, N = call.dims.T, call.dims.S, call.dims.N
     interpret = jax.default_backend() != "tpu" if interpret is None else bool(interpret)
     bq, bk = _block(T), _block(S)
     Tp, Sp = _padded(T), _padded(S)
@@ -238,18 +247,7 @@ def splash_attention(
     k_pos = np.arange(S) if k_pos is None else k_pos.astype(np.int64)
     splash_mask, hide_padding = _splash_mask(call.mask, q_pos, k_pos, Tp, Sp)
 
-    q_seg, kv_seg = call.q_segment_ids, call.kv_segment_ids
-    if q_seg is not None:
-        if hide_padding:  # an id no query has
-            fill = jnp.min(q_seg) - 1
-            kv_seg = jnp.concatenate([kv_seg, jnp.broadcast_to(fill, (B, Sp - S))], 1)
-        else:
-            kv_seg = jnp.pad(kv_seg, ((0, 0), (0, Sp - S)), mode="edge")
-        q_seg = jnp.pad(q_seg, ((0, 0), (0, Tp - T)), mode="edge")
-    elif hide_padding:
-        q_seg = jnp.zeros((B, Tp), jnp.int32)
-        kv_seg = jnp.broadcast_to((jnp.arange(Sp) >= S).astype(jnp.int32), (B, Sp))
-
+    q_seg, kv_seg = _segment_ids(call, Tp, Sp, hide_padding)
     block_sizes = sa.BlockSizes(
         block_q=bq, block_kv=bk, block_kv_compute=bk,
         block_q_dkv=bq, block_kv_dkv=bk, block_kv_dkv_compute=bk,
@@ -281,3 +279,23 @@ def splash_attention(
 
     out = jax.vmap(one_row)(qs, ks, vs, q_seg, kv_seg)  # [B,N,Tp,E]
     return out.transpose(0, 2, 1, 3)[:, :T].astype(q.dtype)
+
+
+def _segment_ids(call, Tp: int, Sp: int, hide_padding: bool):
+    """Splash's ``[B,Tp]``, ``[B,Sp]`` ids with our padding (id 0) and the padded keys
+    mapped to ids nothing matches; None, None when neither is needed."""
+    B, T, S = call.dims.B, call.dims.T, call.dims.S
+    q_seg, kv_seg = call.q_segment_ids, call.kv_segment_ids
+    if q_seg is None and not hide_padding:
+        return None, None
+    if q_seg is None:
+        q_seg, kv_seg = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+    else:
+        q_seg = jnp.where(q_seg == masks.PADDING, Q_PADDING, q_seg)
+        kv_seg = jnp.where(kv_seg == masks.PADDING, KV_PADDING, kv_seg)
+    q_seg = jnp.pad(q_seg, ((0, 0), (0, Tp - T)), mode="edge")  # padding rows are dropped
+    if hide_padding:
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, Sp - S)), constant_values=KV_PADDING)
+    else:
+        kv_seg = jnp.pad(kv_seg, ((0, 0), (0, Sp - S)), mode="edge")
+    return q_seg, kv_seg

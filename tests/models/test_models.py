@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 import models
-from models.config import pattern
+from models.patterns import pattern
 from tests.models.common import (
     KINDS,
     MAX_LEN,
@@ -194,18 +194,19 @@ PACKED = [
 def test_packed_rows_equal_each_sequence_alone(kind, names):
     model = model_for(names)
     a, b = tokens(43, (1, 3)), tokens(44, (1, 5))
-    junk = tokens(45, (1, 5))
-    # Row 0 packs a then b, row 1 b then a; alone, each sequence is its row's prefix.
-    packed = jnp.concatenate([jnp.concatenate([a, b], 1), jnp.concatenate([b, a], 1)], 0)
-    seg = jnp.asarray([[1] * 3 + [2] * 5, [1] * 5 + [2] * 3], jnp.int32)
+    pad, junk = tokens(45, (1, 2)), tokens(46, (1, 7))
+    # Row 0 packs a, padding (id 0), then b; row 1 b, a, then padding. Alone, each
+    # sequence is the prefix of a row.
+    packed = jnp.concatenate([jnp.concatenate([a, pad, b], 1), jnp.concatenate([b, a, pad], 1)])
+    seg = jnp.asarray([[1] * 3 + [0] * 2 + [2] * 5, [1] * 5 + [2] * 3 + [0] * 2], jnp.int32)
     positions = models.packed_positions(seg)
-    np.testing.assert_array_equal(positions[0], [0, 1, 2, 0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(positions[0], [0, 1, 2, 0, 1, 0, 1, 2, 3, 4])
     out = apply(model, packed, segment_ids=seg, positions=positions)
     alone = apply(model, jnp.concatenate([jnp.concatenate([a, junk], 1), packed[1:]], 0))
     assert rel_err(out[0, :3], alone[0, :3]) <= RTOL, kind
-    assert rel_err(out[0, 3:], alone[1, :5]) <= RTOL, kind
+    assert rel_err(out[0, 5:], alone[1, :5]) <= RTOL, kind
     assert rel_err(out[1, :5], alone[1, :5]) <= RTOL, kind
-    assert rel_err(out[1, 5:], alone[0, :3]) <= RTOL, kind
+    assert rel_err(out[1, 5:8], alone[0, :3]) <= RTOL, kind
 
 
 def test_short_conv_starts_as_the_identity():

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import AttentionConfig, Decoder, ModelConfig
-from models.softmax import ring_layout
+from models.mesh import ring_layout
 from tests.train import sharding_cases
 from tests.util import rel_err
 
@@ -40,7 +40,7 @@ def ring_model_config(impl: str = "ring") -> ModelConfig:
     return ModelConfig(vocab_size=32, width=32, mlp_width=32, layers=(layer,))
 
 
-def case_ring_decoder(root):
+def case_ring_decoder(root, axis_type=AxisType.Auto):
     """The decoder on a data=2,fsdp=2,seq=2 mesh (tokens in the zigzag layout, with their
     positions, and packed segments) equals the unsharded decoder: logits and gradients."""
     del root
@@ -62,7 +62,7 @@ def case_ring_decoder(root):
     step = jax.jit(jax.value_and_grad(loss, has_aux=True))
     (_, ref), ref_grads = step(params, tokens, positions, seg, probe)
 
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "seq"), axis_types=(AxisType.Auto,) * 3)
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "seq"), axis_types=(axis_type,) * 3)
     order = ring_layout(T, 2)
     split = NamedSharding(mesh, P(("data", "fsdp"), "seq"))
     args = [jax.device_put(x[:, order], split) for x in (tokens, positions, seg, probe)]
@@ -82,6 +82,12 @@ def case_ring_decoder(root):
     ok = all(e <= RTOL for e in rel.values()) and "seq" in str(logits.sharding.spec)
     ok &= message is not None and message.startswith("x:") and "T=15" in message
     return {"ok": bool(ok), "rel": rel, "T=15": message}
+
+
+def case_ring_decoder_explicit(root):
+    """As ``case_ring_decoder`` on a mesh of Explicit axes (``jax.make_mesh``'s default),
+    where every array carries its sharding in its type."""
+    return case_ring_decoder(root, AxisType.Explicit)
 
 
 def case_batch_sharded_decoder(root):
@@ -122,6 +128,11 @@ def test_batch_sharded_decoder_attends_its_own_rows(tmp_path_factory):
 
 def test_ring_decoder_equals_the_unsharded_decoder(tmp_path_factory):
     result = sharding_cases.results(tmp_path_factory)["ring_decoder"]
+    assert result["ok"], result
+
+
+def test_ring_decoder_on_explicit_axes_equals_the_unsharded_decoder(tmp_path_factory):
+    result = sharding_cases.results(tmp_path_factory)["ring_decoder_explicit"]
     assert result["ok"], result
 
 

@@ -141,14 +141,18 @@ def case_layout(root):
 
 def case_one_step(root):
     """One sharded step equals the single-device step: data=8, fsdp=8, and with sequence
-    parallelism (ring attention over seq) data=2,fsdp=2,seq=2."""
+    parallelism (ring attention over seq) data=2,fsdp=2,seq=2; on meshes of Auto axes and
+    of Explicit ones (where the step gathers the fsdp shards itself)."""
     cfg = config(steps=STEPS)
     train(cfg, root / "single", stop_at=1, progress=False)
     ref = params(root / "single", cfg)
     errors = {}
-    for i, mesh in enumerate(("data=8", "fsdp=8", "data=2,fsdp=2,seq=2")):
-        train(dataclasses.replace(cfg, mesh=mesh), root / f"step{i}", stop_at=1, progress=False)
-        errors[mesh] = rel_error(params(root / f"step{i}", cfg), ref)
+    meshes = [("auto", m) for m in ("data=8", "fsdp=8", "data=2,fsdp=2,seq=2")]
+    meshes += [("explicit", m) for m in ("fsdp=8", "data=2,fsdp=2,seq=2")]
+    for i, (types, mesh) in enumerate(meshes):
+        run = dataclasses.replace(cfg, mesh=mesh, mesh_axis_types=types)
+        train(run, root / f"step{i}", stop_at=1, progress=False)
+        errors[f"{types} {mesh}"] = rel_error(params(root / f"step{i}", cfg), ref)
     return {"ok": all(e <= RTOL for e in errors.values()), "rel": errors}
 
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
-from train.compare import VARIANTS, CompareConfig, cache_sizes, run_comparison, variant_layers
+from train.compare import run_comparison
 from train.compare_report import (
     aggregate,
     first_reached,
@@ -26,6 +26,7 @@ from train.compare_report import (
     write_results,
 )
 from train.config import TrainConfig
+from train.variants import VARIANTS, CompareConfig, cache_sizes, variant_layers
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """Linear attention: softmax(q.k) replaced by a kernel phi(q).phi(k).
 
-With a feature map ``phi: [..., H] -> [..., F]`` (``attn.features``) causal
+With a feature map ``phi: [..., H] -> [..., F]`` (``attn.linear.features``) causal
 attention becomes
 
     out_t = phi(q_t) . S_t / (phi(q_t) . z_t + eps)
@@ -14,7 +14,7 @@ is the plain sum ``phi(q_t) . S_t``.
 
 ``linear_attention`` computes this function in three forms that are the same
 function, tested to float32 precision (forward and gradients), in
-``attn.linear_forms``:
+``attn.linear.forms``:
 
 - ``"parallel"``: the materialized ``[T, S]`` matrix ``phi(Q) phi(K)^T`` times
   the decay matrix; quadratic in time and memory, the reference.
@@ -89,33 +89,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import _checks
-from attn import linear_forms as forms
-from attn import linear_segments as segments
-from attn._checks import fail, qkv_dims
-from attn.features import (
-    FEATURE_MAPS,
-    favor_projection,
-    linear_feature_dim,
-    output_dim,
-    resolve,
-    root_scale,
-)
-from attn.features import elu1 as elu1  # the maps stay reachable as attn.linear.<name>
-from attn.features import favor as favor
-from attn.features import identity as identity
-from attn.features import relu as relu
-from attn.features import taylor as taylor
+from attn import errors
+from attn.errors import concrete, fail, qkv_dims
+from attn.linear import forms, segments
+from attn.linear.features import output_dim, resolve, root_scale
 
 __all__ = [
-    "FEATURE_MAPS",
     "FORMS",
     "LinearState",
-    "favor_projection",
     "init_linear_state",
     "linear_attention",
     "linear_attention_step",
-    "linear_feature_dim",
 ]
 
 FORMS = ("parallel", "recurrent", "chunkwise")
@@ -145,14 +129,6 @@ def init_linear_state(batch: int, num_heads: int, feature_dim: int, value_dim: i
 # Validation
 
 
-def _concrete(x):
-    """NumPy value of x, or None under a trace (then value checks are skipped)."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
 def _check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="log_gates"):
     """Validates ``decay`` (gamma ``[N]`` or scalar) and ``log_gates`` ``[B,T,N]``."""
     if not causal and (decay is not None or log_gates is not None):
@@ -162,14 +138,14 @@ def _check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="l
         shape = np.shape(decay)
         if shape not in ((), (N,)):
             fail("decay", f"shape () or ({N},) (one gamma per query head)", f"shape {shape}")
-        value = _concrete(decay)
+        value = concrete(decay)
         if value is not None and not np.all((value > 0) & (value <= 1)):
             fail("decay", "values in (0, 1]", f"min {value.min()}, max {value.max()}")
     if log_gates is not None:
         shape = np.shape(log_gates)
         if shape != (B, T, N):
             fail(name, f"shape ({B}, {T}, {N}) = [B,T,N]", f"shape {shape}")
-        value = _concrete(log_gates)
+        value = concrete(log_gates)
         if value is not None and np.any(value > 0):
             fail(name, "values <= 0 (log of gates in [0, 1])", f"max {value.max()}")
 
@@ -209,8 +185,8 @@ def _check_options(form, chunk_size, eps):
 
 def _check_segments(q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state):
     """Segment ids ``([B,T], [B,S])`` int32, or ``(None, None)``."""
-    q_seg = _checks.segment_ids(q_segment_ids, "q_segment_ids", B, T)
-    kv_seg = _checks.segment_ids(kv_segment_ids, "kv_segment_ids", B, S)
+    q_seg = errors.segment_ids(q_segment_ids, "q_segment_ids", B, T)
+    kv_seg = errors.segment_ids(kv_segment_ids, "kv_segment_ids", B, S)
     if (q_seg is None) != (kv_seg is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     if q_seg is not None and not causal and (initial_state is not None or return_state):
@@ -419,12 +395,8 @@ def linear_attention_step(
         log_gate = jnp.asarray(log_gate)[:, None]
     _check_decay(decay, log_gate, B, 1, N, causal=True, name="log_gate")
     _check_state(state, "state", B, N, F, E)
-    real = None
-    if segment_id is not None:
-        seg = jnp.asarray(segment_id)
-        if seg.shape != (B,) or not jnp.issubdtype(seg.dtype, jnp.integer):
-            fail("segment_id", f"integer ids of shape ({B},)", f"{seg.dtype} {seg.shape}")
-        real = seg != segments.PADDING
+    seg = errors.segment_ids(segment_id, "segment_id", B)
+    real = None if seg is None else seg != segments.PADDING
     log_a = _log_decay(decay, log_gate, B, 1, N)
     if log_a is not None and real is not None:
         log_a = jnp.where(real[:, None, None], log_a, 0.0)  # padding does not decay

@@ -1,16 +1,32 @@
-"""Input validation shared by the public functions of ``attn``.
+"""The project's input checks: one ``ValueError`` format, and the checks every family shares.
 
-Every public function checks the user's arrays here and raises ``ValueError``
-naming the argument, what was expected and what was received. Shapes are
-static under ``jit``, so these checks cost nothing at run time.
+Every public function of ``attn`` (and of ``models`` and ``analysis``, which
+use this module too) checks the user's arrays explicitly and raises
+``ValueError("<arg>: expected <what>, got <what>")`` through ``fail``. Shapes
+are static under ``jit``, so shape checks cost nothing at run time; value
+checks (signs, ranges) run where the values are known when tracing
+(``concrete``) and are skipped under a trace.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+__all__ = [
+    "Dims",
+    "concrete",
+    "default_positions",
+    "fail",
+    "positions",
+    "positive_int",
+    "qkv_dims",
+    "segment_ids",
+    "segment_values",
+]
 
 
 def fail(arg: str, expected: str, got: object) -> None:
@@ -23,6 +39,14 @@ def positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
         fail(name, "a positive int", repr(x))
     return int(x)
+
+
+def concrete(x) -> np.ndarray | None:
+    """The NumPy value of ``x``, or None under a trace (where value checks are skipped)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 class Dims(NamedTuple):
@@ -81,11 +105,25 @@ def positions(x, name: str, batch: int, length: int, offset: int = 0):
     return x.astype(jnp.int32)
 
 
-def segment_ids(x, name: str, batch: int, length: int):
-    """Returns integer segment ids ``[B,L]`` from ``[B,L]`` (or ``None``)."""
+def segment_ids(x, name: str, batch: int, length: int | None = None):
+    """Integer segment ids ``[B,L]`` (or ``[B]`` for one token, ``length=None``) as int32.
+
+    The convention of every implementation (``attn.masks.same_segment``): id 0
+    is padding, ids >= 1 are segments. Negative ids are refused where the
+    values are known (not under a trace). None passes through.
+    """
     if x is None:
         return None
     x = jnp.asarray(x)
-    if x.shape != (batch, length) or not jnp.issubdtype(x.dtype, jnp.integer):
-        fail(name, f"integer ids of shape ({batch}, {length})", f"{x.dtype} {x.shape}")
+    shape = (batch,) if length is None else (batch, length)
+    if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(name, f"integer ids of shape {shape}", f"{x.dtype} {x.shape}")
+    segment_values(x, name)
     return x.astype(jnp.int32)
+
+
+def segment_values(x, name: str) -> None:
+    """Refuses negative segment ids where their values are known (None passes)."""
+    value = None if x is None else concrete(x)
+    if value is not None and value.size and value.min() < 0:
+        fail(name, "ids >= 0 (0 is padding, >= 1 a segment)", f"min {value.min()}")

@@ -16,10 +16,10 @@ import pytest
 
 import attn
 from attn import masks
-from attn.blockwise_schedule import build_schedule
-from attn.blockwise_tiles import TileConfig
 from attn.pallas import flash_attention
+from attn.pallas.common import FlashConfig
 from attn.pallas.schedule import schedules
+from attn.softmax.schedule import BlockSpec, build_schedule
 from tests.util import normal, np_attention, qkv, rel_err
 
 TOL = 1e-5  # float32, the same function computed in another order
@@ -108,7 +108,7 @@ def test_segment_ids_with_empty_rows_and_traced_schedule():
     # Segment ids passed as jit arguments: the schedule is computed at run time.
     traced = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
     out, (gq, *_) = assert_matches_dense(q, k, v, mask=masks.causal(), softcap=4.0, traced=traced)
-    dead = np.zeros((2, 37), bool)
+    dead = np.asarray(q_seg) == 0  # padding sees no key, and segment 9 has none
     dead[0, 25:32] = True
     assert not np.asarray(out)[dead].any() and not np.asarray(gq)[dead].any()
     _, lse = flash_attention(q, k, v, mask=masks.causal(), return_lse=True, **traced, **BLOCKS)
@@ -151,11 +151,14 @@ def test_lse_merges_two_key_halves_and_default_blocks():
 def test_schedule_is_blockwise_schedule_and_its_transpose():
     T = S = 70
     mask = MASKS["streaming"]
-    config = TileConfig(mask, 1.0, None, False, False, T, S, 1, 1, 1, "float32", 16, 32, 1)
-    pos = jnp.arange(T)[None]
-    rows, given = [(pos, T), (pos, S)], [None] * 4
-    plan = schedules(config, rows, given, 16, 32)
-    ref = build_schedule(config, [(pos, T, 16), (pos, S, 32)], given)
+    spec = dict(mask=mask, scale=1.0, softcap=None, has_sink=False, has_segments=False)
+    spec |= dict(B=1, T=T, S=S, K=1, G=1, block_q=16, block_k=32)
+    config = FlashConfig(
+        **spec, bwd_block_q=16, bwd_block_k=32, interpret=True, num_warps=None, num_stages=None
+    )
+    pos = np.arange(T)[None]
+    plan = schedules(config, [jnp.asarray(pos)] * 2, [pos, pos])
+    ref = build_schedule(BlockSpec(**spec), [jnp.asarray(pos)] * 2, [pos, pos])
     width = ref.key_tile.shape[1]
     np.testing.assert_array_equal(plan.by_query.count, ref.count)
     for i, n in enumerate(np.asarray(ref.count)):

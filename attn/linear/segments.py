@@ -1,6 +1,7 @@
 """Segment ids (packing and padding) for linear attention, as masks and log decays.
 
-Internal to ``attn.linear``. Id 0 is padding; any other id names a segment.
+Internal to ``attn.linear``. Id 0 is padding (``attn.masks.PADDING``); any
+other id names a segment.
 
 Causal: the forms need no segment logic of their own. A padding key gets
 zero features and log decay 0, so it leaves the state exactly as it was; the
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-PADDING = 0  # the segment id of padding tokens (as masks.segment_ids_from_lengths)
+from attn.masks import PADDING, same_segment
 
 
 class Causal(NamedTuple):
@@ -60,7 +61,7 @@ def causal(q_seg, kv_seg, log_a, num_heads: int) -> Causal:
 
 def visible(q_seg, kv_seg):
     """``[B,T,S]`` bool: query t sees key s (same id, not padding), as in dense attention."""
-    return (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg != PADDING)[:, None, :]
+    return same_segment(q_seg, kv_seg)
 
 
 class Merged(NamedTuple):

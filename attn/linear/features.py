@@ -2,8 +2,8 @@
 
 ``phi(q).phi(k)`` replaces softmax's ``exp(q.k)``. The maps here are pure
 functions of one array (``favor`` also takes its random projection); any
-callable with that signature works as a user map. ``attn.linear`` re-exports
-the public names, so ``from attn.linear import FEATURE_MAPS`` keeps working.
+callable with that signature works as a user map. ``attn.linear`` exports the
+public names (``from attn.linear import FEATURE_MAPS, elu1``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from attn._checks import fail
+from attn.errors import fail
 
 __all__ = [
     "EXP_KERNEL_MAPS",

@@ -2,7 +2,7 @@
 
 The multi-device cases need 4 and 8 CPU devices, which must be requested
 before JAX starts; this process has started it already (tests/conftest.py), so
-they run in one subprocess, ``tests/attn/ring_checks.py``, whose per-case
+they run in one subprocess, ``tests/attn/ring/ring_checks.py``, whose per-case
 results the tests here read. The layouts, the work counts and the argument
 checks need no devices and run here.
 """
@@ -21,11 +21,11 @@ import pytest
 
 import attn
 from attn import masks, ring
-from attn.ring_work import ring_work, work_table
-from tests.attn import ring_checks
+from attn.ring.work import ring_work, work_table
+from tests.attn.ring import ring_checks
 from tests.util import qkv
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 # One process for every case; compiling dominates (about 40 s on 2 cores).
 CHECKS_TIMEOUT_S = 600
 
@@ -35,7 +35,7 @@ def checks():
     """``{case: result}`` from one run of ring_checks on 8 fake CPU devices."""
     env = dict(os.environ, XLA_FLAGS=ring_checks.XLA_FLAGS, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.attn.ring_checks"],
+        [sys.executable, "-m", "tests.attn.ring.ring_checks"],
         cwd=ROOT,
         env=env,
         capture_output=True,

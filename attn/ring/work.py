@@ -2,7 +2,7 @@
 
 ``ring_work`` replays the schedule of ``attn.ring.ring_attention`` in NumPy:
 which ring steps each device computes and how many FULL and PARTIAL tiles
-they hold, for a layout of the sequence. ``python -m attn.ring_work [T] [P]``
+they hold, for a layout of the sequence. ``python -m attn.ring.work [T] [P]``
 prints the causal table, contiguous against zigzag, for a few block sizes.
 """
 
@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attn import _checks
-from attn.blockwise_tiles import num_blocks
+from attn import errors
 from attn.masks import BlockKind, Mask, causal
-from attn.ring import LAYOUTS, default_blocks, layout_order
+from attn.ring.layouts import LAYOUTS, default_blocks, layout_order
+from attn.softmax.schedule import num_blocks
 
 
 class RingWork(NamedTuple):
@@ -53,9 +53,9 @@ def ring_work(
     order = layout_order(length, num_devices, layout)
     L = length // num_devices
     block_q, block_k = default_blocks(layout, L, L, block_q, block_k)
-    # As attn.blockwise_tiles.tile_config: a block longer than the shard only adds padding.
-    block_q = min(_checks.positive_int(block_q, "block_q"), L)
-    block_k = min(_checks.positive_int(block_k, "block_k"), L)
+    # As attn.softmax.tiles.tile_config: a block longer than the shard only adds padding.
+    block_q = min(errors.positive_int(block_q, "block_q"), L)
+    block_k = min(errors.positive_int(block_k, "block_k"), L)
     shards = order.reshape(num_devices, L)
     steps, full, partial = (np.zeros(num_devices, np.int64) for _ in range(3))
     for i in range(num_devices):
@@ -74,7 +74,7 @@ def ring_work(
 def _tile_kinds(mask: Mask, q_pos, kv_pos, block_q: int, block_k: int) -> np.ndarray:
     """``[nq, nk]`` ``BlockKind`` of one step's tiles, as the blockwise schedule finds them."""
 
-    def bounds(x, block):  # padding repeats the last position, as attn.blockwise_tiles does
+    def bounds(x, block):  # padding repeats the last position, as attn.softmax.tiles does
         pad = num_blocks(x.size, block) * block - x.size
         x = np.pad(x, (0, pad), mode="edge").reshape(-1, block)
         return x.min(1), x.max(1)
@@ -110,5 +110,5 @@ def work_table(length: int = 4096, num_devices: int = 8, blocks=(512, 256, 128))
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m attn.ring_work [T] [devices]
+if __name__ == "__main__":  # python -m attn.ring.work [T] [devices]
     print(work_table(*(int(a) for a in sys.argv[1:3])))

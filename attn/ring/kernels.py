@@ -1,10 +1,10 @@
 """The loop of ring attention: its forward over the visiting k/v blocks and its custom VJP.
 
-Internal to ``attn.ring``, which describes the algorithm. Operands are in the
-tile layout of ``attn.blockwise_tiles`` (axis letters X, Q, J there): the local
-queries ``[groups*nq, X, Q, H]``, keys ``[groups*nk, X, H, J]`` and values
-``[groups*nk, X, J, E]``. Each ring step runs the blockwise kernels
-(``attn.blockwise_kernels``) on the local queries and the visiting k/v block;
+Internal to ``attn.ring``, whose ``attention`` module describes the algorithm.
+Operands are in the tile layout of ``attn.softmax.tiles`` (axis letters X, Q,
+J there): the local queries ``[groups*nq, X, Q, H]``, keys ``[groups*nk, X, H,
+J]`` and values ``[groups*nk, X, J, E]``. Each ring step runs the blockwise
+kernels (``attn.softmax.kernels``) on the local queries and the visiting k/v block;
 a ``lax.scan`` over the P steps keeps one copy of a step in the program, so
 compile time does not grow with the number of devices.
 """
@@ -18,14 +18,12 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from attn.blockwise_kernels import KernelInputs, backward, forward, vary_like
-from attn.blockwise_schedule import build_schedule
-from attn.blockwise_tiles import TileConfig, num_blocks, row_tiles
 from attn.masks import BlockKind
 from attn.merge import merge_attention
+from attn.softmax.kernels import KernelInputs, backward, forward, kernel_inputs, vary_like
+from attn.softmax.tiles import TileConfig
 
 
 class RingInputs(NamedTuple):
@@ -89,16 +87,10 @@ def _kernel_inputs(config: TileConfig, inputs: RingInputs, block: KVBlock) -> Ke
     computed at run time (from each tile's position bounds) and empty tiles are
     skipped inside a visited step too.
     """
-    rows = [(inputs.q_pos, config.T, config.block_q), (block.pos, config.S, config.block_k)]
+    rows = [inputs.q_pos, block.pos]
     if config.has_segments:
-        rows += [(inputs.q_seg, config.T, config.block_q), (block.seg, config.S, config.block_k)]
-    schedule = build_schedule(config, rows, [x for x, _, _ in rows])
-    q_pos, kv_pos, *segments = [row_tiles(config, *row) for row in rows]
-    q_seg, kv_seg = segments if segments else (None, None)
-    nk = num_blocks(config.S, config.block_k)
-    kv_valid = (np.arange(nk * config.block_k) < config.S).reshape(nk, config.block_k)
-    kv_valid = jnp.asarray(np.tile(kv_valid, (config.groups, 1)))
-    return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)
+        rows += [inputs.q_seg, block.seg]
+    return kernel_inputs(config, rows, static=None)
 
 
 def _no_sink(config: TileConfig):
@@ -166,7 +158,7 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
     q = _varying(q, axis_name)  # the kernels' loop carries vary where q does
     num_devices = lax.axis_size(axis_name)
     no_sink = _no_sink(config)
-    # The kernels take the cotangent in the value dtype, as in attn.blockwise.
+    # The kernels take the cotangent in the value dtype, as in attn.softmax.blockwise.
     d_out = d_out.astype(v.dtype)
 
     def step(carry, _):

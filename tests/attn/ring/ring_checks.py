@@ -1,11 +1,11 @@
 """Ring attention on 4 and 8 fake CPU devices, checked against dense attention.
 
-Run by tests/attn/test_ring.py in its own process, because the device count
-must be set before JAX starts (``python -m tests.attn.ring_checks`` from the
+Run by tests/attn/ring/test_ring.py in its own process, because the device count
+must be set before JAX starts (``python -m tests.attn.ring.ring_checks`` from the
 repository root). Prints one JSON line per case, ``{"case", "ok", ...}``, with
 the relative errors of the output, the lse and every gradient against
 ``attn.dot_product_attention`` on the whole sequence; exits non-zero if a case
-fails. ``python -m tests.attn.ring_checks NAME...`` runs only the named cases.
+fails. ``python -m tests.attn.ring.ring_checks NAME...`` runs only the named cases.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
-from jax.sharding import Mesh, PartitionSpec  # noqa: E402
+from jax.sharding import AxisType, Mesh, PartitionSpec  # noqa: E402
 
 import attn  # noqa: E402
 from attn import masks, ring  # noqa: E402
-from attn.ring_work import ring_work  # noqa: E402
+from attn.ring.work import ring_work  # noqa: E402
 from tests.util import normal, qkv, rel_err  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -45,8 +45,14 @@ CAUSAL = masks.causal()
 STREAMING = masks.causal() & (masks.sliding_window(5) | masks.initial_tokens(3))
 
 
-def mesh_of(num_devices: int) -> Mesh:
-    return Mesh(np.array(jax.devices()[:num_devices]), (AXIS,))
+def mesh_of(num_devices: int, explicit: bool = False) -> Mesh:
+    """A one-axis mesh: Auto axis types (``Mesh``) or Explicit ones (``jax.make_mesh``)."""
+    devices = jax.devices()[:num_devices]
+    if explicit:
+        mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
+        assert mesh.axis_types == (AxisType.Explicit,)
+        return mesh
+    return Mesh(np.array(devices), (AXIS,))
 
 
 def grads_of(fn, q, k, v, sink):
@@ -90,10 +96,10 @@ def compare(ring_fn, q, k, v, sink=None, tol=TOL, **kw):
     return {"ok": ok, "errors": errors, "empty_rows": int((~seen).sum()), "same_empty": same_empty}
 
 
-def sharded(num_devices, layout, block=4):
+def sharded(num_devices, layout, block=4, explicit=False):
     return functools.partial(
         attn.sharded_attention,
-        mesh=mesh_of(num_devices),
+        mesh=mesh_of(num_devices, explicit),
         axis_name=AXIS,
         layout=layout,
         block_q=block,
@@ -102,15 +108,14 @@ def sharded(num_devices, layout, block=4):
 
 
 def packed_segments(B, T):
-    """Packed sequences with right padding; padding queries (-1) see no key (-2)."""
+    """Packed sequences (ids 1, 2, 3) with right padding (id 0: it sees no key and none sees it)."""
     rng = np.random.default_rng(7)
     q_seg = np.empty((B, T), np.int32)
     for b in range(B):
         cuts = np.sort(rng.choice(np.arange(1, T - 4), size=2, replace=False))
         q_seg[b] = np.searchsorted(cuts, np.arange(T), side="right") + 1
-    q_seg[:, T - 4 :] = -1
-    kv_seg = np.where(q_seg < 0, -2, q_seg).astype(np.int32)
-    return jnp.asarray(q_seg), jnp.asarray(kv_seg)
+    q_seg[:, T - 4 :] = 0
+    return jnp.asarray(q_seg), jnp.asarray(q_seg)
 
 
 def equal_case(
@@ -137,8 +142,27 @@ def equal_case(
         sink = None if sink_seed is None else normal(sink_seed, (N,))
         if kw.pop("segments", False):
             kw["q_segment_ids"], kw["kv_segment_ids"] = packed_segments(B, T)
-        fn = sharded(num_devices, layout, block)
+        fn = sharded(num_devices, layout, block, kw.pop("explicit", False))
         return compare(fn, q, k, v, sink, tol=tol, mask=mask, **kw)
+
+    return run
+
+
+def eager_case(explicit: bool):
+    """sharded_attention called eagerly (no jit) on either kind of mesh equals dense."""
+
+    def run():
+        q, k, v = qkv(6, B=2, T=32, N=4, K=2, H=8)
+        seg = packed_segments(2, 32)
+        kw = dict(mask=STREAMING, q_segment_ids=seg[0], kv_segment_ids=seg[1], return_lse=True)
+        out, lse = sharded(4, "zigzag", 4, explicit)(q, k, v, **kw)
+        want, want_lse = attn.dot_product_attention(q, k, v, **kw)
+        seen = np.isfinite(np.asarray(want_lse))
+        errors = {
+            "out": rel_err(out, want),
+            "lse": rel_err(np.asarray(lse)[seen], np.asarray(want_lse)[seen]),
+        }
+        return {"ok": all(e <= TOL for e in errors.values()), "errors": errors}
 
     return run
 
@@ -217,7 +241,7 @@ def _array_sizes(jaxpr):
 
 
 def counts_case(num_devices, layout, mask, T, block):
-    """Steps and tiles counted by the kernels' loops equal ``attn.ring_work.ring_work``'s replay."""
+    """Steps and tiles counted by the kernels' loops equal ``attn.ring.work.ring_work``'s replay."""
 
     def run():
         q, k, v = qkv(1, B=1, T=T, N=2, K=1, H=4)
@@ -291,6 +315,12 @@ CASES = {
         8, "zigzag", CAUSAL, 48, segments=True, sink_seed=12, softcap=2.0
     ),
     "sink_softcap_zigzag_4": equal_case(4, "zigzag", CAUSAL, 40, sink_seed=11, softcap=2.0),
+    "explicit_segments_sink_zigzag_4": equal_case(
+        4, "zigzag", CAUSAL, 40, segments=True, sink_seed=13, explicit=True
+    ),
+    "explicit_full_contiguous_8": equal_case(8, "contiguous", masks.full(), 48, explicit=True),
+    "eager_auto_mesh": eager_case(explicit=False),
+    "eager_explicit_mesh": eager_case(explicit=True),
     "cross_lengths_zigzag_4": equal_case(4, "zigzag", CAUSAL, 24, S=40),
     "bf16_causal_zigzag_4": equal_case(4, "zigzag", CAUSAL, 40, dtype=jnp.bfloat16, tol=BF16_TOL),
     "direct_default_positions": direct_case(check_vma=True),

@@ -1,9 +1,10 @@
 """The kernels of blockwise attention: the online-softmax forward, the FlashAttention-2 backward.
 
-Internal to ``attn.blockwise``, which describes the algorithm. A tile is a
+Internal to ``attn.softmax`` (and ``attn.ring``, whose steps run them);
+``attn.softmax.blockwise`` describes the algorithm. A tile is a
 (query block, key block) pair for one group of kv heads (``config.tile_heads``
 of the B*K heads of all batch entries) as 3-D matmul batches, with the axis
-letters of ``attn.blockwise_tiles``: X the tile's kv heads, Q its G*C query
+letters of ``attn.softmax.tiles``: X the tile's kv heads, Q its G*C query
 rows (the G query heads of each kv head stacked) and J its keys::
 
     forward:  q [X,Q,H] @ kT [X,H,J] -> scores [X,Q,J];  p [X,Q,J] @ v [X,J,E]
@@ -19,18 +20,20 @@ score tile between the matmul and the reductions.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from attn.blockwise_schedule import Schedule
-from attn.blockwise_tiles import TileConfig
-from attn.dense import MASKED, visible
 from attn.masks import BlockKind
 from attn.merge import merge_unnormalized
+from attn.softmax.call import MASKED, softcap, softcap_grad, visible
+from attn.softmax.schedule import Schedule, build_schedule, num_blocks
+from attn.softmax.tiles import TileConfig, row_tiles
 
 
 class KernelInputs(NamedTuple):
@@ -47,6 +50,39 @@ class KernelInputs(NamedTuple):
     kv_seg: jax.Array | None  # [groups*nk, X, J] int32
 
 
+def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None) -> KernelInputs:
+    """Per-tile positions, segment ids and padding, and the schedule of every query tile.
+
+    Args:
+      config: the call's tiles.
+      rows: int32 q positions ``[B,T]``, kv positions ``[B,S]`` and, with segment
+        ids, q ids ``[B,T]`` and kv ids ``[B,S]``.
+      static: the same in NumPy when known at trace time (the schedule is then
+        computed when tracing), or None (at run time).
+    """
+    schedule = _for_groups(config, build_schedule(config, rows, static))
+    lengths, blocks = (config.T, config.S) * 2, (config.block_q, config.block_k) * 2
+    tiles = [row_tiles(config, *row) for row in zip(rows, lengths, blocks, strict=False)]
+    q_pos, kv_pos, *segments = tiles
+    q_seg, kv_seg = segments if segments else (None, None)
+    nk = num_blocks(config.S, config.block_k)
+    kv_valid = (np.arange(nk * config.block_k) < config.S).reshape(nk, config.block_k)
+    kv_valid = jnp.asarray(np.tile(kv_valid, (config.groups, 1)))
+    return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)
+
+
+def _for_groups(config: TileConfig, blocks: Schedule) -> Schedule:
+    """Repeats the schedule of the query blocks for each head group's tiles.
+
+    Head group g's key tiles are ``g*nk + j``, so its key block indices are offset by ``g*nk``.
+    """
+    nq, nk = num_blocks(config.T, config.block_q), num_blocks(config.S, config.block_k)
+    offsets = jnp.arange(config.groups, dtype=jnp.int32)[:, None, None] * nk
+    key_tile = (offsets + blocks.key_tile[None]).reshape(config.groups * nq, -1)
+    kind = jnp.tile(blocks.kind, (config.groups, 1))
+    return Schedule(key_tile, kind, jnp.tile(blocks.count, config.groups))
+
+
 def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, j, keys_major: bool):
     """Boolean visibility of tile (i, j): ``[X,Q,J]``, or ``[X,J,Q]`` keys-major."""
     k_seg_j = None if inputs.kv_seg is None else inputs.kv_seg[j]
@@ -57,19 +93,6 @@ def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, j, ke
         ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (X, J, config.G, C))
         return ok.reshape(X, J, config.G * C)
     return jnp.broadcast_to(ok[:, None], (X, config.G, C, J)).reshape(X, config.G * C, J)
-
-
-def _softcap(config: TileConfig, s):
-    """The soft-cap on (pre-scaled) float32 logits, when there is one."""
-    return s if config.softcap is None else config.softcap * jnp.tanh(s / config.softcap)
-
-
-def _softcap_grad(config: TileConfig, x):
-    """d cap(s) / d s from the capped logits x: ``1 - tanh^2``, or None without a cap."""
-    if config.softcap is None:
-        return None
-    t = x / config.softcap
-    return 1.0 - t * t
 
 
 def _visit(key_tile, kind, count, tile, combine, carry):
@@ -142,7 +165,7 @@ def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
 
         def tile(j, masked):
             s = jnp.einsum("XQH,XHJ->XQJ", q_i, kT[j], preferred_element_type=jnp.float32)
-            s = _softcap(config, s)
+            s = softcap(s, config.softcap)  # q is pre-scaled
             if masked:
                 ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=False)
                 s = jnp.where(ok, s, MASKED)
@@ -220,8 +243,10 @@ def backward(
 
         def tile(j, masked):
             sT = jnp.einsum("XJH,XHQ->XJQ", k[j], qT_i, preferred_element_type=jnp.float32)
-            xT = _softcap(config, sT)
-            cap_grad = _softcap_grad(config, xT)  # from the unmasked logits: finite everywhere
+            xT = softcap(sT, config.softcap)
+            cap_grad = softcap_grad(
+                xT, config.softcap
+            )  # from the unmasked logits: finite everywhere
             if masked:  # exp(MASKED - lse) = 0: no need to mask P itself
                 ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=True)
                 xT = jnp.where(ok, xT, MASKED)

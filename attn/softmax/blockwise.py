@@ -27,11 +27,11 @@ Any T and S work: both are padded to whole blocks; padded keys are masked (the
 last key block is never treated as FULL when it holds padding) and padded
 query rows are computed on the last real row's position and dropped.
 
-The code is in four files: this one checks the call and holds the public
-functions; ``attn.blockwise_tiles`` the call's configuration and the tile
-layout (with the tile axis letters X, Q, J); ``attn.blockwise_schedule`` which
-tiles to visit; ``attn.blockwise_kernels`` the forward and backward loops and
-the custom VJP.
+The code is in the modules of ``attn.softmax``: this one holds the public
+functions; ``call`` checks the call (as for every implementation); ``tiles``
+the call's configuration and the tile layout (with the tile axis letters X,
+Q, J); ``schedule`` which tiles to visit; ``kernels`` the forward and backward
+loops and the custom VJP.
 """
 
 from __future__ import annotations
@@ -41,13 +41,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from attn.blockwise_kernels import KernelInputs, flash, forward, vary_like
-from attn.blockwise_schedule import build_schedule
-from attn.blockwise_tiles import TileConfig, num_blocks, qkv_tiles, row_tiles, tile_config, untile
-from attn.dense import Call, check_call
 from attn.masks import Mask
+from attn.softmax.call import check_call, static_rows
+from attn.softmax.kernels import KernelInputs, flash, forward, kernel_inputs, vary_like
+from attn.softmax.schedule import num_blocks
+from attn.softmax.tiles import TileConfig, qkv_tiles, tile_config, untile
 
 # Default tile sizes, measured on a 2-core AVX-512 CPU (causal, f32, B=1, N=8,
 # H=64, T=8192; best of 3-4 interleaved runs on a quiet machine):
@@ -119,8 +118,9 @@ def blockwise_attention(
       q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T) + S - T`` (the
         last T key positions; see ``attn.dot_product_attention``).
       kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
-      q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints (both or neither);
-        queries see only keys with the same id.
+      q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints >= 0 (both or
+        neither); queries see only keys with the same id, and id 0 is padding
+        (sees nothing, is seen by none, outputs 0).
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
@@ -197,31 +197,12 @@ def _prepare(q, k, v, block_q, block_k, **kwargs) -> tuple[TileConfig, KernelInp
     """Checks a call; returns its tile configuration, integer inputs and ``[K,G]`` sink logits."""
     call = check_call(q, k, v, **kwargs)
     config = tile_config(call, block_q, block_k, q.dtype, TILE_SCORES)
-    given = [kwargs.get(name) for name in ("q_positions", "kv_positions")]
-    given += [kwargs.get(name) for name in ("q_segment_ids", "kv_segment_ids")]
-    inputs = _kernel_inputs(config, call, given)
+    rows = [call.q_positions, call.kv_positions]
+    if config.has_segments:
+        rows += [call.q_segment_ids, call.kv_segment_ids]
+    inputs = kernel_inputs(config, rows, static_rows(call))
     if config.has_sink:
         sink = call.sink_logits
     else:
         sink = jnp.zeros((call.dims.K, call.dims.G), jnp.float32)
     return config, inputs, sink
-
-
-def _kernel_inputs(config: TileConfig, call: Call, given) -> KernelInputs:
-    """Per-tile positions, segment ids and padding, and the schedule (see module doc).
-
-    ``given`` are the positions and segment ids as the caller passed them (None
-    for defaults): concrete ones let the schedule be computed when tracing.
-    """
-    nk = num_blocks(config.S, config.block_k)
-    kv_valid = (np.arange(nk * config.block_k) < config.S).reshape(nk, config.block_k)
-    rows = [(call.q_positions, config.T, config.block_q)]
-    rows += [(call.kv_positions, config.S, config.block_k)]
-    if config.has_segments:
-        rows += [(call.q_segment_ids, config.T, config.block_q)]
-        rows += [(call.kv_segment_ids, config.S, config.block_k)]
-    schedule = build_schedule(config, rows, given)
-    q_pos, kv_pos, *segments = [row_tiles(config, *row) for row in rows]
-    q_seg, kv_seg = segments if segments else (None, None)
-    kv_valid = jnp.asarray(np.tile(kv_valid, (config.groups, 1)))
-    return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)

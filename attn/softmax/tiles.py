@@ -1,6 +1,6 @@
 """The tile layout of blockwise attention: one call's configuration and its blocked operands.
 
-Internal to ``attn.blockwise``. Queries are cut into blocks of ``block_q``
+Internal to ``attn.softmax`` and ``attn.ring``. Queries are cut into blocks of ``block_q``
 positions and keys/values into blocks of ``block_k``; both are padded to whole
 blocks. The B*K kv heads of all batch entries are split into ``groups`` of
 ``tile_heads`` heads, and a tile is a (query block, key block) pair for one
@@ -8,11 +8,11 @@ group. Every tile is a 3-D batch of plain matmuls, with these axis letters
 besides the vocabulary:
 
     X  the kv heads of one tile (``tile_heads`` of the B*K): a flattened batch
-       of matmuls, as in ``attn.linear_forms``
+       of matmuls, as in ``attn.linear.forms``
     Q  the query rows of one tile: its G query heads times the block's
        ``block_q`` positions (C), G-major, so G*C rows in all
     J  the key positions of one key block (``block_k``), as J is the key
-       position inside a chunk in ``attn.linear_forms``
+       position inside a chunk in ``attn.linear.forms``
 
 Leading axes count tiles: ``groups*nq`` query tiles and ``groups*nk`` key/value
 tiles for ``nq`` query blocks and ``nk`` key blocks; tile ``g*nq + i`` holds
@@ -21,36 +21,26 @@ query block i of head group g.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
-from attn._checks import positive_int
-from attn.masks import Mask
+from attn.errors import positive_int
+from attn.softmax.call import Call, spec_fields
+from attn.softmax.schedule import BlockSpec, num_blocks
 
 
-class TileConfig(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class TileConfig(BlockSpec):
     """Hashable configuration of one call: what the kernels need to know at trace time.
 
     A static (``nondiff_argnums``) argument of the custom VJP, so a new
     configuration means a new trace.
     """
 
-    mask: Mask
-    scale: float
-    softcap: float | None
-    has_sink: bool
-    has_segments: bool
-    T: int
-    S: int
-    B: int
-    K: int
-    G: int
     dtype: str  # of the output
-    block_q: int
-    block_k: int
     tile_heads: int  # X: kv heads (of all batch entries, B*K) per tile; divides B*K
 
     @property
@@ -59,8 +49,8 @@ class TileConfig(NamedTuple):
         return self.B * self.K // self.tile_heads
 
 
-def tile_config(call, block_q, block_k, dtype, tile_scores: int) -> TileConfig:
-    """The configuration of a checked call (``attn.dense.Call``) for the given block sizes.
+def tile_config(call: Call, block_q, block_k, dtype, tile_scores: int) -> TileConfig:
+    """The configuration of a checked call for the given block sizes.
 
     Groups as many kv heads per tile as fit in ``tile_scores`` scores.
     """
@@ -69,19 +59,10 @@ def tile_config(call, block_q, block_k, dtype, tile_scores: int) -> TileConfig:
     # A block longer than the sequence only adds padding.
     bq, bk = int(min(block_q, dims.T)), int(min(block_k, dims.S))
     return TileConfig(
-        mask=call.mask,
-        scale=call.scale,
-        softcap=call.softcap,
-        has_sink=call.sink_logits is not None,
-        has_segments=call.q_segment_ids is not None,
-        T=dims.T,
-        S=dims.S,
-        B=dims.B,
-        K=dims.K,
-        G=dims.G,
-        dtype=jnp.dtype(dtype).name,
+        **spec_fields(call),
         block_q=bq,
         block_k=bk,
+        dtype=jnp.dtype(dtype).name,
         tile_heads=_heads_per_tile(dims.B * dims.K, dims.G * bq * bk, tile_scores),
     )
 
@@ -90,11 +71,6 @@ def _heads_per_tile(heads: int, scores_per_head: int, tile_scores: int) -> int:
     """The most kv heads (a divisor of ``heads``) whose tile holds <= ``tile_scores`` scores."""
     fit = max(1, tile_scores // scores_per_head)
     return max(d for d in range(1, heads + 1) if heads % d == 0 and d <= fit)
-
-
-def num_blocks(length: int, block: int) -> int:
-    """Blocks of ``block`` positions that cover ``length`` (the last may hold padding)."""
-    return -(-length // block)
 
 
 def _pad_rows(x, length: int, block: int, mode: str):

@@ -1,0 +1,48 @@
+"""Linear attention: softmax(q.k) replaced by a kernel phi(q).phi(k), in three equal forms.
+
+Modules:
+
+* ``attention``: the entry points ``linear_attention`` (forms ``"parallel"``,
+  ``"recurrent"``, ``"chunkwise"``; decay and gates; initial and final
+  states; segment ids) and ``linear_attention_step`` (one token, for
+  decoding), with ``LinearState``; its docstring states the math;
+* ``forms``: the three forms (and the non-causal global sums);
+* ``segments``: what segment ids (packing, padding) mean to a recurrence;
+* ``features``: the feature maps ``phi`` (``FEATURE_MAPS``) and FAVOR+'s projection.
+"""
+
+from attn.linear.attention import (
+    FORMS,
+    LinearState,
+    init_linear_state,
+    linear_attention,
+    linear_attention_step,
+)
+from attn.linear.features import (
+    EXP_KERNEL_MAPS,
+    FEATURE_MAPS,
+    elu1,
+    favor,
+    favor_projection,
+    identity,
+    linear_feature_dim,
+    relu,
+    taylor,
+)
+
+__all__ = [
+    "EXP_KERNEL_MAPS",
+    "FEATURE_MAPS",
+    "FORMS",
+    "LinearState",
+    "elu1",
+    "favor",
+    "favor_projection",
+    "identity",
+    "init_linear_state",
+    "linear_attention",
+    "linear_attention_step",
+    "linear_feature_dim",
+    "relu",
+    "taylor",
+]

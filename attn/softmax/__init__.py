@@ -1,0 +1,35 @@
+"""Softmax attention: the call contract, the dense reference and blockwise (FlashAttention).
+
+Modules, in the order a reader needs them:
+
+* ``call``: the contract every softmax implementation shares (argument
+  checks, default positions, the visibility rule, logit shaping, the static
+  spec kernels are traced with);
+* ``dense``: ``dot_product_attention``, the reference with ``[T,S]`` materialized;
+* ``schedule``: which (query block, key block) pairs to visit, from the
+  masks' block classification (shared with ``attn.ring`` and ``attn.pallas``);
+* ``tiles``: the tile layout of the blockwise kernels;
+* ``kernels``: the online-softmax forward and the FlashAttention-2 backward;
+* ``blockwise``: ``blockwise_attention`` and ``count_blocks``.
+
+Ring attention (``attn.ring``) and the Pallas kernels (``attn.pallas``) build
+on the same contract and schedule.
+"""
+
+from attn.softmax.blockwise import (
+    DEFAULT_BLOCK_K,
+    DEFAULT_BLOCK_Q,
+    BlockCounts,
+    blockwise_attention,
+    count_blocks,
+)
+from attn.softmax.dense import dot_product_attention
+
+__all__ = [
+    "DEFAULT_BLOCK_K",
+    "DEFAULT_BLOCK_Q",
+    "BlockCounts",
+    "blockwise_attention",
+    "count_blocks",
+    "dot_product_attention",
+]

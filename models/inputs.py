@@ -1,0 +1,79 @@
+"""The checks of the models' token inputs: token ids, lengths, positions and segment ids.
+
+Every public entry point of ``models`` (the models' calls, ``prefill``,
+``generate``) checks what it is given here, and raises the project's
+``ValueError`` (``attn.errors.fail``) naming the argument. Values are checked
+where they are known (not under a trace).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from attn import errors, masks
+from attn.errors import concrete, fail
+
+__all__ = ["check_lengths", "check_positions", "check_tokens", "segments"]
+
+
+def check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
+    """Integer ids ``[B,T]``; with ``vocab``, values in ``[0, vocab)`` when concrete.
+
+    Under a trace the values cannot be checked; the models' embedding then gives
+    an out-of-range id a NaN embedding, so its logits are NaN rather than plausible.
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        fail(name, "integer token ids of shape [B,T]", f"{tokens.dtype} {tokens.shape}")
+    if tokens.shape[1] == 0:
+        fail(name, "at least one token per row", f"shape {tokens.shape}")
+    value = None if vocab is None else concrete(tokens)
+    if value is not None and ((value < 0).any() or (value >= vocab).any()):
+        fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
+    return tokens
+
+
+def check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int = 0):
+    """None, or ``[B]`` int32 lengths in ``[minimum, T]`` (values checked when concrete)."""
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        fail(name, f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
+    value = concrete(lengths)
+    if value is not None and ((value < minimum).any() or (value > T).any()):
+        fail(name, f"values in [{minimum}, {T}]", value.tolist())
+    return lengths.astype(jnp.int32)
+
+
+def segments(tokens, lengths, segment_ids, name: str = "lengths"):
+    """Segment ids ``[B,T]`` int32 (id 0 is padding) from ``lengths`` or ``segment_ids``, or None.
+
+    The one representation of padding and packing inside the models: ``lengths``
+    becomes ``masks.segment_ids_from_lengths`` (1 on tokens, 0 on right padding).
+    """
+    B, T = tokens.shape
+    if lengths is not None and segment_ids is not None:
+        fail("segment_ids", f"None when {name} is given", "both")
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids)
+        if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            fail(
+                "segment_ids",
+                f"integer ids of shape ({B}, {T})",
+                f"{segment_ids.dtype} {segment_ids.shape}",
+            )
+        errors.segment_values(segment_ids, "segment_ids")
+        return segment_ids.astype(jnp.int32)
+    lengths = check_lengths(lengths, B, T, name)
+    return None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
+
+
+def check_positions(positions, tokens):
+    """None, or integer positions ``[B,T]`` shaped like ``tokens``."""
+    if positions is None:
+        return None
+    positions = jnp.asarray(positions)
+    if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+        fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)
+    return positions

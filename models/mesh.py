@@ -1,0 +1,109 @@
+"""The mesh policy of the models: which mesh axes split what, read from the context mesh.
+
+A model holds no mesh. Its layers read the mesh the caller set with
+``jax.set_mesh(mesh)`` (``jax.sharding.get_abstract_mesh()`` while tracing):
+
+* ``SEQ_AXIS`` ("seq") splits sequences: softmax layers run as ring attention
+  over it (``models.softmax``), and ``ring_layout`` is the order a sequence is
+  laid out in over its devices;
+* ``BATCH_AXES`` ("data", "fsdp") split the batch: attention runs per shard
+  of rows (``batch_axes``).
+
+The mesh may have Auto or Explicit axes (``jax.sharding.Mesh`` gives Auto,
+``jax.make_mesh`` Explicit ones); the layers shard their calls with
+``shard_map``, which takes both. ``train.sharding`` lays batches and
+parameters out by the same axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, PartitionSpec
+
+from attn import ring
+
+__all__ = [
+    "BATCH_AXES",
+    "SEQ_AXIS",
+    "batch_axes",
+    "explicit_spec",
+    "ring_layout",
+    "seq_devices",
+    "shard_rows",
+]
+
+# The mesh axis a sequence-parallel model splits its sequences over.
+SEQ_AXIS = "seq"
+# The mesh axes a data- or fully-sharded-parallel model splits its batch over.
+BATCH_AXES = ("data", "fsdp")
+
+
+def seq_devices() -> int | None:
+    """Devices on ``SEQ_AXIS`` of the mesh set by ``jax.set_mesh``; None without that axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or SEQ_AXIS not in mesh.axis_names:
+        return None
+    return mesh.shape[SEQ_AXIS]
+
+
+def batch_axes(batch: int) -> tuple[str, ...]:
+    """The ``BATCH_AXES`` of the context mesh (of more than one device) that split ``batch``.
+
+    Empty without a mesh, or when their devices do not divide ``batch`` (then
+    XLA partitions the call as it can).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+    return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+
+
+def ring_layout(length: int, num_devices: int) -> np.ndarray:
+    """The order in which to lay a sequence of ``length`` out over ``num_devices`` devices.
+
+    ``x[:, order]`` puts device i's tokens in the i-th run of ``length / P``
+    (a sharded ``[B,T]`` array's layout) and ``order`` is their positions. The
+    zigzag layout (``attn.ring.zigzag_order``, every device one early and one
+    late chunk: the same causal work on each) where ``2P`` divides the length,
+    else the contiguous one.
+
+    Raises:
+      ValueError: naming ``length`` unless ``num_devices`` divides it.
+    """
+    layout = "zigzag" if length % (2 * num_devices) == 0 else "contiguous"
+    return ring.layout_order(length, num_devices, layout)
+
+
+def explicit_spec(x) -> PartitionSpec | None:
+    """The ``PartitionSpec`` of ``x``'s type where its sharding is Explicit; else None.
+
+    Under Explicit axes an op whose output sharding is ambiguous (a gather of
+    sharded indices, a ``shard_map``'s inputs) needs it stated; under Auto axes,
+    or without a mesh, XLA chooses it and nothing is stated.
+    """
+    sharding = jax.typeof(x).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    return sharding.spec
+
+
+def shard_rows(fn, args: dict, split: PartitionSpec, axes: set[str]):
+    """``fn(args)`` run per shard by ``jax.shard_map`` over the context mesh's ``axes``.
+
+    Every array of ``args`` (``"q"`` among them) is split by ``split`` except
+    ``"sink"`` (replicated), and so is the output. Under Explicit axes the
+    arrays are resharded to those specs first (a ``shard_map`` takes its inputs
+    as they are typed) and the output back to q's sharding; Auto axes are laid
+    out by XLA.
+    """
+    specs = {name: PartitionSpec() if name == "sink" else split for name in args}
+    given = explicit_spec(args["q"])
+    if given is not None:
+        args = {name: jax.sharding.reshard(x, specs[name]) for name, x in args.items()}
+    out = jax.shard_map(fn, in_specs=(specs,), out_specs=split, axis_names=axes)(args)
+    return out if given is None else jax.sharding.reshard(out, given)

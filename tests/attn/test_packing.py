@@ -1,0 +1,135 @@
+"""One segment-id convention in every implementation: one packed, padded batch, per-sequence runs.
+
+Id 0 is padding (it sees no key, no query sees it, it outputs 0 and gets zero
+gradients), ids >= 1 are segments, negative ids are refused. The same batch
+(segments of 5 tokens, padding before, between and after them, ids that are
+not in order) goes through every softmax implementation (dense, blockwise,
+Pallas and splash in interpret mode), linear attention (its three forms) and
+the short convolution; each must equal the implementation run on every
+segment alone, forward and gradients. (Ring attention compares the same kind
+of batch with dense attention over 4 and 8 devices: tests/attn/ring.)
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn import masks
+from tests.util import normal, rel_err
+
+RTOL = 1e-5
+N, K, H = 4, 2, 8
+L = 5  # every segment's length, so the segments alone are one batch (one compile)
+IDS = np.array(
+    [
+        [1] * L + [0] * 2 + [2] * L + [0] * 4,
+        [0] * 3 + [7] * L + [0] + [3] * L + [0] * 2,
+    ],
+    np.int32,
+)
+B, T = IDS.shape
+# (row, first index) of each segment of IDS.
+SEGMENTS = [(0, 0), (0, 7), (1, 3), (1, 9)]
+STREAMING = masks.causal() & (masks.sliding_window(3) | masks.initial_tokens(1))
+
+SOFTMAX = {
+    "dense": attn.dot_product_attention,
+    "blockwise": functools.partial(attn.blockwise_attention, block_q=4, block_k=4),
+    "pallas": functools.partial(attn.pallas.flash_attention, block_q=8, block_k=8),
+    "splash": attn.pallas.splash_attention,
+}
+# Splash takes one set of positions for the whole batch, so it sees the causal mask on the
+# default positions (within a segment that is each sequence's own causal mask).
+ALONG_THE_ROW = ("splash",)
+
+
+def _alone(x):
+    """``[B,T,...]`` -> the segments alone, ``[len(SEGMENTS), L, ...]``."""
+    return jnp.stack([x[b, t : t + L] for b, t in SEGMENTS])
+
+
+def _packed(alone, fill=0.0):
+    """Inverse of ``_alone``: the segments back in their rows, ``fill`` at padding."""
+    out = jnp.full((B, T, *alone.shape[2:]), fill, alone.dtype)
+    for (b, t), x in zip(SEGMENTS, alone, strict=True):
+        out = out.at[b, t : t + L].set(x)
+    return out
+
+
+def _grads(fn, q, k, v, cot):
+    return jax.grad(lambda q, k, v: (fn(q, k, v) * cot).sum(), argnums=(0, 1, 2))(q, k, v)
+
+
+@pytest.mark.parametrize("impl", sorted(SOFTMAX))
+def test_softmax_packed_equals_each_segment_alone(impl):
+    q = normal(0, (B, T, N, H))
+    k, v = normal(1, (B, T, K, H)), normal(2, (B, T, K, H))
+    cot = normal(3, (B, T, N, H))
+    ids = jnp.asarray(IDS)
+    mask = masks.causal() if impl in ALONG_THE_ROW else STREAMING
+    kw = dict(mask=mask, q_segment_ids=ids, kv_segment_ids=ids)
+    if impl not in ALONG_THE_ROW:
+        # Positions restart per segment: position-based masks see each sequence as if alone.
+        kw |= dict(q_positions=restarted_positions(), kv_positions=restarted_positions())
+    fn = SOFTMAX[impl]
+    packed = functools.partial(fn, **kw)
+    alone = functools.partial(fn, mask=mask)
+    out = packed(q, k, v)
+    want = _packed(alone(_alone(q), _alone(k), _alone(v)))
+    assert rel_err(out, want) <= RTOL  # padding rows: 0, as in want
+    grads = _grads(packed, q, k, v, cot)
+    want_grads = _grads(alone, _alone(q), _alone(k), _alone(v), _alone(cot))
+    for g, w in zip(grads, want_grads, strict=True):
+        assert rel_err(g, _packed(w)) <= RTOL  # zero at padding queries and keys
+    padding = IDS == 0
+    assert not np.asarray(out)[padding].any() and not np.asarray(grads[1])[padding].any()
+
+
+def restarted_positions():
+    """``[B,T]`` positions restarting at each segment (padding's are never looked at)."""
+    starts = np.zeros_like(IDS)
+    for b, t in SEGMENTS:
+        starts[b, t : t + L] = t
+    return jnp.asarray(np.arange(T) - starts, jnp.int32)
+
+
+@pytest.mark.parametrize("form", attn.FORMS)
+def test_linear_packed_equals_each_segment_alone(form):
+    q, k, v = normal(4, (B, T, N, H)), normal(5, (B, T, K, H)), normal(6, (B, T, K, H))
+    log_gates = -jnp.abs(normal(7, (B, T, N)))
+    ids = jnp.asarray(IDS)
+    fn = functools.partial(attn.linear_attention, form=form, chunk_size=4)
+    out = fn(q, k, v, log_gates=log_gates, q_segment_ids=ids, kv_segment_ids=ids)
+    want = fn(_alone(q), _alone(k), _alone(v), log_gates=_alone(log_gates))
+    assert rel_err(out, _packed(want)) <= RTOL
+
+
+def test_short_conv_packed_equals_each_segment_alone():
+    x, weight = normal(8, (B, T, 6)), normal(9, (4, 6))
+    y, _ = attn.short_conv(x, weight, segment_ids=jnp.asarray(IDS))
+    want, _ = attn.short_conv(_alone(x), weight)
+    assert rel_err(y, _packed(want)) <= RTOL
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda ids: attn.dot_product_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
+        lambda ids: attn.blockwise_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
+        lambda ids: attn.pallas.flash_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
+        lambda ids: attn.linear_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
+        lambda ids: attn.short_conv(jnp.zeros((B, T, 6)), jnp.ones((4, 6)), segment_ids=ids),
+    ],
+    ids=["dense", "blockwise", "pallas", "linear", "conv"],
+)
+def test_negative_ids_are_refused(call):
+    with pytest.raises(ValueError, match=r"segment_ids: expected ids >= 0"):
+        call(jnp.asarray(IDS) - 1)
+
+
+def _qkv():
+    return jnp.zeros((B, T, N, H)), jnp.zeros((B, T, K, H)), jnp.zeros((B, T, K, H))
