@@ -60,8 +60,15 @@ def _packed(alone, fill=0.0):
     return out
 
 
-def _grads(fn, q, k, v, cot):
-    return jax.grad(lambda q, k, v: (fn(q, k, v) * cot).sum(), argnums=(0, 1, 2))(q, k, v)
+def _out_and_grads(fn, q, k, v, cot):
+    """``fn``'s output and the gradients of ``sum(out * cot)``, as one compiled program."""
+
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return (out * cot).sum(), out
+
+    grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
 
 
 @pytest.mark.parametrize("impl", sorted(SOFTMAX))
@@ -78,11 +85,9 @@ def test_softmax_packed_equals_each_segment_alone(impl):
     fn = SOFTMAX[impl]
     packed = functools.partial(fn, **kw)
     alone = functools.partial(fn, mask=mask)
-    out = packed(q, k, v)
-    want = _packed(alone(_alone(q), _alone(k), _alone(v)))
-    assert rel_err(out, want) <= RTOL  # padding rows: 0, as in want
-    grads = _grads(packed, q, k, v, cot)
-    want_grads = _grads(alone, _alone(q), _alone(k), _alone(v), _alone(cot))
+    out, grads = _out_and_grads(packed, q, k, v, cot)
+    want, want_grads = _out_and_grads(alone, _alone(q), _alone(k), _alone(v), _alone(cot))
+    assert rel_err(out, _packed(want)) <= RTOL  # padding rows: 0, as in want
     for g, w in zip(grads, want_grads, strict=True):
         assert rel_err(g, _packed(w)) <= RTOL  # zero at padding queries and keys
     padding = IDS == 0
@@ -102,7 +107,7 @@ def test_linear_packed_equals_each_segment_alone(form):
     q, k, v = normal(4, (B, T, N, H)), normal(5, (B, T, K, H)), normal(6, (B, T, K, H))
     log_gates = -jnp.abs(normal(7, (B, T, N)))
     ids = jnp.asarray(IDS)
-    fn = functools.partial(attn.linear_attention, form=form, chunk_size=4)
+    fn = jax.jit(functools.partial(attn.linear_attention, form=form, chunk_size=4))
     out = fn(q, k, v, log_gates=log_gates, q_segment_ids=ids, kv_segment_ids=ids)
     want = fn(_alone(q), _alone(k), _alone(v), log_gates=_alone(log_gates))
     assert rel_err(out, _packed(want)) <= RTOL
@@ -110,8 +115,9 @@ def test_linear_packed_equals_each_segment_alone(form):
 
 def test_short_conv_packed_equals_each_segment_alone():
     x, weight = normal(8, (B, T, 6)), normal(9, (4, 6))
-    y, _ = attn.short_conv(x, weight, segment_ids=jnp.asarray(IDS))
-    want, _ = attn.short_conv(_alone(x), weight)
+    conv = jax.jit(attn.short_conv)
+    y, _ = conv(x, weight, segment_ids=jnp.asarray(IDS))
+    want, _ = conv(_alone(x), weight)
     assert rel_err(y, _packed(want)) <= RTOL
 
 

@@ -4,18 +4,13 @@ sequence-parallel models in ``tests/models/test_ring_models.py``.
 ``python tests/train/sharding_cases.py WORKDIR`` (with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` set before JAX starts)
 prints one JSON line per case, ``{"case", "ok", ...}``, and exits 0 when all pass.
-The tests call ``results()``, which runs that once per pytest process: JAX
+The tests call ``results()``, which runs that once per test session: JAX
 starts once and each program compiles once for all the checks.
 """
 
 import dataclasses
-import fcntl
 import json
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from models import ModelConfig, pattern, presets  # noqa: E402
+from tests import fake_devices  # noqa: E402
 from tests.train.tiny_config import get_config  # noqa: E402
 from tests.util import rel_err  # noqa: E402
 from train import sharding  # noqa: E402
@@ -39,60 +35,10 @@ STEPS = 6  # one run length for every case, so that their programs compile once
 
 
 def results(tmp_path_factory) -> dict[str, dict]:
-    """The results by case name of this file run in a subprocess with 8 fake CPU devices.
-
-    It runs once per test session: the first caller runs it and the others,
-    pytest-xdist workers included, read its results, written next to the
-    session's temporary folders under a file lock (xdist's recipe for a
-    session fixture that runs once).
-
-    Args:
-      tmp_path_factory: pytest's fixture.
-
-    Raises:
-      AssertionError: the subprocess failed before reporting every case.
-    """
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    with open(shared / "fake_devices.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = shared / "fake_devices.json"
-        if not done.exists():
-            try:
-                found = _run()
-            except AssertionError as e:  # the others then fail at once instead of rerunning
-                found = {"error": str(e)}
-            done.write_text(json.dumps(found))
-        found = json.loads(done.read_text())
-    assert "error" not in found, found["error"]
-    return found
-
-
-def _run() -> dict[str, dict]:
-    """Runs this file in a subprocess; its results by case name."""
-    root = tempfile.mkdtemp(prefix="attnlab_sharding_")
-    env = {
-        **os.environ,
-        # The device count, after the flags of the tests' own process (tests/conftest.py).
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    if jax.config.jax_compilation_cache_dir:  # the tests' cache (tests/train/conftest.py)
-        env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
-    try:
-        out = subprocess.run(
-            [sys.executable, __file__, root],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert found and found[-1].get("case") == "done", f"{out.stdout}\n{out.stderr[-3000:]}"
-    return {r["case"]: r for r in found}
+    """The results by case name of this file run in a subprocess with 8 fake CPU devices,
+    once per test session (``tests.fake_devices.results``)."""
+    root = tmp_path_factory.mktemp("sharding_cases")
+    return fake_devices.results(tmp_path_factory, "sharding_cases", [__file__, str(root)], 900)
 
 
 def config(**kw):
@@ -148,7 +94,7 @@ def case_one_step(root):
     ref = params(root / "single", cfg)
     errors = {}
     meshes = [("auto", m) for m in ("data=8", "fsdp=8", "data=2,fsdp=2,seq=2")]
-    meshes += [("explicit", m) for m in ("fsdp=8", "data=2,fsdp=2,seq=2")]
+    meshes += [("explicit", "data=2,fsdp=2,seq=2")]
     for i, (types, mesh) in enumerate(meshes):
         run = dataclasses.replace(cfg, mesh=mesh, mesh_axis_types=types)
         train(run, root / f"step{i}", stop_at=1, progress=False)

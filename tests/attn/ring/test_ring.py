@@ -10,10 +10,6 @@ checks need no devices and run here.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,34 +18,19 @@ import pytest
 import attn
 from attn import masks, ring
 from attn.ring.work import ring_work, work_table
+from tests import fake_devices
 from tests.attn.ring import ring_checks
 from tests.util import qkv
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
 # One process for every case; compiling dominates (about 40 s on 2 cores).
 CHECKS_TIMEOUT_S = 600
 
 
-@pytest.fixture(scope="module")
-def checks():
-    """``{case: result}`` from one run of ring_checks on 8 fake CPU devices."""
-    env = dict(os.environ, XLA_FLAGS=ring_checks.XLA_FLAGS, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.attn.ring.ring_checks"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=CHECKS_TIMEOUT_S,
-    )
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            result = json.loads(line)
-            results[result["case"]] = result
-    if not results:
-        pytest.fail(f"ring_checks printed no result (exit {proc.returncode}):\n{proc.stderr}")
-    return results
+@pytest.fixture
+def checks(tmp_path_factory):
+    """``{case: result}`` from one run of ring_checks on 8 fake CPU devices per session."""
+    argv = ["-m", "tests.attn.ring.ring_checks"]
+    return fake_devices.results(tmp_path_factory, "ring_checks", argv, CHECKS_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("case", sorted(ring_checks.CASES))

@@ -1,0 +1,73 @@
+"""Checks that need several CPU devices run in a subprocess, once per test session.
+
+The device count must be set before JAX starts, so a file of checks (the ring
+checks, the sharded-training cases) runs in its own process with
+``--xla_force_host_platform_device_count=8`` and prints one JSON line per case.
+``results`` runs it once per session: the first caller runs it and the others,
+pytest-xdist workers included, read its results, written next to the session's
+temporary folders under a file lock (xdist's recipe for a session fixture that
+runs once), so a worker never runs it again, whichever of its tests it gets.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES = "--xla_force_host_platform_device_count=8"
+
+
+def results(tmp_path_factory, key: str, argv: list[str], timeout: float) -> dict[str, dict]:
+    """``{case: result}`` of ``python argv...`` on 8 fake CPU devices, run once per session.
+
+    Args:
+      tmp_path_factory: pytest's fixture.
+      key: names the run's files in the shared folder.
+      argv: the command after ``python``, run from the repository root; it prints
+        one JSON object per line, each with a ``"case"``.
+      timeout: seconds.
+
+    Raises:
+      AssertionError: the subprocess reported no case (its stderr is in the message).
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    with open(shared / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = shared / f"{key}.json"
+        if not done.exists():
+            done.write_text(json.dumps(_run(argv, timeout)))
+        found = json.loads(done.read_text())
+    assert "error" not in found, found["error"]
+    return found
+
+
+def _run(argv: list[str], timeout: float) -> dict[str, dict]:
+    env = {
+        **os.environ,
+        # The device count, after the flags of the tests' own process (tests/conftest.py).
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {DEVICES}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    if jax.config.jax_compilation_cache_dir:  # the tests' cache (tests/train/conftest.py)
+        env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+    out = subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    if not found:  # the others then fail at once instead of rerunning
+        return {"error": f"no result (exit {out.returncode}):\n{out.stderr[-3000:]}"}
+    return {r["case"]: r for r in found}
