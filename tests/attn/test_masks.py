@@ -179,6 +179,15 @@ def test_segment_ids_from_lengths():
         masks.segment_ids_from_lengths(jnp.ones((2, 2)), 4)
 
 
+def test_same_segment_pairs_equal_ids_and_never_padding():
+    q = np.array([[1, 1, 0, 2]])
+    k = np.array([[0, 1, 2, 2, 1]])
+    got = np.asarray(masks.same_segment(q, k))
+    want = (q[0][:, None] == k[0][None, :]) & (k[0] != masks.PADDING)[None, :]
+    assert got.shape == (1, 4, 5) and (got[0] == want).all()
+    assert not got[0, 2].any() and not got[0, :, 0].any()  # padding sees nothing, is unseen
+
+
 def test_classify_broadcasts_over_all_four_bounds():
     lo = jnp.arange(4)
     assert masks.full().classify(lo, lo + 2, lo, lo + 1).shape == (4,)

@@ -6,6 +6,7 @@ JAX starts, which this process has already done), shared with the model cases
 of ``tests/models/test_ring_models.py``.
 """
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -51,6 +52,14 @@ def test_the_config_checks_the_mesh_syntax_and_resumes_on_another_mesh():
     with pytest.raises(ValueError, match=r"^mesh:"):
         TrainConfig(mesh="model=2")
     assert "mesh" not in RESULT_FIELDS  # a run may resume on another mesh
+    assert TrainConfig(mesh="data=2", mesh_axis_types="explicit").mesh_axis_types == "explicit"
+    with pytest.raises(
+        ValueError, match=r"^mesh_axis_types: expected one of \('auto', 'explicit'\)"
+    ):
+        TrainConfig(mesh_axis_types="manual")
+    assert "mesh_axis_types" not in RESULT_FIELDS  # the same result on either axis type
+    mesh = sharding.make_mesh("data=1", devices=jax.devices()[:1], axis_types="explicit")
+    assert sharding.is_explicit(mesh) and not sharding.is_explicit(sharding.make_mesh(""))
 
 
 def test_fsdp_shards_the_largest_divisible_dim_of_large_arrays():
