@@ -256,17 +256,27 @@ def _chance(chance) -> str:
     return f"chance {chance:.2f}" if isinstance(chance, int | float) else ""
 
 
+# The plugins of --plugin (train.plugins), which --run's comparison process loads too.
+PLUGINS: list[str] = []
+PLUGIN_HELP = (
+    "--plugin MODULE (repeatable): import a module or .py file of one's own first "
+    "(docs/extending.md); --run's comparison and experiments see what it adds."
+)
+
+
 def run_compare(out: Path) -> Path:
     """Trains ``python -m train.compare --quick`` into ``out``; returns its results.json.
 
     A separate process (the comparison spawns its own workers, and analysis
-    uses only train's public entry points); its runs go to ``out/runs``.
+    uses only train's public entry points); its runs go to ``out/runs``. It
+    gets this process's ``PLUGINS``, found from the current folder as here.
     """
     out = Path(out).resolve()  # the process runs in the repository, wherever we are
     cmd = [
         sys.executable,
         "-m",
         "train.compare",
+        *(arg for name in PLUGINS for arg in ("--plugin", name)),
         "--quick",
         "--name",
         COMPARE_QUICK,
@@ -276,7 +286,8 @@ def run_compare(out: Path) -> Path:
         str(out / "runs"),
     ]
     print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=REPO)
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    subprocess.run(cmd, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path})
     return out / COMPARE_QUICK / "results.json"
 
 
@@ -475,9 +486,22 @@ def _numbers(only: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    """``python -m analysis.claims [--run] [--out DIR] [--only 1,2] [--results DIR]``."""
+    """``python -m analysis.claims [--plugin M] [--run] [--out D] [--only 1,2] [--results D]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--plugin" or a.startswith("--plugin=") for a in argv):
+        import train.plugins  # only then: the fast checks import no train
+
+        try:
+            names, argv = train.plugins.split_flags(argv)
+            PLUGINS.extend(train.plugins.load(names))  # --run's comparison and experiments
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     args = tyro.cli(
-        Args, args=list(sys.argv[1:] if argv is None else argv), prog="python -m analysis.claims"
+        Args,
+        args=argv,
+        prog="python -m analysis.claims",
+        description=f"{Args.__doc__.splitlines()[0]}\n\n{PLUGIN_HELP}",
     )
     numbers = _numbers(args.only)
     t0 = time.perf_counter()

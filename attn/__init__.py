@@ -37,10 +37,12 @@ The families, each a package whose docstring lists its pieces:
 beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``errors`` (the input checks and their one ``ValueError`` format), ``merge``
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
-``cache`` (cache sizes and slots) and ``dispatch`` (``attention(impl=...)``).
+``cache`` (cache sizes and slots), ``dispatch`` (``attention(impl=...)``) and
+``registry`` (the named registries feature maps, and the models' layer kinds,
+presets and variants, are added to).
 """
 
-from attn import errors, linear, masks, pallas, ring, softmax
+from attn import errors, linear, masks, pallas, registry, ring, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.dispatch import IMPLS, attention
@@ -54,6 +56,7 @@ from attn.linear import (
     linear_attention,
     linear_attention_step,
     linear_feature_dim,
+    register_feature_map,
 )
 from attn.masks import Mask
 from attn.merge import merge_attention
@@ -86,6 +89,8 @@ __all__ = [
     "masks",
     "merge_attention",
     "pallas",
+    "register_feature_map",
+    "registry",
     "ring",
     "ring_attention",
     "sharded_attention",

@@ -86,6 +86,7 @@ PLATFORM_IMPLS = {
     "gpu": ("xla", "cudnn", "dense", "blockwise"),
 }
 MODES = ("fwd", "fwd+bwd")
+MASKS = ("causal", "full")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (1024, 2048)
 BACKWARD_FLOPS = 2.5  # the backward pass does 5 matmuls to the forward pass's 2
@@ -126,6 +127,17 @@ class Config:
     max_seconds: float = 45.0  # skip a run projected (from the previous T) to take longer
     memory_fraction: float = 0.6  # of available memory, for materialized [N,T,S] arrays
     out_dir: str = "bench/results"
+
+    def __post_init__(self):
+        # Names are checked before any measurement: a typo must not cost a whole sweep.
+        for flag, values, allowed in (
+            ("impls", self.impls, IMPLS),
+            ("masks", self.masks, MASKS),
+            ("modes", self.modes, MODES),
+        ):
+            unknown = [v for v in values if v not in allowed]
+            if unknown or (flag != "impls" and not values):
+                raise ValueError(f"--{flag}: expected names from {allowed}, got {list(values)}")
 
 
 # ----------------------------------------------------------------------------
@@ -700,4 +712,4 @@ if __name__ == "__main__":
     else:
         import tyro
 
-        main(tyro.cli(Config))
+        main(tyro.cli(Config))  # a bad name is refused here, before any work

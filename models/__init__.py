@@ -26,6 +26,12 @@ projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
 ``config.py`` / ``patterns.py`` (presets) and ``generate.py``.
 
+Extending without editing the package (``docs/extending.md``): ``register_kind``
+adds a layer kind (its module class, the config fields it reads, optionally a
+config subclass with fields of its own), ``register_preset`` a named config,
+``attn.register_feature_map`` a feature map; the built-in kinds and presets are
+registered the same way, and every lookup reads the registries at call time.
+
 Padding and packing are segment ids (id 0 is padding) for every layer kind.
 
 Any layer may convolve its input with a short causal convolution
@@ -52,12 +58,30 @@ from models.cache import (
     latent_cache_bytes,
     linear_state_bytes,
 )
-from models.config import KINDS, AttentionConfig, ModelConfig
+from models.config import (
+    COMMON_FIELDS,
+    KINDS,
+    LATENT_FIELDS,
+    LINEAR_FIELDS,
+    MASK_FIELDS,
+    AttentionConfig,
+    LayerKind,
+    ModelConfig,
+    register_kind,
+)
 from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention
 from models.linear import LinearAttention
-from models.patterns import PRESETS, pattern, presets
+from models.patterns import (
+    PRESET_REGISTRY,
+    PRESETS,
+    PresetSizes,
+    describe,
+    pattern,
+    presets,
+    register_preset,
+)
 from models.softmax import CrossAttention, SelfAttention
 from models.taps import (
     attention_modules,
@@ -69,10 +93,15 @@ from models.taps import (
 from models.transformer import Decoder, Encoder, EncoderDecoder, packed_positions
 
 __all__ = [
+    "COMMON_FIELDS",
     "EMPTY",
     "KINDS",
+    "LATENT_FIELDS",
+    "LINEAR_FIELDS",
+    "MASK_FIELDS",
     "MLP",
     "PRESETS",
+    "PRESET_REGISTRY",
     "AttentionConfig",
     "Block",
     "Buffer",
@@ -87,8 +116,10 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "LatentCache",
+    "LayerKind",
     "LinearAttention",
     "ModelConfig",
+    "PresetSizes",
     "SelfAttention",
     "ShortConv",
     "SlotCache",
@@ -97,6 +128,7 @@ __all__ = [
     "cache_bytes",
     "cache_overflow",
     "capture_weights",
+    "describe",
     "generate",
     "head_gates",
     "head_importance",
@@ -105,5 +137,7 @@ __all__ = [
     "packed_positions",
     "pattern",
     "presets",
+    "register_kind",
+    "register_preset",
     "set_head_gates",
 ]

@@ -11,13 +11,9 @@ from flax import nnx
 import attn
 from attn import masks
 from models.cache import CrossCache
-from models.config import AttentionConfig, ModelConfig
+from models.config import KINDS, AttentionConfig, ModelConfig
 from models.heads import dense
-from models.latent import LatentAttention
-from models.linear import LinearAttention
-from models.softmax import CrossAttention, SelfAttention
-
-ATTENTION_MODULES = {"softmax": SelfAttention, "mla": LatentAttention, "linear": LinearAttention}
+from models.softmax import CrossAttention
 
 
 class MLP(nnx.Module):
@@ -80,8 +76,8 @@ class ShortConv(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block: ``x + attn(norm(x))`` [``+ cross(norm(x))``] ``+ mlp(norm(x))``.
 
-    ``attn`` is the layer's attention module (``ATTENTION_MODULES[layer.kind]``,
-    see ``models.heads`` for their common surface); ``cross`` the cross-attention
+    ``attn`` is the layer's attention module (``KINDS[layer.kind].module``, see
+    ``models.heads`` for their common surface); ``cross`` the cross-attention
     of an encoder-decoder's decoder, else None. With ``layer.short_conv = W`` the
     attention's input is ``conv(norm(x))``, a ``ShortConv`` of width W.
 
@@ -107,7 +103,8 @@ class Block(nnx.Module):
         norm = functools.partial(nnx.RMSNorm, D, epsilon=config.norm_eps, rngs=rngs, **kw)
         self.kind = layer.kind
         self.attn_norm = norm()
-        self.attn = ATTENTION_MODULES[layer.kind](layer, D, causal=causal, rngs=rngs, **kw)
+        module = KINDS.lookup(layer.kind, "layer.kind").module
+        self.attn = module(layer, D, causal=causal, rngs=rngs, **kw)
         self.conv = ShortConv(layer.short_conv, D, **kw) if layer.short_conv else None
         self.cross_norm = norm() if cross is not None else None
         self.cross = CrossAttention(cross, D, rngs=rngs, **kw) if cross is not None else None

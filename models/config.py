@@ -10,6 +10,11 @@ model, with one ``AttentionConfig`` per layer so hybrids are one line::
 
 Every bad value raises ``ValueError("<field>: expected ..., got <value>")``.
 Configs are hashable, so they are static under ``jit`` and key compile caches.
+
+Layer kinds are a registry (``KINDS``, filled by ``register_kind``): each kind
+names its module class, the config fields it reads and its own checks; the
+built-in kinds register beside their modules (``models.softmax``,
+``models.latent``, ``models.linear``), and a plugin adds one the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Callable
 
 import jax.numpy as jnp
 
@@ -24,8 +30,7 @@ import attn
 from attn import masks
 from attn.errors import fail
 from attn.linear import FEATURE_MAPS, FORMS
-
-KINDS = ("softmax", "mla", "linear")
+from attn.registry import Registry
 
 # Implementations backed by jax.nn.dot_product_attention (see attn.dispatch).
 JAX_NN_IMPLS = ("xla", "cudnn")
@@ -33,6 +38,133 @@ JAX_NN_IMPLS = ("xla", "cudnn")
 # A softmax layer's implementations: attn.attention's, and "ring" (ring attention
 # over the mesh axis "seq" of the surrounding jax.set_mesh; models.softmax).
 IMPLS = (*attn.IMPLS, "ring")
+
+# AttentionConfig's fields in groups. Every kind reads the common ones; a kind
+# names the groups (or single fields) it reads besides, and every other field
+# must keep its default (a value there would be silently ignored).
+COMMON_FIELDS = ("kind", "num_heads", "num_kv_heads", "head_dim", "rope", "rope_base", "short_conv")
+MASK_FIELDS = (
+    "window",
+    "radius",
+    "initial_tokens",
+    "global_tokens",
+    "impl",
+    "softcap",
+    "sink_logits",
+)
+LINEAR_FIELDS = (
+    "feature_map",
+    "form",
+    "decay",
+    "gating",
+    "chunk_size",
+    "normalize",
+    "num_features",
+)
+LATENT_FIELDS = ("kv_rank", "q_rank", "rope_head_dim", "nope_head_dim", "v_head_dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One layer kind of the models: how a layer of ``AttentionConfig.kind == name`` is built.
+
+    Attributes:
+      name: the kind's name (``AttentionConfig.kind``).
+      module: the attention module class, constructed as
+        ``module(cfg, width, *, causal, dtype, param_dtype, rngs)``, with the
+        surface of ``models.heads.Heads``: ``__call__(x, *, positions, segment_ids)``,
+        ``init_cache(batch, max_len)`` (its decode cache, a pytree) and
+        ``extend(x, cache, start, lengths)`` (prefill and decode steps).
+      fields: the ``AttentionConfig`` fields the kind reads besides ``COMMON_FIELDS``.
+      family: ``"softmax"`` for a layer that keeps keys (a full cache or a window;
+        the comparison's "softmax layers"), ``"linear"`` for a fixed recurrent state.
+      config: the config class of the kind's layers: ``AttentionConfig`` or a
+        frozen dataclass subclass of it holding the kind's own fields (theirs too).
+      check: ``check(cfg)`` raising ``ValueError`` for values the kind cannot take, or None.
+      sequence_parallel: True if the module runs under a mesh whose ``"seq"`` axis
+        splits each sequence (it attends by the tokens' positions, as ring attention
+        does); otherwise False, or a string saying why it cannot (train refuses it).
+    """
+
+    name: str
+    module: type
+    fields: tuple[str, ...] = ()
+    family: str = "softmax"
+    config: type | None = None
+    check: Callable[[AttentionConfig], None] | None = None
+    sequence_parallel: bool | str = False
+
+    @property
+    def config_class(self) -> type:
+        return AttentionConfig if self.config is None else self.config
+
+    def owns(self, field: str) -> bool:
+        """Whether layers of this kind read ``field``."""
+        own = field in COMMON_FIELDS or field in self.fields
+        return own or field not in _BASE_FIELDS  # a config subclass's own field
+
+
+KINDS: Registry[LayerKind] = Registry("layer kind", "kind")
+
+
+def register_kind(
+    name: str,
+    module: type | None = None,
+    *,
+    fields=(),
+    family: str = "softmax",
+    config: type | None = None,
+    check=None,
+    sequence_parallel: bool | str = False,
+):
+    """Adds a layer kind (see ``LayerKind``); a call, or a decorator of the module class.
+
+    ``@register_kind("gated", fields=MASK_FIELDS)`` above a module class makes
+    ``AttentionConfig(kind="gated")`` a layer of every model, CLI and comparison;
+    the built-in kinds ``softmax``, ``mla`` and ``linear`` are added the same way,
+    beside their modules.
+
+    Raises:
+      ValueError: the name is taken by another kind (naming both), the module
+        lacks the attention surface, ``fields`` names no ``AttentionConfig``
+        field, or ``config`` is not a subclass of ``AttentionConfig``.
+    """
+
+    def add(module):
+        missing = [
+            m
+            for m in ("__call__", "init_cache", "extend")
+            if not callable(getattr(module, m, None))
+        ]
+        if not isinstance(module, type) or missing:
+            fail(
+                "module",
+                "an attention module class with __call__, init_cache and extend",
+                f"{module!r} (missing {missing})",
+            )
+        names = tuple(fields)
+        unknown = [f for f in names if f not in _BASE_FIELDS or f in COMMON_FIELDS]
+        if unknown:
+            fail("fields", f"AttentionConfig fields beyond {COMMON_FIELDS}", repr(unknown))
+        if config is not None and not (
+            isinstance(config, type) and issubclass(config, AttentionConfig)
+        ):
+            fail("config", "a dataclass subclass of AttentionConfig or None", repr(config))
+        if not isinstance(family, str) or not family:
+            fail("family", "a non-empty string such as 'softmax' or 'linear'", repr(family))
+        if check is not None and not callable(check):
+            fail("check", "a callable check(cfg) or None", repr(check))
+        if not isinstance(sequence_parallel, bool | str):
+            fail(
+                "sequence_parallel",
+                "a bool or the reason it cannot (a str)",
+                repr(sequence_parallel),
+            )
+        entry = LayerKind(name, module, names, family, config, check, sequence_parallel)
+        KINDS.add(name, entry, defined_by=module)
+        return module
+
+    return add if module is None else add(module)
 
 
 def _is_int(x) -> bool:
@@ -62,12 +194,16 @@ def _positive_float(value, field: str, *, allow_none: bool = False) -> None:
 class AttentionConfig:
     """One attention layer.
 
-    Fields come in groups: common ones, the softmax/MLA mask, linear attention
-    and MLA; a field of another kind's group must keep its default.
+    Fields come in groups (``COMMON_FIELDS``, ``MASK_FIELDS``, ``LINEAR_FIELDS``,
+    ``LATENT_FIELDS``); each layer kind reads the common ones and those its
+    ``LayerKind.fields`` name, and every other field must keep its default.
+    A kind registered with a config subclass (``register_kind(config=...)``)
+    adds fields of its own, and its layers are instances of that subclass.
 
     Attributes:
-      kind: ``"softmax"`` (MHA/GQA/MQA through ``attn.attention``), ``"mla"``
-        (multi-head latent attention, DeepSeek-V2) or ``"linear"`` (``attn.linear``).
+      kind: a name in ``KINDS``: ``"softmax"`` (MHA/GQA/MQA through ``attn.attention``),
+        ``"mla"`` (multi-head latent attention, DeepSeek-V2), ``"linear"``
+        (``attn.linear``), or one added with ``register_kind``.
       num_heads: N, query heads.
       num_kv_heads: K, key/value heads; None means N (MHA). N % K == 0; K == 1 is MQA.
         MLA has no kv heads (keys are per head after the up-projection): None or N.
@@ -147,25 +283,32 @@ class AttentionConfig:
     v_head_dim: int | None = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            fail("kind", f"one of {KINDS}", repr(self.kind))
+        kind = KINDS.lookup(self.kind, "kind")
+        if type(self) is not kind.config_class:
+            fail(
+                "kind",
+                f"a kind whose config class is {type(self).__name__} "
+                f"(kind {self.kind!r} is configured by {kind.config_class.__name__})",
+                repr(self.kind),
+            )
+        for name, f in _BASE_FIELDS.items():  # another kind's field would be silently ignored
+            if not kind.owns(name) and getattr(self, name) != f.default:
+                fail(
+                    name,
+                    f"{f.default!r} for kind={self.kind!r} (a field its layers do not read)",
+                    repr(getattr(self, name)),
+                )
         _positive_int(self.num_heads, "num_heads")
         _positive_int(self.num_kv_heads, "num_kv_heads", allow_none=True)
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
             fail(
                 "num_kv_heads", f"a divisor of num_heads={self.num_heads}", repr(self.num_kv_heads)
             )
-        if (
-            self.kind == "mla"
-            and self.num_kv_heads is not None
-            and self.num_kv_heads != self.num_heads
-        ):
-            fail("num_kv_heads", "None or num_heads for kind='mla'", repr(self.num_kv_heads))
         _positive_int(self.head_dim, "head_dim")
         if not isinstance(self.rope, bool):
             fail("rope", "a bool", repr(self.rope))
         _positive_float(self.rope_base, "rope_base")
-        if self.rope and self.kind != "mla":
+        if self.rope and kind.owns("rotary_dim"):
             rd = self.head_dim if self.rotary_dim is None else self.rotary_dim
             if not _is_int(rd) or rd < 2 or rd % 2 or rd > self.head_dim:
                 field = "head_dim" if self.rotary_dim is None else "rotary_dim"
@@ -175,27 +318,10 @@ class AttentionConfig:
         if not _is_int(w) or w < 0:
             fail("short_conv", "a non-negative int (the width W; 0 for none)", repr(w))
         self._check_mask()
-        if not isinstance(self.impl, str) or self.impl not in IMPLS:
-            fail("impl", f"one of {IMPLS}", repr(self.impl))
-        if self.impl == "ring" and self.kind != "softmax":
-            fail("impl", f"not 'ring' for kind={self.kind!r} (ring is softmax's)", "'ring'")
-        if self.impl in JAX_NN_IMPLS and (
-            self.initial_tokens
-            or self.global_tokens
-            or self.softcap is not None
-            or self.sink_logits
-        ):
-            # jax.nn has causal and band masks only, and no soft-cap or sink logits.
-            fail(
-                "impl",
-                "'auto' or 'dense' with initial tokens, global tokens, softcap or sink logits",
-                repr(self.impl),
-            )
-        _positive_float(self.softcap, "softcap", allow_none=True)
-        if not isinstance(self.sink_logits, bool):
-            fail("sink_logits", "a bool", repr(self.sink_logits))
         self._check_linear()
-        self._check_mla()
+        self._check_latent()
+        if kind.check is not None:
+            kind.check(self)
 
     def _check_mask(self):
         _positive_int(self.window, "window", allow_none=True)
@@ -219,6 +345,23 @@ class AttentionConfig:
             if value and not local:
                 why = "every position is visible anyway"
                 fail(field, f"{off!r} without a window or radius ({why})", repr(value))
+        if not isinstance(self.impl, str) or self.impl not in IMPLS:
+            fail("impl", f"one of {IMPLS}", repr(self.impl))
+        if self.impl in JAX_NN_IMPLS and (
+            self.initial_tokens
+            or self.global_tokens
+            or self.softcap is not None
+            or self.sink_logits
+        ):
+            # jax.nn has causal and band masks only, and no soft-cap or sink logits.
+            fail(
+                "impl",
+                "'auto' or 'dense' with initial tokens, global tokens, softcap or sink logits",
+                repr(self.impl),
+            )
+        _positive_float(self.softcap, "softcap", allow_none=True)
+        if not isinstance(self.sink_logits, bool):
+            fail("sink_logits", "a bool", repr(self.sink_logits))
 
     def _check_linear(self):
         if self.feature_map not in FEATURE_MAPS:
@@ -244,38 +387,15 @@ class AttentionConfig:
                     f"None, 'retnet', a number in (0, 1] or a tuple of {self.num_heads} of them",
                     repr(d),
                 )
-        if self.kind == "linear":
-            for field, off in (
-                ("window", None),
-                ("radius", None),
-                ("initial_tokens", 0),
-                ("global_tokens", ()),
-                ("softcap", None),
-                ("sink_logits", False),
-            ):
-                if getattr(self, field) != off:
-                    fail(field, f"{off!r} for kind='linear'", repr(getattr(self, field)))
-            if self.feature_map == "favor" and self.num_features is None:
-                fail("num_features", "a positive int for feature_map='favor'", "None")
-        else:
-            for field, off in (("decay", None), ("gating", False)):
-                if getattr(self, field) != off:
-                    fail(field, f"{off!r} unless kind='linear'", repr(getattr(self, field)))
 
-    def _check_mla(self):
+    def _check_latent(self):
         _positive_int(self.kv_rank, "kv_rank")
         _positive_int(self.q_rank, "q_rank", allow_none=True)
         _positive_int(self.nope_head_dim, "nope_head_dim", allow_none=True)
         _positive_int(self.v_head_dim, "v_head_dim", allow_none=True)
-        if self.kind != "mla":
-            return
-        if not self.rope:
-            fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
         r = self.rope_head_dim
         if not _is_int(r) or r < 2 or r % 2:
             fail("rope_head_dim", "an even int >= 2", repr(r))
-        if self.rotary_dim is not None:
-            fail("rotary_dim", "None for kind='mla' (rope_head_dim sets it)", repr(self.rotary_dim))
 
     # Derived sizes -----------------------------------------------------------
 
@@ -292,9 +412,7 @@ class AttentionConfig:
     @property
     def value_dim(self) -> int:
         """E: per-head value dim (H except where MLA sets ``v_head_dim``)."""
-        if self.kind == "mla" and self.v_head_dim is not None:
-            return self.v_head_dim
-        return self.head_dim
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def decay_values(self) -> tuple[float, ...] | None:
         """Per-head gammas ``[N]`` as a tuple, or None without fixed decay."""
@@ -360,6 +478,13 @@ class AttentionConfig:
         return max_len, 0
 
 
+_BASE_FIELDS = {f.name: f for f in dataclasses.fields(AttentionConfig)}
+
+
+def _default_layers() -> tuple[AttentionConfig, ...]:
+    return (AttentionConfig(), AttentionConfig())
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A model: embeddings, a per-layer pattern of attention configs, SwiGLU MLPs.
@@ -384,7 +509,7 @@ class ModelConfig:
     vocab_size: int = 32
     width: int = 32
     mlp_width: int | None = None
-    layers: tuple[AttentionConfig, ...] = (AttentionConfig(), AttentionConfig())
+    layers: tuple[AttentionConfig, ...] = dataclasses.field(default_factory=_default_layers)
     norm_eps: float = 1e-6
     tied_embeddings: bool = True
     dtype: str = "float32"

@@ -9,12 +9,25 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attn
+from attn.errors import fail
 from models.cache import LatentCache
-from models.config import AttentionConfig
+from models.config import LATENT_FIELDS, MASK_FIELDS, AttentionConfig, register_kind
 from models.heads import cached_impl, dense, step_positions
 from models.softmax import Softmax
 
 
+def _check_latent(cfg: AttentionConfig) -> None:
+    """What MLA needs beyond the field values: per-head keys, positions in the RoPE key."""
+    if cfg.num_kv_heads is not None and cfg.num_kv_heads != cfg.num_heads:
+        # keys are per head after the up-projection: there are no kv heads to share
+        fail("num_kv_heads", "None or num_heads for kind='mla'", repr(cfg.num_kv_heads))
+    if not cfg.rope:
+        fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
+    if cfg.impl == "ring":
+        fail("impl", "not 'ring' for kind='mla' (ring is softmax's)", "'ring'")
+
+
+@register_kind("mla", fields=(*MASK_FIELDS, *LATENT_FIELDS), family="softmax", check=_check_latent)
 class LatentAttention(Softmax):
     """Multi-head latent attention (DeepSeek-V2).
 

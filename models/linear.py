@@ -10,7 +10,8 @@ import numpy as np
 
 import attn
 from attn import masks
-from models.config import AttentionConfig
+from attn.errors import fail
+from models.config import LINEAR_FIELDS, AttentionConfig, register_kind
 from models.heads import Buffer, Heads, dense, step_positions
 
 # Gated linear attention: gates are sigmoid(x W + b) ** (1 / 16) (Yang et al.
@@ -19,6 +20,19 @@ GATE_TEMPERATURE = 16.0
 GATE_BIAS_INIT = 2.0
 
 
+def _check_linear(cfg: AttentionConfig) -> None:
+    if cfg.feature_map == "favor" and cfg.num_features is None:
+        fail("num_features", "a positive int for feature_map='favor'", "None")
+
+
+@register_kind(
+    "linear",
+    fields=(*LINEAR_FIELDS, "rotary_dim"),
+    family="linear",
+    check=_check_linear,
+    sequence_parallel="linear attention runs its recurrence in array order, which the "
+    "sequence-parallel layout permutes; it cannot run sequence-parallel",
+)
 class LinearAttention(Heads):
     """Linear attention ``phi(q).phi(k)`` (``attn.linear``), any feature map, form and decay.
 

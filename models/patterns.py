@@ -4,14 +4,22 @@ layers = pattern(("window", "window", "global") * 4)        # Gemma-style local/
 layers = pattern(("linear", "linear", "softmax") * 2)         # linear/softmax hybrid
 layers = pattern(("band_global_tokens", "linear"))            # an encoder (Longformer-style)
 layers = pattern(("based", "based", "based_window"))          # Based (Arora et al. 2024)
+layers = pattern(("mha_conv", "linear_conv"))                 # any preset with a short conv
+
+A preset is a function of the shared sizes (``PresetSizes``: heads, head
+dim, window, ranks, ...) registered under a name in ``PRESET_REGISTRY``
+(``register_preset``), so a comparison and a command line size every preset
+alike. ``presets(**sizes)`` builds them all; ``PRESETS`` is the same at the
+default sizes, read at each lookup, so presets registered later are in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from attn.errors import fail
+from attn.registry import Registry
 from models.config import AttentionConfig
 
 # The width of the presets' short convolutions (the current token and the three
@@ -20,33 +28,155 @@ SHORT_CONV = 4
 # Based projects queries and keys to 16 channels per head before its Taylor map
 # (F = 1 + 16 + 16^2 = 273): a small head dim keeps the state [N,F,H] affordable.
 BASED_HEAD_DIM = 16
+# ``<preset>_conv`` is ``<preset>`` with a short convolution of width ``short_conv``.
+CONV_SUFFIX = "_conv"
 
 
-def presets(
-    *,
-    num_heads: int = 4,
-    head_dim: int = 8,
-    gqa_kv_heads: int = 2,
-    window: int = 4,
-    num_initial_tokens: int = 2,
-    global_positions: tuple[int, ...] = (0, 5),
-    radius: int | None = None,
-    kv_rank: int = 8,
-    q_rank: int | None = 16,
-    rope_head_dim: int = 4,
-    chunk_size: int = 64,
-    short_conv: int = SHORT_CONV,
-    based_head_dim: int = BASED_HEAD_DIM,
-) -> dict[str, AttentionConfig]:
-    """A registry of named attention configs sharing N heads of dim H.
+@dataclasses.dataclass(frozen=True)
+class PresetSizes:
+    """The sizes every preset is built from.
 
-    Names: ``mha``/``softmax``/``global`` (full causal softmax, the "global"
-    layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv heads), ``mqa``,
-    ``mla``, ``window``, ``streaming`` (StreamingLLM: window plus the first
-    ``num_initial_tokens`` positions), ``global_tokens`` (window plus Longformer
-    global positions), ``linear`` (elu+1), ``linear_decay`` (RetNet gammas),
-    ``linear_gated`` (data-dependent gates), ``based`` and ``based_window`` (below).
-    ``window_sinks`` is a deprecated alias of ``streaming``, removed in attnlab 0.2.
+    Attributes:
+      num_heads: N. head_dim: H.
+      gqa_kv_heads: K of ``gqa``.
+      window: the sliding window of the window presets (itself included).
+      num_initial_tokens: the always-visible first positions of ``streaming``.
+      global_positions: Longformer's global positions of ``global_tokens``.
+      radius: the band of ``band`` presets; None means ``window``.
+      kv_rank, q_rank, rope_head_dim: MLA's latent rank, query rank, RoPE key width.
+      chunk_size: C of the chunkwise linear presets.
+      short_conv: W of the short convolutions (``based``, ``*_conv``).
+      based_head_dim: the head dim of Based's Taylor linear attention.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 8
+    gqa_kv_heads: int = 2
+    window: int = 4
+    num_initial_tokens: int = 2
+    global_positions: tuple[int, ...] = (0, 5)
+    radius: int | None = None
+    kv_rank: int = 8
+    q_rank: int | None = 16
+    rope_head_dim: int = 4
+    chunk_size: int = 64
+    short_conv: int = SHORT_CONV
+    based_head_dim: int = BASED_HEAD_DIM
+
+    def base(self, **fields) -> AttentionConfig:
+        """Causal softmax MHA of N heads of dim H, with ``fields`` replaced."""
+        return AttentionConfig(**{"num_heads": self.num_heads, "head_dim": self.head_dim, **fields})
+
+    def linear(self, **fields) -> AttentionConfig:
+        """Linear attention (elu+1, no RoPE, chunks of C) of N heads of dim H."""
+        fields = {"rope": False, "chunk_size": self.chunk_size, **fields}
+        return self.base(kind="linear", **fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A registered preset: ``build(sizes) -> AttentionConfig`` and a one-line description."""
+
+    build: Callable[[PresetSizes], AttentionConfig]
+    description: str
+
+
+PRESET_REGISTRY: Registry[Preset] = Registry("preset", "names")
+
+
+def register_preset(name: str, build=None, *, description: str):
+    """Adds a preset: ``build(sizes: PresetSizes) -> AttentionConfig``; a call or a decorator.
+
+    The preset is then a name of ``pattern``, ``--model.pattern`` and a
+    comparison variant's layers, sized by the caller's ``PresetSizes``, and
+    ``<name>_conv`` is the same with a short convolution.
+
+    Raises:
+      ValueError: the name is taken by another preset (naming both), ends in
+        ``_conv`` (the short-conv twins' suffix), or ``build`` is not callable.
+    """
+
+    def add(build):
+        if not callable(build):
+            fail("build", "a callable build(sizes) -> AttentionConfig", repr(build))
+        if isinstance(name, str) and name.endswith(CONV_SUFFIX):
+            fail("name", f"a name not ending in {CONV_SUFFIX!r} (the short-conv twins)", name)
+        PRESET_REGISTRY.add(name, Preset(build, description), defined_by=build)
+        return build
+
+    return add if build is None else add(build)
+
+
+def _builtin(name: str, description: str, build) -> None:
+    register_preset(name, build, description=description)
+
+
+_builtin("mha", "softmax, multi-head", lambda s: s.base())
+_builtin("softmax", "the same as mha", lambda s: s.base())
+_builtin("global", "the same as mha (the global layer of local/global hybrids)", lambda s: s.base())
+_builtin("gqa", "softmax, gqa_kv_heads kv heads", lambda s: s.base(num_kv_heads=s.gqa_kv_heads))
+_builtin("mqa", "softmax, one kv head", lambda s: s.base(num_kv_heads=1))
+_builtin(
+    "mla",
+    "multi-head latent attention (DeepSeek-V2)",
+    lambda s: s.base(kind="mla", kv_rank=s.kv_rank, q_rank=s.q_rank, rope_head_dim=s.rope_head_dim),
+)
+_builtin("window", "softmax, sliding window", lambda s: s.base(window=s.window))
+_builtin(
+    "streaming",
+    "sliding window + the first positions (StreamingLLM)",
+    lambda s: s.base(window=s.window, initial_tokens=s.num_initial_tokens),
+)
+_builtin(
+    "window_sinks",
+    "deprecated alias of streaming, removed in attnlab 0.2",
+    lambda s: s.base(window=s.window, initial_tokens=s.num_initial_tokens),
+)
+_builtin(
+    "global_tokens",
+    "sliding window + Longformer global positions",
+    lambda s: s.base(window=s.window, global_tokens=tuple(s.global_positions)),
+)
+_builtin(
+    "band",
+    "bidirectional band (encoders)",
+    lambda s: s.base(radius=s.window if s.radius is None else s.radius),
+)
+_builtin(
+    "band_global_tokens",
+    "bidirectional band + global positions (encoders)",
+    lambda s: s.base(
+        radius=s.window if s.radius is None else s.radius,
+        global_tokens=tuple(s.global_positions),
+    ),
+)
+_builtin("linear", "linear, elu+1", lambda s: s.linear())
+_builtin("linear_decay", "linear, RetNet decay", lambda s: s.linear(decay="retnet"))
+_builtin("linear_gated", "linear, data-dependent gates", lambda s: s.linear(gating=True))
+_builtin(
+    "based",
+    "Based: Taylor linear attention with a short conv",
+    lambda s: s.linear(feature_map="taylor", head_dim=s.based_head_dim, short_conv=s.short_conv),
+)
+_builtin(
+    "based_window",
+    "Based: the sliding window with a short conv",
+    lambda s: s.base(window=s.window, short_conv=s.short_conv),
+)
+
+
+def presets(**sizes) -> dict[str, AttentionConfig]:
+    """Every registered preset built from ``PresetSizes(**sizes)``, and its ``_conv`` twin.
+
+    Built-in names: ``mha``/``softmax``/``global`` (full causal softmax, the
+    "global" layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv
+    heads), ``mqa``, ``mla``, ``window``, ``streaming`` (StreamingLLM: window
+    plus the first ``num_initial_tokens`` positions), ``global_tokens`` (window
+    plus Longformer global positions), ``linear`` (elu+1), ``linear_decay``
+    (RetNet gammas), ``linear_gated`` (data-dependent gates), ``based`` and
+    ``based_window`` (below). ``window_sinks`` is a deprecated alias of
+    ``streaming``, removed in attnlab 0.2. Each preset without a short
+    convolution also comes as ``<name>_conv``, with one of width ``short_conv``.
 
     ``based`` and ``based_window`` are the two attention layers of Based (Arora
     et al. 2024, "Simple linear attention language models balance the
@@ -64,40 +194,61 @@ def presets(
     Window presets are causal (decoder layers). Their bidirectional (encoder)
     counterparts are ``band`` (a band of ``radius``, default ``window``) and
     ``band_global_tokens`` (the band plus the global positions).
+
+    Args:
+      **sizes: fields of ``PresetSizes``.
     """
-    base = AttentionConfig(num_heads=num_heads, head_dim=head_dim)
-    linear = dataclasses.replace(base, kind="linear", rope=False, chunk_size=chunk_size)
-    mha = base
-    streaming = dataclasses.replace(base, window=window, initial_tokens=num_initial_tokens)
-    band = dataclasses.replace(base, radius=window if radius is None else radius)
-    return {
-        "mha": mha,
-        "softmax": mha,
-        "global": mha,
-        "gqa": dataclasses.replace(base, num_kv_heads=gqa_kv_heads),
-        "mqa": dataclasses.replace(base, num_kv_heads=1),
-        "mla": dataclasses.replace(
-            base, kind="mla", kv_rank=kv_rank, q_rank=q_rank, rope_head_dim=rope_head_dim
-        ),
-        "window": dataclasses.replace(base, window=window),
-        "streaming": streaming,
-        "window_sinks": streaming,  # deprecated alias of "streaming", removed in attnlab 0.2
-        "global_tokens": dataclasses.replace(
-            base, window=window, global_tokens=tuple(global_positions)
-        ),
-        "band": band,
-        "band_global_tokens": dataclasses.replace(band, global_tokens=tuple(global_positions)),
-        "linear": linear,
-        "linear_decay": dataclasses.replace(linear, decay="retnet"),
-        "linear_gated": dataclasses.replace(linear, gating=True),
-        "based": dataclasses.replace(
-            linear, feature_map="taylor", head_dim=based_head_dim, short_conv=short_conv
-        ),
-        "based_window": dataclasses.replace(base, window=window, short_conv=short_conv),
+    unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(PresetSizes)})
+    if unknown:
+        fail("sizes", f"fields of PresetSizes {list(PresetSizes.__dataclass_fields__)}", unknown)
+    at = PresetSizes(**sizes)
+    built = {name: preset.build(at) for name, preset in PRESET_REGISTRY.items()}
+    twins = {
+        name + CONV_SUFFIX: dataclasses.replace(layer, short_conv=at.short_conv)
+        for name, layer in built.items()
+        if not layer.short_conv
     }
+    return built | twins
 
 
-PRESETS: Mapping[str, AttentionConfig] = presets()
+def valid_in(layer: AttentionConfig, causal: bool) -> bool:
+    """Whether ``layer`` can run in a causal (decoder) or a bidirectional (encoder) stack."""
+    try:
+        layer.check_direction(causal)
+    except ValueError:
+        return False
+    return True
+
+
+def describe(layer: AttentionConfig) -> str:
+    """The layer in a few words: kind, heads and the fields that differ from the defaults.
+
+    E.g. ``"softmax, 4 heads x 16, window 6"`` (what ``--help`` shows per preset).
+    """
+    shown = f"{layer.kind}, {layer.num_heads} heads x {layer.head_dim}"
+    skip = ("kind", "num_heads", "head_dim")
+    extra = [
+        f"{f.name} {getattr(layer, f.name)}"
+        for f in dataclasses.fields(layer)
+        if f.name not in skip and getattr(layer, f.name) != f.default
+    ]
+    return ", ".join([shown, *extra])
+
+
+class _DefaultPresets(Mapping[str, AttentionConfig]):
+    """``presets()`` at the default sizes, built at each lookup (so it sees later presets)."""
+
+    def __getitem__(self, name: str) -> AttentionConfig:
+        return presets()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(presets())
+
+    def __len__(self) -> int:
+        return len(presets())
+
+
+PRESETS: Mapping[str, AttentionConfig] = _DefaultPresets()
 
 
 def pattern(
@@ -107,12 +258,12 @@ def pattern(
 
     Args:
       names: one preset name per layer.
-      registry: name -> ``AttentionConfig``; default ``PRESETS`` (see ``presets``).
+      registry: name -> ``AttentionConfig``; default ``presets()`` (the default sizes).
 
     Returns:
       A tuple of L ``AttentionConfig``.
     """
-    registry = PRESETS if registry is None else registry
+    registry = presets() if registry is None else registry
     if isinstance(names, str) or not isinstance(names, Sequence) or not names:
         fail("names", "a non-empty sequence of preset names", repr(names))
     for name in names:

@@ -40,7 +40,7 @@ import attn
 from attn import ring
 from attn.errors import fail
 from models.cache import EMPTY, CrossCache, KVCache
-from models.config import AttentionConfig
+from models.config import MASK_FIELDS, AttentionConfig, register_kind
 from models.heads import Heads, cached_impl, step_positions
 from models.mesh import SEQ_AXIS, batch_axes, seq_devices, shard_rows
 
@@ -107,6 +107,9 @@ class Softmax(Heads):
         return S, fields
 
 
+@register_kind(
+    "softmax", fields=(*MASK_FIELDS, "rotary_dim"), family="softmax", sequence_parallel=True
+)
 class SelfAttention(Softmax):
     """Softmax self-attention: MHA (K == N), GQA (1 < K < N), MQA (K == 1), any mask.
 

@@ -5,13 +5,16 @@
 - ``train.loop``: ``train(config, workdir)``: AdamW, ``nnx.jit`` steps, evaluation,
   orbax checkpoints and exact resume, ``metrics.jsonl``.
 - ``train.run``: ``load_run(workdir, step=None) -> (model, config)``, a trained run
-  rebuilt from its own record, for analysis.
+  rebuilt from its own record, for analysis, and ``run_batch(config, split)``, its batches.
+- ``train.plugins``: ``--plugin MODULE`` (modules of one's own that register layer
+  kinds, presets, variants and feature maps; recorded with each run).
+- ``train.variants``: the comparison's variants (``register_variant`` adds one).
 - ``train.compare``: the main job, every variant on the same task and budget.
 
 Command lines: ``python -m train --config configs/mqar.py --workdir runs/x`` and
 ``python -m train.compare``.
 """
 
-from train.run import load_run
+from train.run import load_run, run_batch
 
-__all__ = ["load_run"]
+__all__ = ["load_run", "run_batch"]

@@ -27,7 +27,6 @@ import json
 import shlex
 import sys
 
-from models.patterns import PRESETS
 from train import distributed
 from train.cli import enable_compilation_cache, parse
 from train.config import TrainConfig
@@ -45,10 +44,10 @@ def main(argv=None) -> int:
             "summary. Flags of this command: --config FILE (required), --workdir DIR "
             "(required), --stop-at N (stop after N updates, with a checkpoint), --data PATH "
             "(same as --task.data), --no-progress, --model.pattern NAME,NAME,... (the layers "
-            f"from preset names, one per layer: {', '.join(sorted(PRESETS))}; sized by the "
-            "first layer's heads and head dim) and --model.depth L (repeat the pattern to L "
-            "layers); they apply before the field overrides below, so --model.layers.I.FIELD "
-            "refers to the new layers. A larger --steps on a finished run extends it.",
+            "from preset names, one per layer, sized by the first layer's heads and head "
+            "dim; listed below) and --model.depth L (repeat the pattern to L layers); they "
+            "apply before the field overrides below, so --model.layers.I.FIELD refers to the "
+            "new layers. A larger --steps on a finished run extends it.",
             argv,
             default_config=None,
             default_type=TrainConfig,

@@ -4,20 +4,32 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import inspect
 import os
+import platform
 import sys
 from pathlib import Path
 
 import jax
 import tyro
 
-from models.config import ModelConfig
-from models.patterns import pattern, presets
+from models.config import AttentionConfig, ModelConfig
+from models.patterns import CONV_SUFFIX, PRESET_REGISTRY, describe, pattern, presets, valid_in
+from train import plugins
 from train.config import TrainConfig
 
-__all__ = ["enable_compilation_cache", "load_config", "parse", "with_pattern"]
+__all__ = [
+    "compilation_cache_dir",
+    "enable_compilation_cache",
+    "load_config",
+    "machine_tag",
+    "parse",
+    "pattern_help",
+    "pattern_presets",
+    "with_pattern",
+]
 
 
 def load_config(path: str | Path, **kwargs):
@@ -52,10 +64,12 @@ def parse(
     config_kwargs=None,
     layer_flags: bool = False,
 ):
-    """Parses ``--config FILE [own flags] [field overrides]``.
+    """Parses ``[--plugin MODULE ...] --config FILE [own flags] [field overrides]``.
 
-    The config file's dataclass is the default of ``tyro.cli``, so any field can
-    be overridden (``--model.width 128``, ``--optim.lr 3e-3``, ``--steps 500``).
+    Plugins (``train.plugins``) are imported first, so the config file and the
+    flags may use what they register. The config file's dataclass is the
+    default of ``tyro.cli``, so any field can be overridden (``--model.width
+    128``, ``--optim.lr 3e-3``, ``--steps 500``).
     ``--help`` lists every field with its current value (the file's, or
     ``default_type()``'s without ``--config``).
 
@@ -71,15 +85,18 @@ def parse(
       config_kwargs: keyword arguments for the file's ``get_config``.
       layer_flags: accept ``--model.pattern NAME,...`` and ``--model.depth L``
         (see ``with_pattern``); they apply before the field overrides, so
-        ``--model.layers.I.FIELD`` then refers to the new layers.
+        ``--model.layers.I.FIELD`` then refers to the new layers. ``--help``
+        lists the presets with their sizes.
 
     Returns:
       ``(config, namespace of the extra options)``.
 
     Raises:
-      ValueError: a bad config file, layer pattern or vocabulary override.
+      ValueError: a bad plugin, config file, layer pattern or vocabulary override.
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    names, argv = plugins.split_flags(sys.argv[1:] if argv is None else argv)
+    plugins.load(names)
+    description += f" {plugins.FLAG_HELP}."
     parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
     parser.add_argument("--config", default=default_config)
     for flags, kwargs in extra:
@@ -105,6 +122,8 @@ def parse(
             f"{prog} --config {args.config}",
         )
     config = _check_vocab(config, config)  # the help shows the vocabulary a run uses
+    if layer_flags:
+        description += " " + pattern_help(config.model)
     if layer_flags and (args.pattern is not None or args.depth is not None):
         config = dataclasses.replace(
             config, model=with_pattern(config.model, args.pattern, args.depth)
@@ -122,34 +141,66 @@ def parse(
     return _check_vocab(config, overridden), args
 
 
+def pattern_presets(model: ModelConfig) -> dict[str, AttentionConfig]:
+    """The presets ``--model.pattern`` offers for ``model``'s decoder, at their sizes.
+
+    Sized by the model's first layer (its heads and head dim; half as many kv
+    heads for ``gqa``) and the other ``PresetSizes`` defaults; only presets a
+    decoder can hold (causal ones: no ``band``).
+    """
+    first = model.layers[0]
+    sized = presets(
+        num_heads=first.num_heads,
+        head_dim=first.head_dim,
+        gqa_kv_heads=first.num_heads // 2 if first.num_heads % 2 == 0 else 1,
+    )
+    return {name: layer for name, layer in sized.items() if valid_in(layer, causal=True)}
+
+
+def pattern_help(model: ModelConfig) -> str:
+    """``--help``'s list of the presets of ``pattern_presets(model)``, each with its sizes."""
+    offered = pattern_presets(model)
+    shown = "; ".join(
+        f"{name} ({describe(layer)})" for name, layer in offered.items() if name in PRESET_REGISTRY
+    )
+    return (
+        f"Presets of --model.pattern here: {shown}. Each name{CONV_SUFFIX} is the same "
+        "with a short convolution; set other sizes with --model.layers.I.FIELD."
+    )
+
+
 def with_pattern(model: ModelConfig, names: str | None, depth: int | None) -> ModelConfig:
     """``model`` with layers from preset names and/or repeated to ``depth`` layers.
 
     Args:
-      model: the model config; its first layer's heads and head dim size the presets.
-      names: comma-separated preset names (``models.PRESETS``), one per layer,
-        e.g. ``"gqa,streaming,linear"``; None keeps the layers.
+      model: the model config; its first layer's heads and head dim size the
+        presets (``pattern_presets``).
+      names: comma-separated preset names, one per layer, e.g.
+        ``"gqa,streaming,linear"``; None keeps the layers.
       depth: L; the pattern repeats (or is cut) to L layers. None: one per name.
 
     Raises:
-      ValueError: an unknown name or a depth < 1, naming the flag.
+      ValueError: an unknown name, a preset a decoder cannot hold (naming it)
+        or a depth < 1, naming the flag.
     """
     layers = model.layers
     if names is not None:
-        first = layers[0]
-        registry = presets(
-            num_heads=first.num_heads,
-            head_dim=first.head_dim,
-            gqa_kv_heads=first.num_heads // 2 if first.num_heads % 2 == 0 else 1,
-        )
+        offered = pattern_presets(model)
         parts = [n.strip() for n in names.split(",") if n.strip()]
-        unknown = [n for n in parts if n not in registry]
+        valid = sorted(offered)
+        for name in parts:
+            if name not in offered and name in presets():
+                raise ValueError(
+                    f"--model.pattern: expected presets a decoder can hold, got {name!r}, "
+                    f"a bidirectional (encoder) layer ({describe(presets()[name])}); "
+                    f"valid here: {valid}"
+                )
+        unknown = [n for n in parts if n not in offered]
         if not parts or unknown:
             raise ValueError(
-                f"--model.pattern: expected comma-separated names from {sorted(registry)}, "
-                f"got {names!r}"
+                f"--model.pattern: expected comma-separated names from {valid}, got {names!r}"
             )
-        layers = pattern(parts, registry)
+        layers = pattern(parts, offered)
     if depth is not None:
         if depth < 1:
             raise ValueError(f"--model.depth: expected an int >= 1, got {depth}")
@@ -179,17 +230,52 @@ def _check_vocab(before, after):
     return after
 
 
+def machine_tag(cpuinfo: str | None = None) -> str:
+    """A short hash of this CPU's model and instruction-set flags (a cache folder's name).
+
+    XLA:CPU compiles for the host's features; a program built on a machine with
+    other features may not run here (SIGILL), and JAX's cache key does not
+    include them, so each machine gets its own folder.
+
+    Args:
+      cpuinfo: the text of ``/proc/cpuinfo``; None reads it (absent off Linux).
+    """
+    facts = [platform.machine(), platform.processor()]
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+        for line in text.splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features", "CPU part"):
+                facts.append(line)
+                if key in ("flags", "Features"):
+                    break  # the first processor's list: every core has the same
+    except OSError:  # not Linux: the platform's names only
+        pass
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:12]
+
+
+def compilation_cache_dir() -> Path:
+    """Where compiled programs persist: ``$JAX_COMPILATION_CACHE_DIR`` (else
+    ``~/.cache/attnlab/jax``), in a subfolder per CPU (``machine_tag``)."""
+    base = os.environ.get("JAX_COMPILATION_CACHE_DIR") or Path.home() / ".cache" / "attnlab" / "jax"
+    tag = f"cpu-{machine_tag()}"
+    return Path(base) if Path(base).name == tag else Path(base) / tag
+
+
 def enable_compilation_cache() -> None:
     """Persists compiled programs across processes and runs.
 
     Runs that differ only in data (learning rate, seed: the learning rate lives in
     the optimizer state) compile to the same program, so a sweep compiles each
-    architecture once, and a resumed run does not compile again. Uses
-    ``$JAX_COMPILATION_CACHE_DIR`` if set, else ``~/.cache/attnlab/jax``.
+    architecture once, and a resumed run does not compile again. The cache is
+    ``compilation_cache_dir()``: one folder per CPU, so a folder shared between
+    machines (a network home) never hands one the programs of another.
+
+    On some CPUs every program loaded from the cache logs ``cpu_aot_loader.cc
+    ... Target machine feature +prefer-no-gather is not supported on the host
+    machine``: a false alarm of XLA (openxla/xla#44565; the check counts LLVM's
+    tuning hints as CPU features), harmless with the folder per CPU; see the README.
     """
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update(
-            "jax_compilation_cache_dir", str(Path.home() / ".cache" / "attnlab" / "jax")
-        )
+    jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir()))
     # Small models compile in about a second; those are worth caching too.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

@@ -48,11 +48,19 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from train import plugins
 from train.cli import enable_compilation_cache, parse
 from train.compare_report import format_table, summarize_variant, write_results
 from train.config import to_json
 from train.loop import NonFiniteLossError, read_metrics, train
-from train.variants import TASKS, CompareConfig, chance_accuracy, metric, run_config
+from train.variants import (
+    TASKS,
+    VARIANTS,
+    CompareConfig,
+    chance_accuracy,
+    metric,
+    run_config,
+)
 
 __all__ = ["main", "run_comparison"]
 
@@ -95,8 +103,9 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
     }
 
 
-def _worker_init(started) -> None:
-    """A worker process: one core of its own (the runs share the machine), cached compilation.
+def _worker_init(started, plugin_names=()) -> None:
+    """A worker process: one core of its own (the runs share the machine), cached compilation,
+    and the parent's plugins imported (before any config naming what they add arrives).
 
     XLA:CPU sizes its thread pools by the cores the process may run on, so
     worker i is pinned to core i (modulo the cores it was given) before JAX
@@ -106,7 +115,9 @@ def _worker_init(started) -> None:
 
     Args:
       started: a shared counter of the workers started so far.
+      plugin_names: the plugins the parent loaded (``train.plugins.loaded()``).
     """
+    plugins.load(plugin_names)
     with started.get_lock():
         index = started.value
         started.value += 1
@@ -155,7 +166,7 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
                 config.jobs,
                 mp_context=context,
                 initializer=_worker_init,
-                initargs=(context.Value("i", 0),),
+                initargs=(context.Value("i", 0), plugins.loaded()),
             ) as pool,
             tqdm(total=len(specs), desc=config.name, disable=not config.progress) as bar,
         ):
@@ -191,8 +202,28 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    """``python -m train.compare [--config FILE] [--quick] [--task T] [field overrides]``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """``python -m train.compare [--plugin M] [--config FILE] [--quick] [--task T] [overrides]``."""
+    try:
+        config = _parse(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as e:  # a bad plugin, config file or override: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    enable_compilation_cache()
+    results = run_comparison(config)
+    try:
+        out, paths = write_results(results, config)
+    except OSError as e:
+        print(f"error: cannot write the results to {config.results_dir!r}: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(format_table(results, config))
+    print(f"wrote {out}/: " + ", ".join(p.name for p in paths))
+    return 0
+
+
+def _parse(argv: list[str]) -> CompareConfig:
+    names, argv = plugins.split_flags(argv)
+    plugins.load(names)  # before the config: it may name the plugins' variants
     quick = "--quick" in argv
     argv = [a for a in argv if a != "--quick"]
     config_kwargs = {"quick": quick}
@@ -200,26 +231,22 @@ def main(argv=None) -> int:
         i = argv.index("--task")
         if i + 1 >= len(argv) or argv[i + 1] not in TASKS:
             got = argv[i + 1] if i + 1 < len(argv) else "nothing"
-            raise SystemExit(f"--task: expected one of {', '.join(TASKS)}, got {got}")
+            raise ValueError(f"--task: expected one of {', '.join(TASKS)}, got {got}")
         config_kwargs["task"] = argv[i + 1]
         del argv[i : i + 2]
+    listed = "; ".join(f"{name} ({v.description})" for name, v in VARIANTS.items())
     config, _ = parse(
         "python -m train.compare",
         "Train every attention variant on the same task to its target accuracy or step cap; "
         "write results/<name>/. Flags of this command: --config FILE (default "
         "configs/compare_mqar.py), --quick (the config's quick settings), --task "
-        f"{'|'.join(TASKS)} (default mqar); every field below overrides the config.",
+        f"{'|'.join(TASKS)} (default mqar); every field below overrides the config. "
+        f"Variants (--variants NAME ...): {listed}.",
         argv,
         default_config=str(Path(__file__).resolve().parent.parent / "configs" / "compare_mqar.py"),
         config_kwargs=config_kwargs,
     )
-    enable_compilation_cache()
-    results = run_comparison(config)
-    out, paths = write_results(results, config)
-    print()
-    print(format_table(results, config))
-    print(f"wrote {out}/: " + ", ".join(p.name for p in paths))
-    return 0
+    return config
 
 
 if __name__ == "__main__":

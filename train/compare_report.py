@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from train.config import to_json
 from train.variants import (
     MILESTONES,
     VARIANTS,
@@ -25,15 +26,20 @@ from train.variants import (
     run_config,
     softmax_layers,
     state_bytes,
+    variant_pattern,
 )
 
 __all__ = [
     "aggregate",
+    "curves_figure",
     "first_reached",
     "format_table",
+    "place_labels",
     "plot_curves",
     "plot_recall_vs_state",
+    "recall_vs_state_figure",
     "summarize_variant",
+    "which_layers",
     "write_results",
 ]
 
@@ -64,15 +70,22 @@ def aggregate(values) -> dict[str, Any]:
     }
 
 
-def _run_numbers(run: dict[str, Any]) -> dict[str, Any]:
-    """One run's final metrics, milestones and length (a diverged run: accuracy 0)."""
+def _run_numbers(run: dict[str, Any], headline: str) -> dict[str, Any]:
+    """One run's final metrics, milestones and length (a diverged run: accuracy 0).
+
+    Bits per byte only where the task is a byte corpus (``headline``), where
+    it means something.
+    """
     s, c = run["summary"], run["curves"]
     loss = s.get("test_loss")
     diverged = run["diverged_at"] is not None
+    bpb = {}
+    if headline == "bits_per_byte":
+        bpb["bits_per_byte"] = None if diverged or loss is None else loss / math.log(2)
     return {
         "accuracy": 0.0 if diverged else (s["test_accuracy"] or 0.0),
         "test_loss": None if diverged else loss,
-        "bits_per_byte": None if diverged or loss is None else loss / math.log(2),
+        **bpb,
         "steps_run": run["diverged_at"] if diverged else s["step"],
         "target_reached": bool(s.get("target_reached")),
         **{
@@ -85,18 +98,20 @@ def _run_numbers(run: dict[str, Any]) -> dict[str, Any]:
 def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, list]) -> dict:
     """The variant's entry of ``results["variants"]``: its best learning rate's runs over seeds.
 
-    Keys: ``description``, ``layers`` (preset names joined by ``+``),
+    Keys: ``description``, ``layers`` (preset names joined by ``+``; the same
+    names, joined by commas, are a ``--model.pattern``), ``model`` (the
+    ``ModelConfig`` the variant trained, every layer's fields as it ran),
     ``softmax_layers`` (1-based), ``lr`` (the best), ``params``,
     ``state_bytes`` (decode state of one test-length sequence),
     ``cache_bytes_per_token`` and ``cache_bytes_fixed``; over the seeds of the
     best learning rate, ``aggregate`` dicts ``accuracy`` (final test accuracy:
-    ``accuracy["mean"]`` is the headline), ``test_loss``, ``bits_per_byte``,
-    ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``; ``target_reached`` and
-    ``diverged`` (seeds counted), ``metric_per_lr`` (the sweep's means),
-    ``tokens_per_s`` and ``wall_s`` (means).
+    ``accuracy["mean"]`` is the headline), ``test_loss``, ``bits_per_byte``
+    (on the bytes task only), ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``;
+    ``target_reached`` and ``diverged`` (seeds counted), ``metric_per_lr``
+    (the sweep's means), ``tokens_per_s`` and ``wall_s`` (means).
     """
     headline = metric(config.train.task)
-    numbers = {lr: [_run_numbers(r) for r in runs] for lr, runs in per_lr.items()}
+    numbers = {lr: [_run_numbers(r, headline) for r in runs] for lr, runs in per_lr.items()}
 
     def score(lr):  # higher is better
         if headline == "bits_per_byte":
@@ -112,11 +127,13 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     per_token, fixed = cache_sizes(model_config)
     fine = [r["summary"] for r in runs if r["diverged_at"] is None]
     mean = lambda key: float(np.mean([s[key] for s in fine])) if fine else None  # noqa: E731
-    keys = ("accuracy", "test_loss", "bits_per_byte", "steps_run")
+    bpb = ("bits_per_byte",) if headline == "bits_per_byte" else ()
+    keys = ("accuracy", "test_loss", *bpb, "steps_run")
     keys += tuple(f"step_to_{m:g}" for m in MILESTONES)
     return {
-        "description": VARIANTS[variant][0],
-        "layers": "+".join(VARIANTS[variant][1](config.num_layers)),
+        "description": VARIANTS[variant].description,
+        "layers": "+".join(variant_pattern(config, variant)),
+        "model": to_json(model_config),
         "softmax_layers": softmax_layers(config, variant),
         "lr": lr,
         "params": param_count(model_config),
@@ -181,6 +198,14 @@ def _task_line(config: CompareConfig) -> str:
     )
 
 
+def which_layers(indices, num_layers: int) -> str:
+    """``"layer 2 of 2"``, ``"layers 1, 2 of 2"`` or ``"none of 2"`` (1-based indices)."""
+    if not indices:
+        return f"none of {num_layers}"
+    word = "layer" if len(indices) == 1 else "layers"
+    return f"{word} {', '.join(map(str, indices))} of {num_layers}"
+
+
 def format_table(results: dict[str, Any], config: CompareConfig) -> str:
     """The markdown table of ``results``: one row per variant, at its best learning rate."""
     bpb = results["metric"] == "bits_per_byte"
@@ -197,11 +222,10 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
         "|---|---|---|" + "---:|" * (len(head) - 3),
     ]
     for name, v in results["variants"].items():
-        at = ", ".join(map(str, v["softmax_layers"])) or "none"
         row = [
             f"{name} ({v['description']})",
             v["layers"],
-            f"{at} of {config.num_layers}",
+            which_layers(v["softmax_layers"], config.num_layers),
             f"{v['params']:,}",
             _bytes(v["state_bytes"]),
         ]
@@ -264,17 +288,76 @@ def _best_runs(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
     return [r for r in results["runs"] if r["variant"] == name and r["lr"] == lr]
 
 
-def plot_recall_vs_state(results: dict[str, Any], path: Path) -> Path:
-    """Final test metric against decode-state bytes per sequence (log x), every seed shown.
+# Where a point's label may go, in points from it: right, left, above, below, diagonals.
+_LABEL_SPOTS = (
+    (6, 0, "left", "center"),
+    (-6, 0, "right", "center"),
+    (0, 7, "center", "bottom"),
+    (0, -7, "center", "top"),
+    (6, 8, "left", "bottom"),
+    (-6, 8, "right", "bottom"),
+    (6, -8, "left", "top"),
+    (-6, -8, "right", "top"),
+    (0, 20, "center", "bottom"),
+    (0, -20, "center", "top"),
+)
 
-    One marker per variant at its seeds' mean and a small dot per seed, as in
-    Zoology's and Based's recall-against-state plots.
+
+def place_labels(ax, points) -> list:
+    """Annotates each ``(x, y, text, color)`` where its label overlaps no other label
+    and stays inside the axes, trying the spots of ``_LABEL_SPOTS`` in turn.
+
+    Returns:
+      The label ``Text`` artists.
     """
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    placed, labels = [], []
+    for x, y, text, color in points:
+        for dx, dy, ha, va in _LABEL_SPOTS:
+            label = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha=ha,
+                va=va,
+                fontsize=8,
+                color=color,
+            )
+            box = label.get_window_extent(renderer)
+            inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
+            if inside and not any(box.overlaps(other) for other in placed):
+                break
+            label.remove()
+        else:  # every spot taken: the first, which at least stays next to its point
+            dx, dy, ha, va = _LABEL_SPOTS[0]
+            label = ax.annotate(
+                text,
+                (x, y),
+                textcoords="offset points",
+                xytext=(dx, dy),
+                ha=ha,
+                va=va,
+                fontsize=8,
+                color=color,
+            )
+            box = label.get_window_extent(renderer)
+        placed.append(box)
+        labels.append(label)
+    return labels
+
+
+def recall_vs_state_figure(results: dict[str, Any]):
+    """The figure of ``plot_recall_vs_state`` and its point labels: ``(fig, ax, labels)``."""
     plt = _pyplot()
     bpb = results["metric"] == "bits_per_byte"
     key = "bits_per_byte" if bpb else "accuracy"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = plt.get_cmap("tab10")
+    points = []
     for i, (name, v) in enumerate(results["variants"].items()):
         color = colors(i % 10)
         x = max(v["state_bytes"], 1)
@@ -282,26 +365,38 @@ def plot_recall_vs_state(results: dict[str, Any], path: Path) -> Path:
         ax.scatter([x] * len(seeds), seeds, color=color, s=12, alpha=0.6, zorder=3)
         if v[key]["mean"] is not None:
             ax.scatter([x], [v[key]["mean"]], color=color, s=60, marker="D", label=name, zorder=4)
-            ax.annotate(name, (x, v[key]["mean"]), textcoords="offset points", xytext=(5, 4))
+            points.append((x, v[key]["mean"], name, color))
     chance = results.get("chance_accuracy")
     if chance is not None:
         ax.axhline(chance, color="gray", ls="--", lw=1, label=f"chance ({chance:.2f})")
     ax.scatter([], [], color="black", s=12, alpha=0.6, label="each seed")
     ax.set_xscale("log")
+    ax.margins(x=0.12)  # room beside the outermost points for their labels
     ax.set_xlabel("decode-state bytes per sequence (log scale)")
     ax.set_ylabel("final test bits per byte" if bpb else "final test accuracy")
     if not bpb:
-        ax.set_ylim(0, 1.05)
+        ax.set_ylim(0, 1.1)
     ax.set_title(f"{results['config']['name']}: {key.replace('_', ' ')} against state size")
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
+    return fig, ax, place_labels(ax, sorted(points, key=lambda p: (p[1], p[0])))
+
+
+def plot_recall_vs_state(results: dict[str, Any], path: Path) -> Path:
+    """Final test metric against decode-state bytes per sequence (log x), every seed shown.
+
+    One marker per variant at its seeds' mean and a small dot per seed, as in
+    Zoology's and Based's recall-against-state plots; labels are placed where
+    they overlap no other label and stay inside the axes (``place_labels``).
+    """
+    fig, _, _ = recall_vs_state_figure(results)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
-def plot_curves(results: dict[str, Any], path: Path) -> Path:
-    """Train loss and the test metric against step: every seed of each best learning rate."""
+def curves_figure(results: dict[str, Any]):
+    """The figure of ``plot_curves``."""
     plt = _pyplot()
     bpb = results["metric"] == "bits_per_byte"
     fig, (ax_loss, ax_test) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -324,13 +419,24 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path:
     if not bpb:
         ax_test.set_ylim(0, 1.05)
     ax_test.legend(fontsize=7)
+    seeds = len(results["config"]["seeds"])
     fig.suptitle(
-        f"{results['config']['name']}: best learning rate per variant; "
-        "seed 0 solid, other seeds dashed"
+        f"{results['config']['name']}: best learning rate per variant"
+        + (
+            "; seed 0 solid, other seeds dashed"
+            if seeds > 1
+            else f" (seed {results['config']['seeds'][0]})"
+        )
     )
     fig.tight_layout()
+    return fig
+
+
+def plot_curves(results: dict[str, Any], path: Path) -> Path:
+    """Train loss and the test metric against step: every seed of each best learning rate."""
+    fig = curves_figure(results)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
@@ -345,13 +451,22 @@ def _finite(tree):
     return tree
 
 
+def _recorded(results: dict[str, Any]) -> dict[str, Any]:
+    """``results`` as ``results.json`` records it: the base config's placeholder layers
+    (each variant replaces them) point to the layers each variant trained."""
+    config = results["config"]
+    model = {**config["train"]["model"], "layers": "per variant: variants.<name>.model.layers"}
+    train = {**config["train"], "model": model}
+    return {**results, "config": {**config, "train": train}}
+
+
 def write_results(results: dict[str, Any], config: CompareConfig) -> tuple[Path, list[Path]]:
     """Writes ``table.md``, ``results.json`` and the plots; returns the folder and the files."""
     out = Path(config.results_dir) / config.name
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "table.md", out / "results.json"]
     paths[0].write_text(format_table(results, config))
-    paths[1].write_text(json.dumps(_finite(results), indent=1, allow_nan=False) + "\n")
+    paths[1].write_text(json.dumps(_finite(_recorded(results)), indent=1, allow_nan=False) + "\n")
     paths.append(plot_recall_vs_state(results, out / "recall_vs_state.png"))
     paths.append(plot_curves(results, out / "curves.png"))
     return out, paths

@@ -7,15 +7,31 @@ Every field can be overridden on the command line through tyro, e.g.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from models.config import ModelConfig
+from models.config import KINDS, AttentionConfig, ModelConfig
+from train import plugins
 from train.sharding import AXIS_TYPES, mesh_shape
 from train.tasks import TaskConfig
 
-__all__ = ["OptimConfig", "TrainConfig", "differences", "from_json", "to_json"]
+__all__ = [
+    "RECORD",
+    "OptimConfig",
+    "TrainConfig",
+    "differences",
+    "from_json",
+    "read_record",
+    "to_json",
+    "write_record",
+]
+
+# The run's record in its workdir: the config's fields and the plugins it needs.
+RECORD = "config.json"
 
 
 @dataclass(frozen=True)
@@ -164,10 +180,13 @@ def from_json(cls, data: dict):
     """Rebuilds a nested frozen dataclass config from ``train.config.to_json``'s dicts.
 
     Lists become tuples where the field is a tuple, nested dicts become the
-    field's dataclass, and every config validates itself again on the way.
+    field's dataclass (a layer: its kind's config class, ``models.KINDS``), and
+    every config validates itself again on the way.
     """
     if not isinstance(data, dict):
         raise ValueError(f"{cls.__name__}: expected a dict of fields, got {type(data).__name__}")
+    if issubclass(cls, AttentionConfig) and isinstance(data.get("kind"), str):
+        cls = KINDS.lookup(data["kind"], "kind").config_class  # a kind's own config class
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -214,3 +233,31 @@ def differences(old, new, prefix: str = "") -> list[tuple[str, object, object]]:
             for d in differences(a, b, f"{prefix}{i}.")
         ]
     return [] if old == new else [(prefix[:-1], old, new)]
+
+
+def write_record(workdir: Path, config: TrainConfig, needs=()) -> None:
+    """Writes ``workdir/config.json``: ``to_json(config)`` and ``"plugins"``, the plugins
+    the run needs (``needs`` and ``plugins.needed(config.model)``), atomically."""
+    names = list(dict.fromkeys((*needs, *plugins.needed(config.model))))
+    path = Path(workdir) / RECORD
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({**to_json(config), "plugins": names}, indent=2) + "\n")
+    os.replace(tmp, path)  # a crash leaves the old record or the new one, never half of one
+
+
+def read_record(workdir: Path) -> tuple[TrainConfig, tuple[str, ...]]:
+    """``(config, plugins)`` of the run in ``workdir``; its plugins are imported first.
+
+    Raises:
+      ValueError: a recorded plugin cannot be imported (one line naming it and
+        the record), or the record holds no valid config.
+    """
+    path = Path(workdir) / RECORD
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object of config fields, got {data!r}")
+    needs = data.pop("plugins", [])
+    if not isinstance(needs, list) or not all(isinstance(n, str) for n in needs):
+        raise ValueError(f"{path}: expected 'plugins' to be a list of names, got {needs!r}")
+    plugins.load(needs, field=f"{path} plugins")
+    return from_json(TrainConfig, data), tuple(needs)

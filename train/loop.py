@@ -10,7 +10,8 @@ count), and the restored arrays are the saved bits.
 Files in the workdir:
 
 - ``config.json``: the run's config, as the model is built (``model.vocab_size``
-  is the task's). Resuming under a config that changes the result (task, model,
+  is the task's), and the plugins it needs (``"plugins"``, ``train.plugins``).
+  Resuming under a config that changes the result (task, model,
   optimizer, batch, seed) is refused; ``steps`` may grow, which extends the run
   with the schedule of the steps taken kept (see ``_check_config``), and
   ``mesh`` may change (the run continues sharded as ``train.sharding`` lays it
@@ -51,9 +52,18 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from models.mesh import SEQ_AXIS
-from train import sharding
+from train import plugins, sharding
 from train.checkpoint import Checkpointer, load_state, snapshot
-from train.config import RESULT_FIELDS, OptimConfig, TrainConfig, differences, from_json, to_json
+from train.config import (
+    RECORD,
+    RESULT_FIELDS,
+    OptimConfig,
+    TrainConfig,
+    differences,
+    read_record,
+    to_json,
+    write_record,
+)
 from train.tasks import Task, make_task
 
 __all__ = [
@@ -437,10 +447,11 @@ def _check_config(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int 
     Raises:
       ValueError: in one line, naming the differing fields and the way out.
     """
-    path = workdir / "config.json"
-    extended_from = None
+    path = workdir / RECORD
+    extended_from, needs = None, ()
     if path.exists():
-        old = from_json(TrainConfig, json.loads(path.read_text())).with_task_vocab()
+        old, needs = read_record(workdir)
+        old = old.with_task_vocab()
         if config.steps > old.steps and config.optim.decay_steps is None:
             optim = dataclasses.replace(config.optim, decay_steps=old.optim.horizon(old.steps))
             config = dataclasses.replace(config, optim=optim)
@@ -464,7 +475,7 @@ def _check_config(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int 
                 "use a new workdir for a different run, or resume with the recorded values "
                 "(only --steps may grow: that extends the run)"
             )
-    path.write_text(json.dumps(to_json(config), indent=2) + "\n")
+    write_record(workdir, config, (*needs, *plugins.loaded()))
     return config, extended_from
 
 

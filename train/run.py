@@ -6,18 +6,23 @@ needed to get the model back for analysis::
 
     model, config = train.load_run("runs/mqar")            # the newest checkpoint
     model, config = train.load_run("runs/mqar", step=200)  # or a chosen one
+    batch = train.run_batch(config, "test")                # the batches it was tested on
+    logits, weights = models.capture_weights(model, batch["tokens"])
+
+The run's plugins (layer kinds of one's own, ``train.plugins``) are imported
+from its record first, so a run of a plugin's kind loads like any other.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from train.checkpoint import Checkpointer, load_state, snapshot
-from train.config import TrainConfig, from_json
+from train.config import RECORD, from_json, read_record
 from train.loop import ModelFn, init_state
+from train.tasks import make_task
 
-__all__ = ["from_json", "load_run"]
+__all__ = ["from_json", "load_run", "run_batch"]
 
 
 def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn | None = None):
@@ -37,12 +42,12 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
       ValueError: no run there, no checkpoint, or no checkpoint ``step``.
     """
     workdir = Path(workdir)
-    record = workdir / "config.json"
+    record = workdir / RECORD
     if not record.is_file():
         raise ValueError(f"workdir: expected a run folder with config.json, got {str(workdir)!r}")
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir: expected checkpoints in {str(workdir)!r}, got none")
-    config = from_json(TrainConfig, json.loads(record.read_text()))
+    config, _ = read_record(workdir)  # imports the run's plugins first
     ckpt = Checkpointer(workdir, async_save=False)
     try:
         steps = ckpt.all_steps()
@@ -57,3 +62,22 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
     finally:
         ckpt.close()
     return model, config
+
+
+def run_batch(config, split: str = "test", step: int = 0, batch_size: int | None = None) -> dict:
+    """Batch ``step`` of ``split`` exactly as the run of ``config`` saw it.
+
+    Test batches 0 to ``eval_batches - 1`` are the ones every evaluation scores;
+    training batch s is the one update s trained on.
+
+    Args:
+      config: the run's ``TrainConfig`` (from ``load_run``).
+      split: ``"train"`` or ``"test"``.
+      step: the batch index.
+      batch_size: B; default the run's ``batch_size``.
+
+    Returns:
+      ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``.
+    """
+    B = config.batch_size if batch_size is None else batch_size
+    return make_task(config.task).batch(config.seed, split, step, B)

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from models import KINDS
 from models.mesh import BATCH_AXES, SEQ_AXIS, ring_layout
 from train import distributed
 
@@ -236,39 +237,34 @@ def check_sequence_parallel(model, name: str = "model") -> None:
     their positions (see the module docstring). A softmax layer attends by
     position, as ring attention over ``seq``; these cannot:
 
-    - ``kind="linear"``: its recurrence runs in array order, which the layout
-      permutes, and its state would have to pass from shard to shard;
+    - a kind not registered with ``sequence_parallel=True`` (``models.LayerKind``),
+      e.g. ``"linear"``: its recurrence runs in array order, which the layout
+      permutes; ``"mla"``: no ring implementation (the registry says why);
     - ``short_conv > 0``: each token mixes its array neighbours, which the layout
       separates (and the shard boundaries cut);
-    - ``kind="mla"``: no ring implementation; XLA would gather the whole
-      sequence's latents on every device;
-    - softmax layers with an explicit ``impl`` other than ``"auto"``/``"ring"``:
+    - layers with an explicit ``impl`` other than ``"auto"``/``"ring"``:
       those kernels would gather the whole sequence on every device.
 
     Args:
       model: a ``models.ModelConfig`` (its ``layers`` and ``encoder_layers``).
       name: the field's name in the messages.
     """
+    able = [k.name for k in KINDS.values() if k.sequence_parallel is True]
     for field in ("layers", "encoder_layers"):
         for i, layer in enumerate(getattr(model, field, ()) or ()):
             where = f"{name}.{field}[{i}]"
-            if layer.kind == "linear":
+            why = KINDS[layer.kind].sequence_parallel
+            if why is not True:
+                why = why or "not registered with sequence_parallel=True"
                 raise ValueError(
-                    f"{where}.kind: expected 'softmax' under a mesh with seq > 1, got 'linear' "
-                    "(linear attention runs its recurrence in array order, which the "
-                    "sequence-parallel layout permutes; it cannot run sequence-parallel)"
+                    f"{where}.kind: expected one of {able} under a mesh with seq > 1, "
+                    f"got {layer.kind!r} ({why})"
                 )
             if layer.short_conv:
                 raise ValueError(
                     f"{where}.short_conv: expected 0 under a mesh with seq > 1, got "
                     f"{layer.short_conv} (a short convolution mixes array neighbours, which the "
                     "sequence-parallel layout separates across devices)"
-                )
-            if layer.kind == "mla":
-                raise ValueError(
-                    f"{where}.kind: expected 'softmax' under a mesh with seq > 1, got 'mla' "
-                    "(latent attention has no ring implementation: every device would gather "
-                    "the whole sequence)"
                 )
             if layer.impl not in ("auto", "ring"):
                 raise ValueError(

@@ -11,15 +11,17 @@ say which metric a task reports. ``train.compare`` runs the comparison and
 from __future__ import annotations
 
 import dataclasses
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
-from models import Decoder, ModelConfig, cache_bytes, pattern, presets
-from models.patterns import SHORT_CONV
+from attn.errors import fail
+from attn.registry import Registry
+from models import KINDS, Decoder, ModelConfig, cache_bytes, pattern, presets
 from train.config import TrainConfig
 
 __all__ = [
@@ -27,14 +29,18 @@ __all__ = [
     "TASKS",
     "VARIANTS",
     "CompareConfig",
+    "Variant",
     "cache_sizes",
     "chance_accuracy",
     "metric",
     "param_count",
+    "preset_sizes",
+    "register_variant",
     "run_config",
     "softmax_layers",
     "state_bytes",
     "variant_layers",
+    "variant_pattern",
 ]
 
 # The accuracies whose first step the table reports.
@@ -42,32 +48,73 @@ MILESTONES = (0.5, 0.9)
 # ``--task`` values: the config file's get_config(task=...) builds each.
 TASKS = ("mqar", "induction", "selective_copy", "bytes")
 
-# name -> (description, layer pattern for L layers). The names of the pattern
-# are the presets of models.presets, and ``<preset>_conv`` for a preset with a
-# short convolution of width models.patterns.SHORT_CONV on its input.
-VARIANTS: dict[str, tuple[str, Any]] = {
-    "mha": ("softmax, multi-head", lambda L: ("mha",) * L),
-    "gqa": ("softmax, grouped-query", lambda L: ("gqa",) * L),
-    "mqa": ("softmax, multi-query", lambda L: ("mqa",) * L),
-    "mla": ("multi-head latent", lambda L: ("mla",) * L),
-    "window": ("sliding window", lambda L: ("window",) * L),
-    "streaming": ("sliding window + initial tokens", lambda L: ("streaming",) * L),
-    "local_global": ("windows + one global layer", lambda L: ("window",) * (L - 1) + ("mha",)),
-    "linear": ("linear, elu+1", lambda L: ("linear",) * L),
-    "linear_decay": ("linear, RetNet decay", lambda L: ("linear_decay",) * L),
-    "linear_gated": ("linear, data-dependent gates", lambda L: ("linear_gated",) * L),
+
+@dataclass(frozen=True)
+class Variant:
+    """A comparison variant: a description and its layers' preset names for L layers.
+
+    Attributes:
+      description: a few words for the table.
+      layers: ``layers(L) -> L preset names`` (``models.presets``' names, including
+        the ``<preset>_conv`` twins).
+    """
+
+    description: str
+    layers: Callable[[int], tuple[str, ...]]
+
+
+VARIANTS: Registry[Variant] = Registry("comparison variant", "variants")
+
+
+def register_variant(name: str, layers, *, description: str) -> Variant:
+    """Adds a comparison variant; ``--variants NAME`` then trains it in ``train.compare``.
+
+    Args:
+      name: the variant's name.
+      layers: one preset name (every layer) or ``layers(L) -> L preset names``.
+      description: a few words for the table.
+
+    Raises:
+      ValueError: the name is taken by another variant (naming both), or
+        ``layers`` is neither a preset name nor a callable.
+    """
+    if isinstance(layers, str):
+        # Defined where register_variant was called: a clash names that module.
+        defined_by = f"{sys._getframe(1).f_globals.get('__name__', '?')}.<variant {name}>"
+        preset, layers = layers, lambda L: (preset,) * L
+    elif callable(layers):
+        defined_by = layers
+    else:
+        fail("layers", "a preset name or a callable L -> preset names", repr(layers))
+    return VARIANTS.add(name, Variant(description, layers), defined_by=defined_by)
+
+
+for _name, _description, _layers in (
+    ("mha", "softmax, multi-head", "mha"),
+    ("gqa", "softmax, grouped-query", "gqa"),
+    ("mqa", "softmax, multi-query", "mqa"),
+    ("mla", "multi-head latent", "mla"),
+    ("window", "sliding window", "window"),
+    ("streaming", "sliding window + initial tokens", "streaming"),
+    ("local_global", "windows + one global layer", lambda L: ("window",) * (L - 1) + ("mha",)),
+    ("linear", "linear, elu+1", "linear"),
+    ("linear_decay", "linear, RetNet decay", "linear_decay"),
+    ("linear_gated", "linear, data-dependent gates", "linear_gated"),
     # Softmax first: its short conv hands each value token its key, so that one
     # layer does the lookup on the token embeddings (docs/results/README.md has
     # the trial that compared the other order).
-    "hybrid": (
+    (
+        "hybrid",
         "softmax in the first layer, then linear; short convs",
         lambda L: ("mha_conv",) + ("linear_conv",) * (L - 1),
     ),
-    "based": (
+    (
+        "based",
         "Taylor linear, window in the last layer, short convs",
         lambda L: ("based",) * (L - 1) + ("based_window",),
     ),
-}
+):
+    register_variant(_name, _layers, description=_description)
 
 
 @dataclass(frozen=True)
@@ -78,7 +125,8 @@ class CompareConfig:
       train: the shared task, model width, budget and bookkeeping. Its
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
       variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
-        local_global, linear, linear_decay, linear_gated, hybrid, based.
+        local_global, linear, linear_decay, linear_gated, hybrid, based, and any
+        added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
       num_layers: L, layers of every variant.
@@ -125,7 +173,10 @@ class CompareConfig:
     def __post_init__(self):
         unknown = [v for v in self.variants if v not in VARIANTS]
         if unknown or not self.variants:
-            raise ValueError(f"variants: expected names from {sorted(VARIANTS)}, got {unknown}")
+            raise ValueError(
+                f"variants: expected names from {sorted(VARIANTS)} (a plugin's with "
+                f"--plugin MODULE), got {unknown}"
+            )
         if len(set(self.variants)) != len(self.variants):
             raise ValueError(f"variants: expected distinct names, got {self.variants}")
         if not self.lrs or any(not lr > 0 for lr in self.lrs):
@@ -150,9 +201,9 @@ class CompareConfig:
             raise ValueError(f"name: expected a folder name, got {self.name!r}")
 
 
-def variant_layers(config: CompareConfig, variant: str):
-    """The ``ModelConfig.layers`` of one variant under the comparison's shared sizes."""
-    registry = presets(
+def preset_sizes(config: CompareConfig) -> dict:
+    """The ``models.PresetSizes`` fields every variant's presets are built with."""
+    return dict(
         num_heads=config.num_heads,
         head_dim=config.train.model.width // config.num_heads,
         gqa_kv_heads=config.gqa_kv_heads,
@@ -163,12 +214,23 @@ def variant_layers(config: CompareConfig, variant: str):
         rope_head_dim=config.rope_head_dim,
         chunk_size=config.chunk_size,
     )
-    registry |= {
-        f"{name}_conv": dataclasses.replace(layer, short_conv=SHORT_CONV)
-        for name, layer in registry.items()
-        if not layer.short_conv
-    }
-    return pattern(VARIANTS[variant][1](config.num_layers), registry)
+
+
+def variant_pattern(config: CompareConfig, variant: str) -> tuple[str, ...]:
+    """The preset names of one variant's layers."""
+    names = tuple(VARIANTS.lookup(variant).layers(config.num_layers))
+    if len(names) != config.num_layers:
+        fail(
+            f"variants[{variant!r}]",
+            f"a pattern of num_layers={config.num_layers} preset names",
+            repr(names),
+        )
+    return names
+
+
+def variant_layers(config: CompareConfig, variant: str):
+    """The ``ModelConfig.layers`` of one variant under the comparison's shared sizes."""
+    return pattern(variant_pattern(config, variant), presets(**preset_sizes(config)))
 
 
 def run_config(config: CompareConfig, variant: str, lr: float, seed: int) -> TrainConfig:
@@ -216,8 +278,9 @@ def state_bytes(model_config: ModelConfig, seq_len: int) -> int:
 
 
 def softmax_layers(config: CompareConfig, variant: str) -> list[int]:
-    """1-based indices of the variant's softmax (and MLA) layers, windows included."""
-    return [i + 1 for i, c in enumerate(variant_layers(config, variant)) if c.kind != "linear"]
+    """1-based indices of the variant's layers of the softmax family (MLA and windows too)."""
+    layers = variant_layers(config, variant)
+    return [i + 1 for i, c in enumerate(layers) if KINDS[c.kind].family == "softmax"]
 
 
 def chance_accuracy(task) -> float | None:

@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import math
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from flax import nnx
 
 import train.cli
 import train.loop
+import train.plugins
 from attn.errors import fail
 from models import capture_weights
 
@@ -167,8 +169,20 @@ class Args:
 
 
 def main(name: str, doc: str | None, argv=None) -> int:
-    """The command line of experiment ``name``: ``[--quick] [--out DIR] [--config FILE]``."""
-    args = tyro.cli(Args, args=argv, prog=f"python -m analysis.experiments.{name}", description=doc)
+    """The command line of experiment ``name``:
+    ``[--plugin MODULE ...] [--quick] [--out DIR] [--config FILE]``."""
+    try:
+        names, argv = train.plugins.split_flags(sys.argv[1:] if argv is None else argv)
+        train.plugins.load(names)  # before the config file, which may use what they add
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    args = tyro.cli(
+        Args,
+        args=argv,
+        prog=f"python -m analysis.experiments.{name}",
+        description=f"{doc or ''}\n\n{train.plugins.FLAG_HELP}.",
+    )
     # Under ``python -m`` the experiment runs as ``__main__``, a second copy of its module,
     # while its config file builds the classes of ``analysis.experiments.<name>``: the run
     # must be that module's, or equal dataclasses from the two copies compare unequal.

@@ -8,7 +8,8 @@ Modules:
   decoding), with ``LinearState``; its docstring states the math;
 * ``forms``: the three forms (and the non-causal global sums);
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
-* ``features``: the feature maps ``phi`` (``FEATURE_MAPS``) and FAVOR+'s projection.
+* ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
+  ``register_feature_map`` adds to) and FAVOR+'s projection.
 """
 
 from attn.linear.attention import (
@@ -26,6 +27,7 @@ from attn.linear.features import (
     favor_projection,
     identity,
     linear_feature_dim,
+    register_feature_map,
     relu,
     taylor,
 )
@@ -43,6 +45,7 @@ __all__ = [
     "linear_attention",
     "linear_attention_step",
     "linear_feature_dim",
+    "register_feature_map",
     "relu",
     "taylor",
 ]

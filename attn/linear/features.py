@@ -2,8 +2,9 @@
 
 ``phi(q).phi(k)`` replaces softmax's ``exp(q.k)``. The maps here are pure
 functions of one array (``favor`` also takes its random projection); any
-callable with that signature works as a user map. ``attn.linear`` exports the
-public names (``from attn.linear import FEATURE_MAPS, elu1``).
+callable with that signature works as a user map, passed directly or added
+by name with ``register_feature_map`` (then a layer config can name it).
+``attn.linear`` exports the public names (``from attn.linear import FEATURE_MAPS, elu1``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.errors import fail
+from attn.registry import Registry
 
 __all__ = [
     "EXP_KERNEL_MAPS",
@@ -26,12 +28,14 @@ __all__ = [
     "favor_projection",
     "identity",
     "linear_feature_dim",
+    "register_feature_map",
     "relu",
     "taylor",
 ]
 
-# Maps that approximate exp(scale * q.k) get this scale by default, as softmax does.
-EXP_KERNEL_MAPS = ("taylor", "favor")
+# Names of the maps that approximate exp(scale * q.k): they get softmax's default
+# scale. Built-ins here; register_feature_map(..., approximates_exp=True) adds to it.
+EXP_KERNEL_MAPS: set[str] = {"taylor", "favor"}
 
 
 def identity(x):
@@ -80,13 +84,49 @@ def favor(x, *, projection):
     return jnp.exp(logits) * (1.0 / math.sqrt(num_features))
 
 
-FEATURE_MAPS: dict[str, Callable[..., jax.Array]] = {
-    "identity": identity,
-    "elu1": elu1,
-    "relu": relu,
-    "taylor": taylor,
-    "favor": favor,  # also needs projection=[H, F]
-}
+FEATURE_MAPS: Registry[Callable[..., jax.Array]] = Registry("feature map", "feature_map")
+
+
+def register_feature_map(name: str, fn=None, *, approximates_exp: bool = False):
+    """Adds a feature map ``phi: x [..., H] -> [..., F]`` under ``name``.
+
+    Any layer config or call may then name it (``feature_map=name``); F is
+    found by tracing ``fn`` abstractly, so it needs no declaration. Usable as
+    a call, ``register_feature_map("softplus", jax.nn.softplus)``, or a decorator,
+    ``@register_feature_map("softplus")``.
+
+    Args:
+      name: the map's name.
+      fn: a function of one array (no parameters: a learned map is a layer kind
+        of its own); None returns a decorator.
+      approximates_exp: ``phi(q).phi(k)`` approximates ``exp(q.k)``, so calls
+        default to softmax's scale ``1/sqrt(H)`` instead of 1 (as ``taylor`` does).
+
+    Raises:
+      ValueError: the name is taken by another map (naming both), or ``fn`` is not callable.
+    """
+
+    def add(fn):
+        if not callable(fn):
+            fail("fn", "a callable x [..., H] -> [..., F]", repr(fn))
+        FEATURE_MAPS.add(name, fn)
+        if approximates_exp:
+            EXP_KERNEL_MAPS.add(name)
+        else:
+            EXP_KERNEL_MAPS.discard(name)
+        return fn
+
+    return add if fn is None else add(fn)
+
+
+for _name, _fn in (
+    ("identity", identity),
+    ("elu1", elu1),
+    ("relu", relu),
+    ("taylor", taylor),
+    ("favor", favor),  # also needs projection=[H, F]
+):
+    register_feature_map(_name, _fn, approximates_exp=_name in EXP_KERNEL_MAPS)
 
 
 def favor_projection(key, head_dim: int, num_features: int) -> jax.Array:

@@ -99,3 +99,14 @@ def test_a_child_measurement(bench, impl, monkeypatch):
     result = bench.child_main(spec)
     assert result["seconds"] > 0 and result["peak_rss_bytes"] > 0
     assert "peak_device_bytes" not in result  # on a CPU, memory is the host's RSS
+
+
+def test_names_are_checked_before_any_measurement(bench):
+    """A bad --impls (or --masks, --modes) is refused when the config is built, before a sweep."""
+    with pytest.raises(ValueError, match=r"^--impls: expected names from .*got \['jax_nn'"):
+        bench.Config(impls=("jax_nn", "blockwise", "torch"))
+    with pytest.raises(ValueError, match=r"^--masks: "):
+        bench.Config(masks=("causal", "sliding"))
+    with pytest.raises(ValueError, match=r"^--modes: "):
+        bench.Config(modes=())
+    assert bench.Config(impls=("blockwise", "torch")).impls == ("blockwise", "torch")

@@ -153,7 +153,7 @@ def test_based_presets():
 
 def test_window_sinks_is_a_deprecated_alias_of_streaming():
     assert models.presets()["window_sinks"] == models.presets()["streaming"]
-    assert models.PRESETS["window_sinks"] is models.PRESETS["streaming"]
+    assert models.PRESETS["window_sinks"] == models.PRESETS["streaming"]
     custom = models.presets(window=8, num_initial_tokens=3)
     assert custom["streaming"].initial_tokens == 3 and custom["streaming"].window == 8
     assert custom["window_sinks"] == custom["streaming"]

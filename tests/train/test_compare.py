@@ -26,7 +26,7 @@ from train.compare_report import (
     write_results,
 )
 from train.config import TrainConfig
-from train.variants import VARIANTS, CompareConfig, cache_sizes, variant_layers
+from train.variants import VARIANTS, CompareConfig, cache_sizes, register_variant, variant_layers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,11 +73,21 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     assert len(rows) == 2
     assert rows[1].startswith(
         "| hybrid (softmax in the first layer, then linear; short convs) "
-        "| mha_conv+linear_conv | 1 of 2 |"
+        "| mha_conv+linear_conv | layer 1 of 2 |"
     )
+    assert "| mha (softmax, multi-head) | mha+mha | layers 1, 2 of 2 |" in rows[0]
 
     results = json.loads((folder / "results.json").read_text())
     assert set(results["variants"]) == {"mha", "hybrid"} and results["metric"] == "accuracy"
+    # The layers each variant trained, not the base config's placeholders.
+    assert results["config"]["train"]["model"]["layers"].startswith("per variant")
+    hybrid_layers = results["variants"]["hybrid"]["model"]["layers"]
+    assert [(x["kind"], x["head_dim"], x["short_conv"]) for x in hybrid_layers] == [
+        ("softmax", 8, 4),
+        ("linear", 8, 4),
+    ]
+    assert hybrid_layers[1]["chunk_size"] == 24  # the comparison's, not the default 64
+    assert "bits_per_byte" not in results["variants"]["mha"]  # MQAR reports accuracy
     assert len(results["runs"]) == 4  # 2 variants x 1 learning rate x 2 seeds
     for name, v in results["variants"].items():
         runs = sorted((r for r in results["runs"] if r["variant"] == name), key=lambda r: r["seed"])
@@ -290,3 +300,50 @@ def test_bad_compare_configs_name_the_field():
         CompareConfig(num_heads=5)
     with pytest.raises(ValueError, match="gqa_kv_heads"):
         CompareConfig(num_heads=4, gqa_kv_heads=3)
+
+
+def test_report_names_layers_and_keeps_labels_apart():
+    from train.compare_report import curves_figure, recall_vs_state_figure, which_layers
+
+    assert which_layers([2], 2) == "layer 2 of 2"
+    assert which_layers([1, 2], 2) == "layers 1, 2 of 2"
+    assert which_layers([], 3) == "none of 3"
+    # The committed comparison: linear and linear_decay sit on one spot, based at the right.
+    results = json.loads((REPO / "docs/results/compare_mqar/results.json").read_text())
+    fig, ax, labels = recall_vs_state_figure(results)
+    renderer = fig.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    boxes = [label.get_window_extent(renderer) for label in labels]
+    assert sorted(t.get_text() for t in labels) == sorted(results["variants"])
+    for i, box in enumerate(boxes):
+        assert frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1), labels[i]
+        assert not any(box.overlaps(other) for other in boxes[i + 1 :]), labels[i]
+    one_seed = {**results, "config": {**results["config"], "seeds": [0]}}
+    assert "dashed" not in curves_figure(one_seed)._suptitle.get_text()
+    assert "dashed" in curves_figure(results)._suptitle.get_text()
+
+
+def test_registered_variant_is_compared_and_reported(scratch_variant):
+    config = CompareConfig(variants=("test_window_global",), num_heads=4, window=16)
+    assert variant_layers(config, "test_window_global")[1].window is None
+    from train.variants import softmax_layers
+
+    assert softmax_layers(config, "test_window_global") == [1, 2]
+    with pytest.raises(ValueError, match=r"already a comparison variant"):
+        register_variant("test_window_global", "mha", description="again")
+    bad = CompareConfig(variants=("test_short",), num_heads=4)
+    with pytest.raises(ValueError, match=r"^variants\['test_short'\]: expected a pattern of"):
+        variant_layers(bad, "test_short")
+
+
+@pytest.fixture
+def scratch_variant():
+    register_variant(
+        "test_window_global", lambda L: ("window",) * (L - 1) + ("mha",), description="x"
+    )
+    register_variant("test_short", "mha", description="one layer")
+    VARIANTS.remove("test_short")  # a string pattern is every layer: re-add as a short one
+    register_variant("test_short", lambda L: ("mha",), description="one layer only")
+    yield
+    VARIANTS.remove("test_window_global")
+    VARIANTS.remove("test_short")

@@ -1,0 +1,191 @@
+"""The registries: kinds, presets, feature maps and variants, added once and read at call time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attn
+import models
+from attn.registry import Registry
+from models import AttentionConfig, ModelConfig
+from train import cli
+from train.config import from_json, to_json
+
+
+@pytest.fixture
+def scratch():
+    """Names added by a test, removed again afterwards (the registries are process-wide)."""
+    added = []
+    yield added
+    for registry, name in added:
+        if name in registry:
+            registry.remove(name)
+
+
+def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
+    reg = Registry("widget", "widget")
+
+    def first():
+        pass
+
+    def second():
+        pass
+
+    reg.add("a", first)
+    reg.add("a", first)  # the same definition again (a re-import): replaced, not refused
+    with pytest.raises(
+        ValueError, match=r"^widget: 'a' is already a widget, defined by .*first.*second"
+    ):
+        reg.add("a", second)
+    assert reg["a"] is first and list(reg) == ["a"] and "a" in reg
+    with pytest.raises(ValueError, match=r"^widget: expected a widget from \['a'\], got 'b'"):
+        reg.lookup("b")
+    with pytest.raises(ValueError, match=r"^widget name:"):
+        reg.add(" b", first)
+    assert reg.remove("a") is first and "a" not in reg
+
+
+def test_builtin_kinds_are_registered_like_any_other():
+    assert list(models.KINDS) == ["softmax", "mla", "linear"]
+    assert models.KINDS["softmax"].module is models.SelfAttention
+    assert models.KINDS["linear"].family == "linear" and models.KINDS["mla"].family == "softmax"
+    assert models.KINDS.origin("mla") == "models.latent.LatentAttention"
+
+
+def test_a_field_of_another_kind_is_refused_not_ignored():
+    with pytest.raises(ValueError, match=r"^feature_map: expected 'elu1' for kind='softmax'"):
+        AttentionConfig(feature_map="taylor")
+    with pytest.raises(ValueError, match=r"^window: expected None for kind='linear'"):
+        AttentionConfig(kind="linear", rope=False, window=4)
+    with pytest.raises(ValueError, match=r"^kv_rank: expected 16 for kind='softmax'"):
+        AttentionConfig(kv_rank=32)
+    with pytest.raises(ValueError, match=r"^rotary_dim: expected None for kind='mla'"):
+        AttentionConfig(kind="mla", rotary_dim=4)
+    with pytest.raises(ValueError, match=r"^kind: expected a layer kind from \["):
+        AttentionConfig(kind="alibi")
+
+
+class _Doubled(models.SelfAttention):
+    """Softmax attention times a config factor: a kind with a field of its own."""
+
+    def __call__(self, x, **kwargs):
+        return super().__call__(x, **kwargs) * self.cfg.factor
+
+    def extend(self, x, cache, start, lengths=None):
+        y, cache = super().extend(x, cache, start, lengths)
+        return y * self.cfg.factor, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class _FactorConfig(AttentionConfig):
+    kind: str = "test_factor"
+    factor: float = 2.0
+
+
+def _check_factor(cfg):
+    if not cfg.factor > 0:
+        raise ValueError(f"factor: expected a positive number, got {cfg.factor!r}")
+
+
+def test_a_registered_kind_builds_decodes_and_round_trips(scratch):
+    models.register_kind(
+        "test_factor",
+        _Doubled,
+        fields=(*models.MASK_FIELDS, "rotary_dim"),
+        config=_FactorConfig,
+        check=_check_factor,
+    )
+    scratch.append((models.KINDS, "test_factor"))
+    with pytest.raises(ValueError, match=r"already a layer kind"):
+        models.register_kind("test_factor", models.SelfAttention, fields=models.MASK_FIELDS)
+    with pytest.raises(ValueError, match=r"^kind: .*configured by _FactorConfig"):
+        AttentionConfig(kind="test_factor")
+    with pytest.raises(ValueError, match=r"^factor:"):
+        _FactorConfig(factor=-1.0)
+    layer = _FactorConfig(num_heads=2, head_dim=8, factor=0.5, window=3)
+    config = ModelConfig(vocab_size=16, width=16, layers=(layer, models.PRESETS["linear"]))
+    assert from_json(ModelConfig, json.loads(json.dumps(to_json(config)))) == config
+    model = models.Decoder(config, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 16
+    full = jax.jit(lambda t: model(t))(tokens)
+    cache = model.init_cache(2, 6)
+    prefill, cache = model.prefill(tokens[:, :5], cache)
+    last, _ = model.decode_step(tokens[:, 5], cache)
+    np.testing.assert_allclose(prefill, full[:, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last, full[:, 5], rtol=1e-5, atol=1e-5)
+    # The factor is the kind's: with factor 1 the layer is plain softmax attention.
+    plain = dataclasses.replace(config, layers=(models.PRESETS["mha"],) * 2)
+    assert models.Decoder(plain, rngs=nnx.Rngs(0))(tokens).shape == full.shape
+
+
+def test_register_kind_checks_its_arguments(scratch):
+    class NoExtend(nnx.Module):
+        def __call__(self, x):
+            return x
+
+        def init_cache(self, batch, max_len):
+            return None
+
+    with pytest.raises(ValueError, match=r"^module: .*missing \['extend'\]"):
+        models.register_kind("test_bad", NoExtend)
+    with pytest.raises(ValueError, match=r"^fields: "):
+        models.register_kind("test_bad", models.SelfAttention, fields=("windows",))
+    with pytest.raises(ValueError, match=r"^config: "):
+        models.register_kind("test_bad", models.SelfAttention, config=dict)
+    assert "test_bad" not in models.KINDS
+
+
+def test_register_preset_gives_a_sized_preset_and_its_conv_twin(scratch):
+    @models.register_preset("test_wide_window", description="a window of twice the size")
+    def wide(sizes):
+        return sizes.base(window=2 * sizes.window)
+
+    scratch.append((models.PRESET_REGISTRY, "test_wide_window"))
+    assert models.PRESETS["test_wide_window"].window == 8  # read at call time
+    sized = models.presets(window=5)
+    assert sized["test_wide_window"].window == 10
+    assert sized["test_wide_window_conv"].short_conv == models.patterns.SHORT_CONV
+    with pytest.raises(ValueError, match=r"^names: 'test_wide_window' is already a preset"):
+        models.register_preset("test_wide_window", lambda s: s.base(), description="x")
+    with pytest.raises(ValueError, match=r"^name: .*_conv"):
+        models.register_preset("test_x_conv", lambda s: s.base(), description="x")
+    with pytest.raises(ValueError, match=r"^sizes: "):
+        models.presets(windw=3)
+
+
+def test_register_feature_map_names_a_map_for_layers(scratch):
+    attn.register_feature_map("test_softplus", jax.nn.softplus)
+    scratch.append((attn.FEATURE_MAPS, "test_softplus"))
+    layer = AttentionConfig(kind="linear", rope=False, feature_map="test_softplus")
+    assert attn.linear_feature_dim("test_softplus", 8) == 8
+    q = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+    out = attn.linear_attention(q, q, q, feature_map="test_softplus")
+    ref = attn.linear_attention(q, q, q, feature_map=jax.nn.softplus)
+    np.testing.assert_array_equal(out, ref)
+    model = ModelConfig(vocab_size=8, width=16, layers=(layer,))
+    assert models.Decoder(model, rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32)).shape == (1, 4, 8)
+    with pytest.raises(ValueError, match=r"^fn: "):
+        attn.register_feature_map("test_bad_map", 3)
+
+
+def test_model_pattern_lists_sized_presets_and_refuses_encoder_ones():
+    model = ModelConfig(layers=models.pattern(("mha",), models.presets(num_heads=4, head_dim=16)))
+    text = cli.pattern_help(model)
+    assert "window (softmax, 4 heads x 16, window 4)" in text
+    assert "mla (mla, 4 heads x 16, kv_rank 8, q_rank 16)" in text
+    assert "band" not in text
+    with pytest.raises(ValueError, match=r"^--model.pattern: .*'band', a bidirectional"):
+        cli.with_pattern(model, "band,band", None)
+    with pytest.raises(ValueError) as e:
+        cli.with_pattern(model, "mha,nope", None)
+    assert "band" not in str(e.value) and "'mha_conv'" in str(e.value)
+    # The comparison's layer names are --model.pattern names.
+    hybrid = cli.with_pattern(model, "mha_conv,linear_conv", None).layers
+    assert [c.short_conv for c in hybrid] == [4, 4] and hybrid[1].kind == "linear"

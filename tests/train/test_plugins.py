@@ -1,0 +1,92 @@
+"""``--plugin``: loading, one-line errors, what a run records, and the per-CPU compilation cache."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+
+import models
+from train import cli, plugins
+from train.config import TrainConfig
+from train.run import run_batch
+from train.tasks import make_task
+
+
+def test_split_flags():
+    assert plugins.split_flags(["--plugin", "a", "--steps", "3", "--plugin=b.py"]) == (
+        ["a", "b.py"],
+        ["--steps", "3"],
+    )
+    with pytest.raises(ValueError, match=r"^--plugin: expected a module name .*got nothing"):
+        plugins.split_flags(["--plugin", "--steps", "3"])
+
+
+def test_a_missing_plugin_is_one_line_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^--plugin: .*got 'no_such_plugin_x'") as e:
+        plugins.load(["no_such_plugin_x"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"got '.*nothing_here\.py'"):
+        plugins.load([str(tmp_path / "nothing_here.py")])
+
+
+def test_a_plugin_file_registers_and_is_recorded(tmp_path):
+    path = tmp_path / "plugin_for_test_x.py"
+    path.write_text(
+        "import models\n"
+        "models.register_preset('test_plugin_window', lambda s: s.base(window=3), "
+        "description='from a file')\n"
+    )
+    try:
+        assert plugins.load([str(path)]) == (str(path.resolve()),)
+        assert plugins.load([str(path)]) == (str(path.resolve()),)  # once only
+        assert str(path.resolve()) in plugins.loaded()
+        assert models.PRESETS["test_plugin_window"].window == 3
+        # Every run of this process records it, whatever its layers.
+        assert str(path.resolve()) in plugins.needed(models.ModelConfig())
+        clash = tmp_path / "clash_for_test_x.py"
+        clash.write_text(
+            "import models\n"
+            "models.register_preset('test_plugin_window', lambda s: s.base(), description='x')\n"
+        )
+        with pytest.raises(ValueError, match=r"^--plugin '.*clash_for_test_x.py': names: "):
+            plugins.load([str(clash)])
+    finally:
+        models.PRESET_REGISTRY.remove("test_plugin_window")
+        plugins._LOADED.remove(str(path.resolve()))
+        sys.modules.pop("plugin_for_test_x", None)
+
+
+def test_needed_names_the_module_of_a_kind():
+    class Local(models.SelfAttention):
+        pass
+
+    models.register_kind("test_needed", Local, fields=models.MASK_FIELDS)
+    try:
+        config = models.ModelConfig(layers=(models.AttentionConfig(kind="test_needed"),))
+        assert __name__ in plugins.needed(config)
+        assert plugins.needed(models.ModelConfig()) == plugins.loaded()  # built-ins need none
+    finally:
+        models.KINDS.remove("test_needed")
+
+
+def test_compilation_cache_is_one_folder_per_cpu(tmp_path, monkeypatch):
+    zen = "model name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n"
+    other = "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n"
+    assert cli.machine_tag(zen) == cli.machine_tag(zen) != cli.machine_tag(other)
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))
+    folder = cli.compilation_cache_dir()
+    assert folder.parent == tmp_path and folder.name == f"cpu-{cli.machine_tag()}"
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(folder))  # a child process: as is
+    assert cli.compilation_cache_dir() == folder
+
+
+def test_run_batch_is_the_runs_batch():
+    config = TrainConfig(batch_size=3)
+    got = run_batch(config, "test", step=1)
+    want = make_task(config.task).batch(config.seed, "test", 1, 3)
+    assert got.keys() == want.keys()
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    assert run_batch(config, "train", batch_size=2)["tokens"].shape[0] == 2
