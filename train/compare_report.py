@@ -290,31 +290,43 @@ def _best_runs(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
 
 # Where a point's label may go, in points from it: right, left, above, below, diagonals.
 _LABEL_SPOTS = (
-    (6, 0, "left", "center"),
-    (-6, 0, "right", "center"),
-    (0, 7, "center", "bottom"),
-    (0, -7, "center", "top"),
-    (6, 8, "left", "bottom"),
-    (-6, 8, "right", "bottom"),
-    (6, -8, "left", "top"),
-    (-6, -8, "right", "top"),
+    (8, 0, "left", "center"),
+    (-8, 0, "right", "center"),
+    (0, 8, "center", "bottom"),
+    (0, -8, "center", "top"),
+    (8, 9, "left", "bottom"),
+    (-8, 9, "right", "bottom"),
+    (8, -9, "left", "top"),
+    (-8, -9, "right", "top"),
     (0, 20, "center", "bottom"),
     (0, -20, "center", "top"),
 )
 
 
-def place_labels(ax, points) -> list:
+def place_labels(ax, points, marker_points: float = 6.0) -> list:
     """Annotates each ``(x, y, text, color)`` where its label overlaps no other label
-    and stays inside the axes, trying the spots of ``_LABEL_SPOTS`` in turn.
+    and no point's marker and stays inside the axes, trying ``_LABEL_SPOTS`` in turn.
+
+    Args:
+      ax: the axes, with everything but the labels drawn.
+      points: the labelled points, in data coordinates.
+      marker_points: half the width of a marker, in points.
 
     Returns:
       The label ``Text`` artists.
     """
+    from matplotlib.transforms import Bbox
+
     fig = ax.figure
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
-    placed, labels = [], []
+    half = marker_points * fig.dpi / 72
+    markers = [
+        Bbox.from_extents(px - half, py - half, px + half, py + half)
+        for px, py in (ax.transData.transform((x, y)) for x, y, _, _ in points)
+    ]
+    placed, labels = list(markers), []
     for x, y, text, color in points:
         for dx, dy, ha, va in _LABEL_SPOTS:
             label = ax.annotate(
@@ -350,6 +362,30 @@ def place_labels(ax, points) -> list:
     return labels
 
 
+def _state_ticks(ax, xs) -> None:
+    """Byte ticks: at powers of two (8, 16, 32 KiB, ...) when the points span a factor
+    of 4 or more, else at the points' own sizes (at least 15% apart). A log axis over
+    a narrow range would otherwise crowd its minor labels together."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullLocator
+
+    def label(x, _):
+        for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10), ("B", 1)):
+            if x >= scale:
+                return f"{x / scale:.3g} {unit}"
+        return f"{x:g} B"
+
+    if max(xs) >= 4 * min(xs):
+        ax.xaxis.set_major_locator(LogLocator(base=2, subs=(1.0,)))
+    else:
+        ticks = []
+        for x in sorted(set(xs)):
+            if not ticks or x > 1.15 * ticks[-1]:
+                ticks.append(x)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(label))
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
 def recall_vs_state_figure(results: dict[str, Any]):
     """The figure of ``plot_recall_vs_state`` and its point labels: ``(fig, ax, labels)``."""
     plt = _pyplot()
@@ -372,6 +408,7 @@ def recall_vs_state_figure(results: dict[str, Any]):
     ax.scatter([], [], color="black", s=12, alpha=0.6, label="each seed")
     ax.set_xscale("log")
     ax.margins(x=0.12)  # room beside the outermost points for their labels
+    _state_ticks(ax, [p[0] for p in points] or [1])
     ax.set_xlabel("decode-state bytes per sequence (log scale)")
     ax.set_ylabel("final test bits per byte" if bpb else "final test accuracy")
     if not bpb:

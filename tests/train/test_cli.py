@@ -83,6 +83,42 @@ def test_help_lists_the_fields_with_or_without_a_config():
     assert "--model.layers.1.kind" in shown.stdout and "--model.layers.2" not in shown.stdout
     assert "(default: linear)" in shown.stdout
     assert "cross-attention" not in shown.stdout.splitlines()[0]  # no positional choice
+    # Each preset with its sizes under this config (tiny: 2 heads of 8), no encoder ones.
+    text = " ".join(shown.stdout.split())
+    listed = text.split("Presets of --model.pattern here:")[1].split("Each name_conv")[0]
+    assert "window (softmax, 2 heads x 8, window 4)" in listed
+    assert "mla (mla, 2 heads x 8, kv_rank 8, q_rank 16)" in listed
+    assert "band" not in listed
+
+
+def test_pattern_refusals_and_plugin_flags_through_the_command_lines(tmp_path):
+    """One line, exit 2, naming what is wrong: an encoder preset in a decoder, a missing
+    plugin in each command line; a plugin file loads in analysis.claims."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def run(*argv):
+        return subprocess.run(
+            [sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
+
+    done = run("train", "--config", TINY_CONFIG, "--workdir", "w", "--model.pattern", "band,band")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "'band', a bidirectional (encoder) layer" in done.stderr and "valid here" in done.stderr
+    assert not (tmp_path / "w").exists()  # refused before anything is written
+    for argv in (
+        ("train.compare", "--plugin", "no_such_plugin"),
+        ("analysis.experiments.induction_heads", "--plugin", "no_such_plugin"),
+        ("analysis.claims", "--plugin", "no_such_plugin"),
+    ):
+        done = run(*argv)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (argv, done.stderr)
+        assert lines[0].startswith("error: --plugin: ") and "'no_such_plugin'" in lines[0]
+    plugin = tmp_path / "marker_plugin.py"
+    plugin.write_text("import sys\nprint('marker plugin imported', file=sys.stderr)\n")
+    done = run("analysis.claims", "--plugin", str(plugin), "--only", "1", "--out", "claims")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "marker plugin imported" in done.stderr
 
 
 def test_layer_pattern_and_depth_from_the_command_line():

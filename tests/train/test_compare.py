@@ -318,6 +318,9 @@ def test_report_names_layers_and_keeps_labels_apart():
     for i, box in enumerate(boxes):
         assert frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1), labels[i]
         assert not any(box.overlaps(other) for other in boxes[i + 1 :]), labels[i]
+    ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+    assert len(ticks) >= 2
+    assert not any(a.overlaps(b) for i, a in enumerate(ticks) for b in ticks[i + 1 :])
     one_seed = {**results, "config": {**results["config"], "seeds": [0]}}
     assert "dashed" not in curves_figure(one_seed)._suptitle.get_text()
     assert "dashed" in curves_figure(results)._suptitle.get_text()
