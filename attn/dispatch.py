@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from attn import masks
-from attn.errors import Dims, fail
+from attn.errors import Dims, as_arrays, fail
 from attn.pallas import flash_attention, splash_attention, splash_reason
 from attn.softmax.blockwise import blockwise_attention
 from attn.softmax.call import Call, check_call, dims_or_none
@@ -65,6 +65,7 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
     Returns:
       What ``attn.dot_product_attention`` returns for the same arguments.
     """
+    q, k, v = as_arrays(q, k, v)
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
     if impl == "auto":

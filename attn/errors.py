@@ -18,6 +18,7 @@ import numpy as np
 
 __all__ = [
     "Dims",
+    "as_arrays",
     "concrete",
     "default_positions",
     "fail",
@@ -62,11 +63,32 @@ class Dims(NamedTuple):
     E: int
 
 
+def as_arrays(*xs):
+    """Each of ``xs`` as a JAX array where it is a NumPy array (or a list); others as they are.
+
+    Public functions call this first, so a NumPy input takes the same path as a
+    ``jnp`` one (a NumPy array indexed by a traced integer inside a kernel fails).
+    """
+    return tuple(jnp.asarray(x) if isinstance(x, np.ndarray | list) else x for x in xs)
+
+
 def qkv_dims(q, k, v) -> Dims:
-    """Checks q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]`` and returns their sizes."""
+    """Checks q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]`` and returns their sizes.
+
+    Raises:
+      ValueError: a rank other than 4; a dtype that is not floating (integer and
+        bool inputs would be truncated, complex ones lose their imaginary part);
+        an empty axis (B, T, S, N, H or E of 0, which no implementation defines);
+        or sizes that do not fit together.
+    """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             fail(name, "a rank-4 array", f"shape {getattr(x, 'shape', type(x).__name__)}")
+        dtype = jnp.dtype(x.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            fail(name, "a real floating-point array (float32, bfloat16, float16, ...)", dtype)
+        if 0 in x.shape:
+            fail(name, "non-empty axes (no size 0)", f"shape {tuple(x.shape)}")
     B, T, N, H = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         fail("k/v", f"batch {B} like q", f"k {k.shape}, v {v.shape}")

@@ -15,6 +15,7 @@ default sizes, read at each lookup, so presets registered later are in it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -89,7 +90,7 @@ def register_preset(name: str, build=None, *, description: str):
 
     The preset is then a name of ``pattern``, ``--model.pattern`` and a
     comparison variant's layers, sized by the caller's ``PresetSizes``, and
-    ``<name>_conv`` is the same with a short convolution.
+    ``<name>_conv`` is the same with a short convolution (of the sizes' width).
 
     Raises:
       ValueError: the name is taken by another preset (naming both), ends in
@@ -165,8 +166,50 @@ _builtin(
 )
 
 
-def presets(**sizes) -> dict[str, AttentionConfig]:
-    """Every registered preset built from ``PresetSizes(**sizes)``, and its ``_conv`` twin.
+class Presets(Mapping[str, AttentionConfig]):
+    """The registered presets at one ``PresetSizes``, each built when first looked up.
+
+    Names: every name of ``PRESET_REGISTRY`` and its ``<name>_conv`` twin. A
+    preset that cannot be built at these sizes (``gqa``'s kv heads must divide
+    the heads) raises only when it is looked up, so the others stay usable.
+    """
+
+    def __init__(self, sizes: PresetSizes):
+        self.sizes = sizes
+        self._built: dict[str, AttentionConfig] = {}
+
+    def __getitem__(self, name: str) -> AttentionConfig:
+        if name not in self._built:
+            base = name[: -len(CONV_SUFFIX)] if name.endswith(CONV_SUFFIX) else name
+            if base not in PRESET_REGISTRY:
+                raise KeyError(name)
+            try:
+                layer = PRESET_REGISTRY[base].build(self.sizes)
+            except ValueError as e:
+                raise ValueError(f"{e} (building preset {base!r} at {self.sizes})") from None
+            if base != name:
+                layer = dataclasses.replace(layer, short_conv=self.sizes.short_conv)
+            self._built[name] = layer
+        return self._built[name]
+
+    def __iter__(self) -> Iterator[str]:
+        names = list(PRESET_REGISTRY)
+        return iter([*names, *(name + CONV_SUFFIX for name in names)])
+
+    def __len__(self) -> int:
+        return 2 * len(PRESET_REGISTRY)
+
+    def buildable(self) -> dict[str, AttentionConfig]:
+        """The presets that can be built at these sizes, built."""
+        out = {}
+        for name in self:
+            with contextlib.suppress(ValueError):
+                out[name] = self[name]
+        return out
+
+
+def presets(**sizes) -> Presets:
+    """Every registered preset at ``PresetSizes(**sizes)``, and its ``_conv`` twin (lazily).
 
     Built-in names: ``mha``/``softmax``/``global`` (full causal softmax, the
     "global" layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv
@@ -175,8 +218,8 @@ def presets(**sizes) -> dict[str, AttentionConfig]:
     plus Longformer global positions), ``linear`` (elu+1), ``linear_decay``
     (RetNet gammas), ``linear_gated`` (data-dependent gates), ``based`` and
     ``based_window`` (below). ``window_sinks`` is a deprecated alias of
-    ``streaming``, removed in attnlab 0.2. Each preset without a short
-    convolution also comes as ``<name>_conv``, with one of width ``short_conv``.
+    ``streaming``, removed in attnlab 0.2. Each preset also comes as
+    ``<name>_conv``, with a short convolution of width ``short_conv``.
 
     ``based`` and ``based_window`` are the two attention layers of Based (Arora
     et al. 2024, "Simple linear attention language models balance the
@@ -201,14 +244,7 @@ def presets(**sizes) -> dict[str, AttentionConfig]:
     unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(PresetSizes)})
     if unknown:
         fail("sizes", f"fields of PresetSizes {list(PresetSizes.__dataclass_fields__)}", unknown)
-    at = PresetSizes(**sizes)
-    built = {name: preset.build(at) for name, preset in PRESET_REGISTRY.items()}
-    twins = {
-        name + CONV_SUFFIX: dataclasses.replace(layer, short_conv=at.short_conv)
-        for name, layer in built.items()
-        if not layer.short_conv
-    }
-    return built | twins
+    return Presets(PresetSizes(**sizes))
 
 
 def valid_in(layer: AttentionConfig, causal: bool) -> bool:

@@ -154,7 +154,8 @@ def pattern_presets(model: ModelConfig) -> dict[str, AttentionConfig]:
         head_dim=first.head_dim,
         gqa_kv_heads=first.num_heads // 2 if first.num_heads % 2 == 0 else 1,
     )
-    return {name: layer for name, layer in sized.items() if valid_in(layer, causal=True)}
+    built = sized.buildable()  # e.g. no gqa when the kv heads cannot divide the heads
+    return {name: layer for name, layer in built.items() if valid_in(layer, causal=True)}
 
 
 def pattern_help(model: ModelConfig) -> str:

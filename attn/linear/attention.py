@@ -90,7 +90,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import errors
-from attn.errors import concrete, fail, qkv_dims
+from attn.errors import as_arrays, concrete, fail, qkv_dims
 from attn.linear import forms, segments
 from attn.linear.features import output_dim, resolve, root_scale
 
@@ -282,6 +282,7 @@ def linear_attention(
         out ``[B,T,N,E]`` in the input dtype, or ``(out, LinearState)`` if
         ``return_state`` (state float32, kv ``[B,N,F,E]``, z ``[B,N,F]``).
     """
+    q, k, v = as_arrays(q, k, v)
     B, T, S, N, K, G, H, E = qkv_dims(q, k, v)
     _check_options(form, chunk_size, eps)
     if T == 0 or S == 0:

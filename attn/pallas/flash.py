@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from attn.errors import fail, positive_int
+from attn.errors import as_arrays, fail, positive_int
 from attn.pallas import blocks as blocks_lib
 from attn.pallas.common import (
     FlashConfig,
@@ -89,6 +89,7 @@ def flash_attention(
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` if ``return_lse``.
     """
+    q, k, v = as_arrays(q, k, v)
     call = check_call(
         q,
         k,

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import masks
-from attn.errors import fail
+from attn.errors import as_arrays, fail
 from attn.pallas.blocks import SPLASH_BLOCK
 from attn.softmax.call import MASKED, check_call, dims_or_none
 
@@ -211,6 +211,7 @@ def splash_attention(
     Raises:
       ValueError: naming the argument that does not map (see ``splash_reason``).
     """
+    q, k, v = as_arrays(q, k, v)
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
     refusal = _refusal(

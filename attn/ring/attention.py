@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attn import errors
-from attn.errors import fail
+from attn.errors import as_arrays, fail
 from attn.masks import Mask
 from attn.merge import merge_attention
 from attn.ring.kernels import RingInputs, ring_flash, ring_forward
@@ -99,6 +99,7 @@ def ring_attention(
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
     """
+    q, k, v = as_arrays(q, k, v)
     config, tiles, inputs, sink = _prepare(
         q,
         k,

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from attn.errors import fail
+from attn.errors import as_arrays, fail
 from attn.masks import Mask
 from attn.ring.attention import ring_attention
 from attn.ring.layouts import LAYOUTS, default_blocks, layout_order
@@ -61,6 +61,7 @@ def sharded_attention(
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
     """
+    q, k, v = as_arrays(q, k, v)
     if not isinstance(mesh, Mesh):
         fail("mesh", "a jax.sharding.Mesh", type(mesh).__name__)
     if axis_name not in mesh.axis_names:

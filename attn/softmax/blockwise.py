@@ -42,6 +42,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attn.errors import as_arrays
 from attn.masks import Mask
 from attn.softmax.call import check_call, static_rows
 from attn.softmax.kernels import KernelInputs, flash, forward, kernel_inputs, vary_like
@@ -125,6 +126,7 @@ def blockwise_attention(
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
     """
+    q, k, v = as_arrays(q, k, v)
     config, inputs, sink = _prepare(
         q,
         k,

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from attn import errors
-from attn.errors import fail
+from attn.errors import as_arrays, fail
 from attn.masks import Mask
 from attn.softmax.call import MASKED, check_call, check_static, shape_logits, visible
 
@@ -69,6 +69,7 @@ def dot_product_attention(
     Returns:
       ``out [B,T,N,E]`` in q's dtype, then the weights and/or the lse if asked.
     """
+    q, k, v = as_arrays(q, k, v)
     mask, scale, softcap = check_static(mask, scale, softcap)
     # Values are checked here, before the jit boundary below hides them.
     errors.segment_values(q_segment_ids, "q_segment_ids")
@@ -142,10 +143,13 @@ def _dense(
         m = jnp.maximum(m, c.sink_logits[None, :, :, None, None])
     # The max only stabilizes exp(); softmax does not depend on it.
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.where(ok, jnp.exp(s - m), 0.0)
+    # s - m <= 0, but XLA may compute the s in the max and the s here in two
+    # roundings (fusing the scale into the dot in one of them): at logits of 1e9
+    # and more they differ by ulps of thousands, and exp() of that overflows.
+    p = jnp.where(ok, jnp.exp(jnp.minimum(s - m, 0.0)), 0.0)
     denom = p.sum(-1, keepdims=True)
     if c.sink_logits is not None:
-        denom = denom + jnp.exp(c.sink_logits[None, :, :, None, None] - m)
+        denom = denom + jnp.exp(jnp.minimum(c.sink_logits[None, :, :, None, None] - m, 0.0))
     w = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("BKGTS,BSKE->BTKGE", w, v.astype(jnp.float32))
     out = out.reshape(B, T, N, E).astype(q.dtype)
