@@ -12,11 +12,23 @@ exact.
 
 orbax writes into a temporary folder and renames it when complete, so a
 process killed mid-save leaves the previous checkpoint as the latest one.
+
+Every checkpoint is verifiable: ``save`` records a fingerprint of each array
+in the checkpoint's metadata (two sums of its bits as 32-bit words, one
+weighted by position, computed where the array lives), and ``restore``
+recomputes them on the arrays it read and raises ``CorruptCheckpoint`` naming
+the step and the array on any difference: a flipped byte changes one word,
+hence both sums. ``restore_newest`` falls back to the newest checkpoint that
+reads and verifies, moving the broken ones aside (``corrupt/``) and saying so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +38,78 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-__all__ = ["Checkpointer", "load_state", "snapshot"]
+__all__ = [
+    "CheckpointWriteError",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "fingerprints",
+    "load_state",
+    "snapshot",
+]
+
+
+class CorruptCheckpoint(ValueError):
+    """A checkpoint that cannot be read, or whose arrays differ from what was saved."""
+
+    def __init__(self, step: int, where: str, reason: str):
+        self.step, self.where, self.reason = step, where, reason
+        super().__init__(f"checkpoint {step} ({where}): {reason}")
+
+
+class CheckpointWriteError(ValueError):
+    """A checkpoint that could not be written (a full disk, a read-only folder)."""
+
+
+def _words(x):
+    """``x``'s bits as a flat uint32 vector (8-byte items as two words, 1 and 2 as one)."""
+    x = jnp.ravel(x)
+    size = jnp.dtype(x.dtype).itemsize
+    if size == 4:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    if size == 8:
+        return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint32))
+    unsigned = {2: jnp.uint16, 1: jnp.uint8}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def _device_fingerprints(leaves):
+    def one(x):
+        w = _words(x)
+        index = jnp.arange(1, w.shape[0] + 1, dtype=jnp.uint32)
+        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * index, dtype=jnp.uint32)])
+
+    return [one(x) for x in leaves]
+
+
+def _host_fingerprint(x) -> list[int]:
+    """``_device_fingerprints``' two sums for a host array (the same numbers for the same bits)."""
+    data = np.ascontiguousarray(np.asarray(x)).reshape(-1)
+    size = data.dtype.itemsize
+    if size in (4, 8):
+        w = data.view(np.uint32).astype(np.uint64)
+    else:
+        w = data.view({2: np.uint16, 1: np.uint8}[size]).astype(np.uint64)
+    index = np.arange(1, w.size + 1, dtype=np.uint64)
+    # uint64 wraps modulo 2^64, a multiple of 2^32: the low words agree with uint32 sums.
+    return [int(w.sum(dtype=np.uint64) % 2**32), int((w * index).sum(dtype=np.uint64) % 2**32)]
+
+
+def fingerprints(tree) -> dict[str, list[int]]:
+    """``{path: [sum, weighted sum]}`` of each array leaf's bits as 32-bit words (mod 2^32).
+
+    Device arrays are summed where they live (sharded ones too: no host copy
+    of the state), host arrays on the host, with the same numbers for the
+    same bits either way.
+    """
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [jax.tree_util.keystr(path) for path, _ in flat]
+    device = [i for i, (_, x) in enumerate(flat) if isinstance(x, jax.Array)]
+    sums = dict(zip(device, _device_fingerprints([flat[i][1] for i in device]), strict=True))
+    return {
+        name: [int(v) for v in np.asarray(sums[i])] if i in sums else _host_fingerprint(x)
+        for i, (name, (_, x)) in enumerate(zip(names, flat, strict=True))
+    }
 
 
 def _pure(state: nnx.State) -> dict:
@@ -140,12 +223,24 @@ class Checkpointer:
         # which time the caller may have changed the lists in it (the loop's window of
         # per-step losses grows with the next step).
         meta = json.loads(json.dumps(meta))
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_drop_empty(tree)), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
+        meta["fingerprints"] = fingerprints(_drop_empty(tree))
+        try:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_drop_empty(tree)), meta=ocp.args.JsonSave(meta)
+                ),
+                force=True,
+            )
+        except OSError as e:
+            raise self._write_error(step, e) from None
+
+    def _write_error(self, step: int, e: OSError) -> CheckpointWriteError:
+        full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+        return CheckpointWriteError(
+            f"checkpoints: could not save step {step} in {str(self.directory)!r}{full}: "
+            f"{e.strerror or e}; the newest saved step is {self.latest_step()}: free space "
+            "or fix the folder, then run the same command to resume from it"
         )
 
     def restore(self, step: int, target: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -156,21 +251,104 @@ class Checkpointer:
 
         Returns:
           ``(tree, meta)``.
+
+        Raises:
+          CorruptCheckpoint: the checkpoint cannot be read (a missing or truncated
+            file, invalid metadata), or an array's fingerprint differs from the
+            one recorded at save time.
         """
+        where = str(self.directory / str(step))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _drop_empty(target))
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        tree = {**{k: {} for k in target}, **out["state"]}
-        return tree, out["meta"]
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+            meta, state = out["meta"], out["state"]
+            if not isinstance(meta, dict):
+                raise ValueError(f"metadata: expected a JSON object, got {type(meta).__name__}")
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # orbax and tensorstore raise many kinds: all mean unreadable
+            raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(e)}") from None
+        recorded = meta.get("fingerprints")
+        if recorded is not None:  # checkpoints of older versions carry none
+            now = fingerprints(state)
+            bad = [name for name in recorded if now.get(name) != recorded[name]]
+            bad += [name for name in now if name not in recorded]
+            if bad:
+                raise CorruptCheckpoint(
+                    step, where, f"array {bad[0]} differs from what was saved ({len(bad)} in all)"
+                )
+        tree = {**{k: {} for k in target}, **state}
+        return tree, {k: v for k, v in meta.items() if k != "fingerprints"}
+
+    def restore_newest(
+        self, target: dict[str, Any], report: Callable[[str], None]
+    ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """The newest checkpoint that reads and verifies: ``(step, tree, meta)``, or None
+        when there is no checkpoint at all.
+
+        Each broken one on the way is reported (``report``) and moved aside to
+        ``<workdir>/corrupt/<step>-<time>``, so the run resumes from the intact
+        one before it and never meets the broken one again.
+
+        Raises:
+          CorruptCheckpoint: checkpoints exist and none verifies (one line
+            saying what to delete).
+        """
+        steps = self.all_steps()
+        problems = []
+        for step in reversed(steps):
+            try:
+                tree, meta = self.restore(step, target)
+            except CorruptCheckpoint as e:
+                problems.append(e)
+                moved = self._move_aside(step)
+                report(f"{e}; moved aside to {moved}" if moved else str(e))
+                continue
+            if problems:
+                report(f"resuming from checkpoint {step}, the newest that reads and verifies")
+            return step, tree, meta
+        if problems:
+            raise CorruptCheckpoint(
+                problems[0].step,
+                problems[0].where,
+                f"{problems[0].reason}, and no older checkpoint verifies either; delete "
+                f"{self.directory} (and metrics.jsonl) to start the run over",
+            )
+        return None
+
+    def _move_aside(self, step: int) -> str | None:
+        source = self.directory / str(step)
+        target = self.directory.parent / "corrupt" / f"{step}-{int(time.time())}"
+        try:
+            target.parent.mkdir(exist_ok=True)
+            shutil.move(source, target)
+        except OSError:
+            return None
+        self.refresh()
+        return str(target)
 
     def wait(self) -> None:
-        """Blocks until background writes are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until background writes are on disk.
+
+        Raises:
+          CheckpointWriteError: a background write failed (one line naming the folder).
+        """
+        try:
+            self._manager.wait_until_finished()
+        except OSError as e:
+            raise self._write_error(self.latest_step() or 0, e) from None
 
     def close(self) -> None:
         """Finishes pending writes and releases the manager."""
         self._manager.close()
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of an error's message (tensorstore's run to a hundred), at most 300 chars."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return f"{type(e).__name__}: {text[:300]}"

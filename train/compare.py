@@ -61,6 +61,7 @@ from train.variants import (
     metric,
     run_config,
 )
+from train.workdir import check_writable
 
 __all__ = ["main", "run_comparison"]
 
@@ -144,6 +145,9 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
       variant to ``summarize_variant``'s entry.
     """
     t0 = time.perf_counter()
+    # Both folders are written to, so both are checked before the first run trains.
+    check_writable(Path(config.results_dir) / config.name, "results_dir")
+    check_writable(Path(config.runs_dir), "runs_dir")
     if config.fresh:
         shutil.rmtree(Path(config.runs_dir) / config.name, ignore_errors=True)
     specs = [
@@ -209,12 +213,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     enable_compilation_cache()
-    results = run_comparison(config)
     try:
+        results = run_comparison(config)
         out, paths = write_results(results, config)
-    except OSError as e:
-        print(f"error: cannot write the results to {config.results_dir!r}: {e}", file=sys.stderr)
-        return 1
+    except ValueError as e:  # an output folder that cannot be written, a busy run: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print()
     print(format_table(results, config))
     print(f"wrote {out}/: " + ", ".join(p.name for p in paths))

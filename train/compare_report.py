@@ -28,6 +28,7 @@ from train.variants import (
     state_bytes,
     variant_pattern,
 )
+from train.workdir import check_writable, write_atomic
 
 __all__ = [
     "aggregate",
@@ -499,11 +500,12 @@ def _recorded(results: dict[str, Any]) -> dict[str, Any]:
 
 def write_results(results: dict[str, Any], config: CompareConfig) -> tuple[Path, list[Path]]:
     """Writes ``table.md``, ``results.json`` and the plots; returns the folder and the files."""
-    out = Path(config.results_dir) / config.name
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_writable(Path(config.results_dir) / config.name, "results_dir")
     paths = [out / "table.md", out / "results.json"]
-    paths[0].write_text(format_table(results, config))
-    paths[1].write_text(json.dumps(_finite(_recorded(results)), indent=1, allow_nan=False) + "\n")
+    write_atomic(paths[0], format_table(results, config))
+    write_atomic(
+        paths[1], json.dumps(_finite(_recorded(results)), indent=1, allow_nan=False) + "\n"
+    )
     paths.append(plot_recall_vs_state(results, out / "recall_vs_state.png"))
     paths.append(plot_curves(results, out / "curves.png"))
     return out, paths

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from models.config import KINDS, AttentionConfig, ModelConfig
 from train import plugins
 from train.sharding import AXIS_TYPES, mesh_shape
 from train.tasks import TaskConfig
+from train.workdir import write_atomic
 
 __all__ = [
     "RECORD",
@@ -239,25 +239,62 @@ def write_record(workdir: Path, config: TrainConfig, needs=()) -> None:
     """Writes ``workdir/config.json``: ``to_json(config)`` and ``"plugins"``, the plugins
     the run needs (``needs`` and ``plugins.needed(config.model)``), atomically."""
     names = list(dict.fromkeys((*needs, *plugins.needed(config.model))))
-    path = Path(workdir) / RECORD
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({**to_json(config), "plugins": names}, indent=2) + "\n")
-    os.replace(tmp, path)  # a crash leaves the old record or the new one, never half of one
+    # A crash leaves the old record or the new one, never half of one.
+    write_atomic(
+        Path(workdir) / RECORD, json.dumps({**to_json(config), "plugins": names}, indent=2) + "\n"
+    )
 
 
 def read_record(workdir: Path) -> tuple[TrainConfig, tuple[str, ...]]:
     """``(config, plugins)`` of the run in ``workdir``; its plugins are imported first.
 
     Raises:
-      ValueError: a recorded plugin cannot be imported (one line naming it and
-        the record), or the record holds no valid config.
+      ValueError: in one line naming ``config.json``: not valid JSON, a recorded
+        plugin that cannot be imported, a bad value, or a field of the result
+        (``RESULT_FIELDS``) missing (a default would stand in for a value never
+        recorded).
     """
     path = Path(workdir) / RECORD
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: expected a readable run record, got {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path}: expected a JSON object of config fields, got invalid JSON ({e}); "
+            "restore it from a copy, or use a new workdir"
+        ) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object of config fields, got {data!r}")
     needs = data.pop("plugins", [])
     if not isinstance(needs, list) or not all(isinstance(n, str) for n in needs):
         raise ValueError(f"{path}: expected 'plugins' to be a list of names, got {needs!r}")
     plugins.load(needs, field=f"{path} plugins")
-    return from_json(TrainConfig, data), tuple(needs)
+    try:
+        config = from_json(TrainConfig, data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    missing = _missing(to_json(config), data, RESULT_FIELDS)
+    if missing:
+        raise ValueError(
+            f"{path}: expected every field of the run's result, missing {', '.join(missing[:4])}"
+            f"{' and more' if len(missing) > 4 else ''} (restore it, or use a new workdir)"
+        )
+    return config, tuple(needs)
+
+
+def _missing(full, data, keys, prefix: str = "") -> list[str]:
+    """Dotted names of the fields under ``keys`` of ``full`` (a ``to_json`` tree) ``data`` lacks."""
+    out = []
+    for key in keys:
+        if key not in data:
+            out.append(prefix + key)
+            continue
+        a, b = full[key], data[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _missing(a, b, list(a), f"{prefix}{key}.")
+        elif isinstance(a, list) and isinstance(b, list):
+            for i, (x, y) in enumerate(zip(a, b, strict=False)):
+                if isinstance(x, dict) and isinstance(y, dict):
+                    out += _missing(x, y, list(x), f"{prefix}{key}.{i}.")
+    return out

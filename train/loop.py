@@ -31,6 +31,7 @@ step; nothing is saved after the last good checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -65,6 +66,7 @@ from train.config import (
     write_record,
 )
 from train.tasks import Task, make_task
+from train.workdir import check_writable, lock, write_atomic
 
 __all__ = [
     "NonFiniteLossError",
@@ -518,13 +520,23 @@ def train(
     Raises:
       NonFiniteLossError: the loss or gradient norm became NaN or infinite.
       ValueError: the workdir holds a run with a different config (other than
-        more ``steps`` or another ``mesh``); ``mesh`` does not fit the devices,
-        or ``batch_size`` does not split over it.
+        more ``steps`` or another ``mesh``), cannot be written, or another
+        process is training in it (``train.workdir``); ``mesh`` does not fit the
+        devices, or ``batch_size`` does not split over it.
     """
     t_begin = time.perf_counter()
     mesh = _mesh(config)
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_writable(workdir, "workdir")  # before anything is written or compiled
+    if (workdir / "checkpoints").exists():
+        check_writable(workdir / "checkpoints", "workdir")
+    guard = lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with guard:  # one process per workdir
+        return _train(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin)
+
+
+def _train(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin):
+    """``train`` in a checked, locked workdir."""
     config, extended_from = _check_config(workdir, config.with_task_vocab())
     run = _Run(config, workdir, mesh, model_fn, t_begin)
     start = run.resume(extended_from)
@@ -596,11 +608,19 @@ class _Run:
         self.window: list[tuple[float, float]] = []
 
     def resume(self, extended_from: int | None) -> int:
-        """Restores the newest checkpoint, if any; returns the step it holds (0 without)."""
-        latest = self.ckpt.latest_step()
-        if latest is None:
+        """Restores the newest checkpoint that verifies, if any; returns its step (0 without).
+
+        A newer one that does not read or verify is reported and moved aside
+        (``Checkpointer.restore_newest``); the records logged after the step
+        resumed from are dropped from the metrics, so the run continues exactly.
+        """
+        found = self.ckpt.restore_newest(
+            snapshot(self.model, self.optimizer, 0),
+            report=lambda line: tqdm.write(f"{self.workdir}: {line}", file=sys.stderr),
+        )
+        if found is None:
             return 0
-        tree, meta = self.ckpt.restore(latest, snapshot(self.model, self.optimizer, 0))
+        _, tree, meta = found
         start = load_state(self.model, self.optimizer, tree)
         self.totals.update(meta["totals"])
         self.window = [tuple(x) for x in meta["window"]]
@@ -639,7 +659,7 @@ class _Run:
         """A checkpoint of step ``done``, after the records up to it reached the disk."""
         log.flush()
         meta = {"totals": {**self.totals, "wall_s": self.wall()}, "window": self.window}
-        self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)
+        self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)  # verifiable
 
     def step(self, batch, first: bool, prefetch):
         """One update on ``batch``; times it unless ``first`` (which includes compilation).
@@ -753,5 +773,5 @@ def _summary(workdir, config, model, step, tokens_per_s, wall_s, reached) -> dic
         "partial": step < config.steps and not reached,  # stopped by stop_at: resume to finish
     }
     if (step == config.steps or reached) and jax.process_index() == 0:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomic(workdir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary

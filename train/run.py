@@ -15,6 +15,7 @@ from its record first, so a run of a plugin's kind loads like any other.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from train.checkpoint import Checkpointer, load_state, snapshot
@@ -39,7 +40,9 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
       and the ``TrainConfig`` the run recorded.
 
     Raises:
-      ValueError: no run there, no checkpoint, or no checkpoint ``step``.
+      ValueError: no run there, no checkpoint, no checkpoint ``step``, or a
+        record or checkpoint that does not read or verify (``CorruptCheckpoint``,
+        naming the step; without ``step``, the newest that verifies is loaded).
     """
     workdir = Path(workdir)
     record = workdir / RECORD
@@ -53,11 +56,16 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
         steps = ckpt.all_steps()
         if not steps:
             raise ValueError(f"workdir: expected checkpoints in {str(workdir)!r}, got none")
-        step = steps[-1] if step is None else step
-        if step not in steps:
+        if step is not None and step not in steps:
             raise ValueError(f"step: expected one of the saved steps {steps}, got {step!r}")
         model, optimizer = init_state(config, config.task.vocab, model_fn)
-        tree, _ = ckpt.restore(step, snapshot(model, optimizer, 0))
+        target = snapshot(model, optimizer, 0)
+        if step is None:  # the newest that verifies (a broken one is reported, moved aside)
+            _, tree, _ = ckpt.restore_newest(
+                target, report=lambda line: print(f"{workdir}: {line}", file=sys.stderr)
+            )
+        else:  # exactly this one: a CorruptCheckpoint (a ValueError) if it does not verify
+            tree, _ = ckpt.restore(step, target)
         load_state(model, optimizer, tree)
     finally:
         ckpt.close()

@@ -1,0 +1,225 @@
+"""Faults injected into real runs: nothing saved is lost, nothing broken is loaded silently.
+
+Each fault is applied to a workdir of the tiny config trained by ``python -m
+train`` in a subprocess (checkpoints every 5 steps, the last 2 kept), and the
+run that survives it is compared array by array with an uninterrupted run of
+the same command: SIGKILL at random moments (inside checkpoint writes too), a
+flipped byte, a truncated or deleted file of the newest checkpoint, a broken
+``config.json``. A second process on a busy workdir, unwritable folders and
+a full disk are refused in one line.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import train
+from train import workdir as workdirs
+from train.checkpoint import Checkpointer, CheckpointWriteError, CorruptCheckpoint
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(Path(__file__).with_name("tiny_config.py"))
+STEPS = 30
+FLAGS = ["--ckpt-every", "5", "--keep-checkpoints", "2", "--eval-every", "10", "--log-every", "3"]
+
+
+def command(workdir, stop_at=None):
+    stop = [] if stop_at is None else ["--stop-at", str(stop_at)]
+    return [sys.executable, "-m", "train", "--config", TINY, "--workdir", str(workdir),
+            "--no-progress", "--steps", str(STEPS), *FLAGS, *stop]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("xla")
+    return {**os.environ, "PYTHONPATH": str(REPO), "JAX_COMPILATION_CACHE_DIR": str(cache)}
+
+
+def run(workdir, env, stop_at=None, timeout=120):
+    """``python -m train`` of the tiny run; ``stop_at`` stops it early, as an interruption."""
+    return subprocess.run(
+        command(workdir, stop_at), cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    """The uninterrupted run: its arrays and its metrics records."""
+    workdir = tmp_path_factory.mktemp("reference")
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return arrays(workdir), train.loop.read_metrics(workdir)
+
+
+def arrays(workdir) -> list[np.ndarray]:
+    model, _ = train.load_run(workdir)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+def assert_same_run(workdir, reference):
+    want_arrays, want_records = reference
+    got = arrays(workdir)
+    assert len(got) == len(want_arrays)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want_arrays, strict=True))
+    records = train.loop.read_metrics(workdir)
+    strip = lambda rs: [{k: v for k, v in r.items() if "_s" not in k} for r in rs]  # noqa: E731
+    assert strip(records) == strip(want_records)  # none lost, none twice
+
+
+def newest_data_file(workdir, step) -> Path:
+    files = [
+        p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()
+    ]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, env, reference):
+    """Killed 3 times, once inside a checkpoint write and twice at random moments (seeded),
+    then run to the end: the reference run, array for array and record for record."""
+    workdir = tmp_path / "killed"
+    ckpts = workdir / "checkpoints"
+    rng = random.Random(0)
+    for attempt in range(3):
+        proc = subprocess.Popen(
+            command(workdir), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        start, writing = time.monotonic(), False
+        while time.monotonic() - start < 60 and proc.poll() is None:
+            if attempt == 0:  # the moment a checkpoint is half written
+                writing = ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir())
+                if writing:
+                    break
+            elif (workdir / "metrics.jsonl").exists():  # the loop runs
+                time.sleep(rng.uniform(0.0, 1.5))
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, "the run ended before it was killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert attempt > 0 or writing
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(workdir, reference)
+
+
+def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
+    tmp_path, env, reference
+):
+    workdir = tmp_path / "flipped"
+    done = run(workdir, env, stop_at=20)  # checkpoints 15 and 20
+    assert done.returncode == 0, done.stderr[-3000:]
+    path = newest_data_file(workdir, 20)
+    data = bytearray(path.read_bytes())
+    data[min(70000, len(data) // 2)] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint, match=r"^checkpoint 20 \("):
+        train.load_run(workdir, step=20)  # exactly that step: refused, never loaded
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checkpoint 20 (" in done.stderr and "moved aside" in done.stderr
+    assert "resuming from checkpoint 15, the newest that reads and verifies" in done.stderr
+    assert "resuming from step 15 of 30" in done.stderr
+    assert_same_run(workdir, reference)
+    assert (workdir / "corrupt").is_dir()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "bad_meta_json"])
+def test_a_broken_newest_checkpoint_falls_back_in_one_line(tmp_path, env, reference, fault):
+    workdir = tmp_path / fault
+    done = run(workdir, env, stop_at=20)
+    assert done.returncode == 0, done.stderr[-3000:]
+    step_dir = workdir / "checkpoints" / "20"
+    if fault == "truncate":
+        path = newest_data_file(workdir, 20)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    elif fault == "delete_metadata":
+        (step_dir / "_CHECKPOINT_METADATA").unlink()
+        for p in step_dir.rglob("_METADATA"):
+            p.unlink()
+    else:
+        (step_dir / "meta" / "metadata").write_text('{"totals": ')
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "checkpoint 20" in line]
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert_same_run(workdir, reference)
+
+
+def test_broken_or_incomplete_config_json_is_one_line_naming_it(tmp_path, env):
+    workdir = tmp_path / "config"
+    done = run(workdir, env, stop_at=5)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = workdir / "config.json"
+    data = json.loads(record.read_text())
+    for text, expected in (
+        ("", "invalid JSON"),
+        (json.dumps({**data, "batch_size": -1}), "batch_size: expected an int >= 1"),
+        (json.dumps({k: v for k, v in data.items() if k != "seed"}), "missing seed"),
+    ):
+        record.write_text(text)
+        done = run(workdir, env)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, done.stderr
+        assert str(record) in lines[0] and expected in lines[0], lines[0]
+        with pytest.raises(ValueError, match=str(record)):
+            train.load_run(workdir)
+    record.write_text(json.dumps(data))
+    assert run(workdir, env, stop_at=5).returncode == 0
+
+
+def test_a_busy_workdir_is_refused_naming_the_holder(tmp_path, env):
+    workdir = tmp_path / "busy"
+    workdir.mkdir()
+    with workdirs.lock(workdir):
+        done = run(workdir, env, stop_at=5)
+        assert done.returncode == 2
+        assert f"in use by pid {os.getpid()}" in done.stderr and len(done.stderr.splitlines()) == 1
+    with workdirs.lock(workdir):  # released at the end of the block (and at any exit)
+        pass
+
+
+def test_unwritable_folders_are_refused_before_training(tmp_path, env):
+    """A checkpoints 'folder' that is a file cannot be written even by root: the run exits
+    at once (within 30 s, never hanging in a writer's threads), in one line."""
+    workdir = tmp_path / "unwritable"
+    workdir.mkdir()
+    (workdir / "checkpoints").write_text("not a folder")
+    t0 = time.monotonic()
+    done = run(workdir, env, stop_at=5, timeout=30)
+    assert time.monotonic() - t0 < 30
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "workdir: expected a folder this process can write" in done.stderr
+    with pytest.raises(ValueError, match=r"^results_dir: expected a folder this process can write"):
+        workdirs.check_writable(workdir / "checkpoints" / "x", "results_dir")
+
+
+def test_a_full_disk_is_one_line_naming_the_folder_and_step(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt._manager, "save", full)
+    with pytest.raises(CheckpointWriteError) as e:
+        ckpt.save(7, {"step": np.asarray(7, np.int64)}, {})
+    message = str(e.value)
+    assert "could not save step 7" in message and "(the disk is full)" in message
+    assert str(tmp_path / "checkpoints") in message and "\n" not in message
+    ckpt.close()
+    with pytest.raises(ValueError, match=r"could not be written \(the disk is full\)"):
+        monkeypatch.setattr(Path, "write_text", full)
+        workdirs.write_atomic(tmp_path / "summary.json", "{}")
