@@ -27,26 +27,6 @@ comparison's results and claims 11-14 the experiments' (committed under
 rows. The committed table is ``docs/results/claims/table.md``.
 """
 
-from analysis import importance, metrics, plots
-from analysis.importance import normalize_importance, pruning_masks, pruning_order
-from analysis.metrics import (
-    SINK_THRESHOLD,
-    SinkRate,
-    duplicate_pattern,
-    duplicate_token_score,
-    entropy,
-    first_token_mass,
-    induction_pattern,
-    induction_score,
-    induction_score_from_tokens,
-    pattern_score,
-    periodic_induction_pattern,
-    previous_token_pattern,
-    previous_token_score,
-    sink_rate,
-    uniform_entropy,
-)
-
 __all__ = [
     "SINK_THRESHOLD",
     "SinkRate",
@@ -70,3 +50,23 @@ __all__ = [
     "sink_rate",
     "uniform_entropy",
 ]
+
+# Where each public name lives: imported on first use (PEP 562), so that the
+# experiments' command lines can set up Ctrl-C handling before JAX is imported.
+_HOMES = {
+    **{name: "analysis.metrics" for name in __all__},
+    "normalize_importance": "analysis.importance",
+    "pruning_masks": "analysis.importance",
+    "pruning_order": "analysis.importance",
+}
+_MODULES = ("importance", "metrics", "plots")
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _MODULES:
+        return importlib.import_module(f"analysis.{name}")
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
+    raise AttributeError(f"module 'analysis' has no attribute {name!r}")

@@ -15,6 +15,14 @@ Command lines: ``python -m train --config configs/mqar.py --workdir runs/x`` and
 ``python -m train.compare``.
 """
 
-from train.run import load_run, run_batch
-
 __all__ = ["load_run", "run_batch"]
+
+
+def __getattr__(name: str):
+    # Lazily, so that ``python -m train`` can set up its Ctrl-C handling
+    # (``train.interrupt``) before JAX is imported.
+    if name in __all__:
+        from train import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'train' has no attribute {name!r}")

@@ -22,17 +22,20 @@ joins them first when the environment describes a multi-process job.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import shlex
-import sys
+from train.interrupt import EXIT_INTERRUPTED, exit_on_sigint
 
-from train import distributed
-from train.cli import enable_compilation_cache, parse
-from train.config import TrainConfig
-from train.loop import NonFiniteLossError, TrainingInterrupted, train
+exit_on_sigint("python -m train")  # first: Ctrl-C while JAX imports or compiles is one line
 
-EXIT_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import sys  # noqa: E402
+
+from train import distributed  # noqa: E402
+from train.cli import enable_compilation_cache, parse  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.loop import NonFiniteLossError, TrainingInterrupted, train  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -90,4 +93,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # Leave at once: every file is closed, and a Ctrl-C in the interpreter's teardown
+    # (which restores the default handler) would end the process by the signal instead.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

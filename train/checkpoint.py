@@ -332,6 +332,10 @@ class Checkpointer:
         self.refresh()
         return str(target)
 
+    def saving(self) -> bool:
+        """Whether a background write is in progress."""
+        return self._manager.is_saving_in_progress()
+
     def wait(self) -> None:
         """Blocks until background writes are on disk.
 

@@ -37,9 +37,15 @@ minute); every field can still be overridden, e.g. ``--quick --train.steps 20
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one line
+    from train.interrupt import exit_on_sigint
+
+    exit_on_sigint("python -m train.compare")
+
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -48,11 +54,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from train import plugins
+from train import interrupt, plugins
 from train.cli import enable_compilation_cache, parse
 from train.compare_report import format_table, summarize_variant, write_results
 from train.config import to_json
-from train.loop import NonFiniteLossError, read_metrics, train
+from train.interrupt import EXIT_INTERRUPTED
+from train.loop import NonFiniteLossError, TrainingInterrupted, read_metrics, train
 from train.variants import (
     TASKS,
     VARIANTS,
@@ -118,6 +125,7 @@ def _worker_init(started, plugin_names=()) -> None:
       started: a shared counter of the workers started so far.
       plugin_names: the plugins the parent loaded (``train.plugins.loaded()``).
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (run_comparison)
     plugins.load(plugin_names)
     with started.get_lock():
         index = started.value
@@ -126,6 +134,20 @@ def _worker_init(started, plugin_names=()) -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[index % len(cores)]})
     enable_compilation_cache()
+
+
+class ComparisonInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a comparison; the runs resume where their checkpoints are."""
+
+
+def _stop_workers(signum=None, frame=None) -> None:
+    """SIGINT while workers train: kill them and stop. Their runs' checkpoints are
+    crash-safe (a run killed at any moment resumes bit for bit), so rerunning the
+    comparison loses nothing saved. The main thread is only waiting for them here,
+    so the exception lands in plain Python code."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    raise ComparisonInterrupted("the workers were stopped; every run keeps its checkpoints")
 
 
 def run_comparison(config: CompareConfig) -> dict[str, Any]:
@@ -163,6 +185,12 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
             for spec, desc in zip(specs, descs, strict=True)
         ]
     else:
+        if interrupt.active():  # the command line: Ctrl-C stops the workers, then this process
+            signal.signal(signal.SIGINT, _stop_workers)
+            # Workers killed that way leave the semaphore of the core counter registered;
+            # multiprocessing's tracker (started below, with this environment) frees it,
+            # and says so in a warning that would be the only noise of an interrupt.
+            os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
         runs = [None] * len(specs)
         context = multiprocessing.get_context("spawn")  # fork and XLA's threads do not mix
         with (
@@ -219,6 +247,10 @@ def main(argv=None) -> int:
     except ValueError as e:  # an output folder that cannot be written, a busy run: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (TrainingInterrupted, ComparisonInterrupted) as e:  # Ctrl-C: saved, stopped
+        print(f"python -m train.compare: interrupted: {e}; run the same command to resume",
+              file=sys.stderr)  # fmt: skip
+        return EXIT_INTERRUPTED
     print()
     print(format_table(results, config))
     print(f"wrote {out}/: " + ", ".join(p.name for p in paths))
@@ -258,4 +290,8 @@ if __name__ == "__main__":
     # unpickle the functions and configs they are sent by their module name.
     from train.compare import main as _main
 
-    sys.exit(_main())
+    status = _main()
+    # A Ctrl-C in the teardown (which restores the default handler) must not change the
+    # status; the teardown itself releases the worker pool's semaphores.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(status)

@@ -65,6 +65,7 @@ from train.config import (
     to_json,
     write_record,
 )
+from train.interrupt import EXIT_INTERRUPTED
 from train.tasks import Task, make_task
 from train.workdir import check_writable, lock, write_atomic
 
@@ -122,17 +123,33 @@ class TrainingInterrupted(KeyboardInterrupt):
 class _StopOnSigint:
     """Within the block, the first SIGINT only sets ``requested``; the loop reads it
     between steps, so an interrupt never lands inside a step or a checkpoint write.
-    A second SIGINT raises ``KeyboardInterrupt`` as usual. Signal handlers can only
-    be set from the main thread; elsewhere this does nothing."""
 
-    def __init__(self):
-        self.requested = False
+    A second SIGINT stops without a new checkpoint: at once (one line, exit
+    status 130) when no checkpoint is being written, else as soon as the write
+    in progress is complete (``now``; the loop then raises ``TrainingInterrupted``).
+    It never raises inside the step: a ``KeyboardInterrupt`` there can land in
+    the middle of a compile, which crashes the process. Signal handlers can only
+    be set from the main thread; elsewhere this does nothing.
+    """
+
+    def __init__(self, run: _Run):
+        self.run = run
+        self.requested = self.now = False
         self._previous = None
 
     def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+        if not self.requested:
+            self.requested = True
+            return
+        if self.run.busy():
+            self.now = True
+            return
+        sys.stderr.write(
+            f"{self.run.workdir}: interrupted twice: stopped at once; the last checkpoint is "
+            f"step {self.run.ckpt.latest_step()} (run the same command to resume from it)\n"
+        )
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -551,12 +568,12 @@ def _train(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin):
         disable=not progress,
         dynamic_ncols=True,
     )
-    done, stop = start, _StopOnSigint()
+    done, stop = start, _StopOnSigint(run)
     try:
         with run.metrics_log(start) as log, stop:
             done, end, reached_now = _run_steps(run, start, end, log, stop, bar)
             reached = reached or reached_now
-        run.ckpt.wait()
+            run.ckpt.wait()  # inside: a Ctrl-C here lets the write finish
         if stop.requested and done < end:
             raise TrainingInterrupted(done, run.ckpt.latest_step(), config.steps)
     except KeyboardInterrupt as e:
@@ -604,6 +621,7 @@ class _Run:
         # One compile, not one per op.
         self.schedule = jax.jit(make_schedule(config.optim, config.steps))
         self.ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
+        self.saving = False
         self.totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
         self.window: list[tuple[float, float]] = []
 
@@ -659,7 +677,15 @@ class _Run:
         """A checkpoint of step ``done``, after the records up to it reached the disk."""
         log.flush()
         meta = {"totals": {**self.totals, "wall_s": self.wall()}, "window": self.window}
-        self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)  # verifiable
+        self.saving = True
+        try:
+            self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)  # verifiable
+        finally:
+            self.saving = False
+
+    def busy(self) -> bool:
+        """Whether a checkpoint is being written (here or in the background)."""
+        return self.saving or self.ckpt.saving()
 
     def step(self, batch, first: bool, prefetch):
         """One update on ``batch``; times it unless ``first`` (which includes compilation).
@@ -716,6 +742,8 @@ def _run_steps(run: _Run, start: int, end: int, log, stop, bar) -> tuple[int, in
 
     batch = batch_at(start)
     for step in range(start, end):
+        if stop.now:  # Ctrl-C twice during a write: stop once it is done, saving nothing new
+            break
         if stop.requested:  # Ctrl-C: stop between steps, with a checkpoint of the last
             if run.ckpt.latest_step() != done:
                 run.save(done, log)

@@ -31,6 +31,7 @@ import train.loop
 import train.plugins
 from attn.errors import fail
 from models import capture_weights
+from train.interrupt import EXIT_INTERRUPTED
 
 RESULTS_FILE = "results.json"
 TABLE_FILE = "table.md"
@@ -191,7 +192,13 @@ def main(name: str, doc: str | None, argv=None) -> int:
     path = args.config or REPO_ROOT / "configs" / f"{name}.py"
     config = train.cli.load_config(path, quick=args.quick)
     out = args.out or Path("results") / name
-    results = run(config, Path(out))
+    try:
+        results = run(config, Path(out))
+    except train.loop.TrainingInterrupted as e:  # Ctrl-C in a training loop: saved, stopped
+        print(
+            f"python -m analysis.experiments.{name}: {e}; run it again to resume", file=sys.stderr
+        )
+        return EXIT_INTERRUPTED
     entry = results["claim"]
     verdict = "holds" if entry["holds"] else "does not hold"
     print(f"{name}: {entry['measured']} ({entry['criterion']}: {verdict})")

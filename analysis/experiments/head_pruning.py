@@ -25,6 +25,11 @@ each position sees only its own byte, a bigram predictor, which keeps 0.27.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one line
+    from train.interrupt import exit_on_sigint
+
+    exit_on_sigint("python -m analysis.experiments.head_pruning")
+
 import dataclasses
 import itertools
 from pathlib import Path

@@ -34,6 +34,11 @@ Olsson et al.'s two-head (previous-token + induction) circuit.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one line
+    from train.interrupt import exit_on_sigint
+
+    exit_on_sigint("python -m analysis.experiments.induction_heads")
+
 import dataclasses
 from pathlib import Path
 

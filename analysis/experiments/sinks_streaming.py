@@ -51,6 +51,11 @@ found sinks in every open pre-trained LM they measured and in their own
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one line
+    from train.interrupt import exit_on_sigint
+
+    exit_on_sigint("python -m analysis.experiments.sinks_streaming")
+
 import dataclasses
 import functools
 from pathlib import Path

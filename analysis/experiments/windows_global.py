@@ -24,6 +24,11 @@ receptive field of 21 and 0.02 to 0.03 beyond it, chance for 32 values (0.031).
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one line
+    from train.interrupt import exit_on_sigint
+
+    exit_on_sigint("python -m analysis.experiments.windows_global")
+
 import dataclasses
 from pathlib import Path
 
