@@ -61,23 +61,34 @@ class CheckpointWriteError(ValueError):
 
 
 def _words(x):
-    """``x``'s bits as a flat uint32 vector (8-byte items as two words, 1 and 2 as one)."""
-    x = jnp.ravel(x)
+    """``x``'s bits as uint32 words of its own shape (8-byte items: a trailing axis of 2).
+
+    No reshape: a reshape of an array sharded on Explicit mesh axes needs an output
+    sharding; elementwise ops and full reductions need none.
+    """
     size = jnp.dtype(x.dtype).itemsize
-    if size == 4:
+    if size in (4, 8):
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if size == 8:
-        return jnp.ravel(jax.lax.bitcast_convert_type(x, jnp.uint32))
     unsigned = {2: jnp.uint16, 1: jnp.uint8}[size]
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _flat_index(shape):
+    """1 + the row-major flat index of every element of ``shape``, as uint32 (mod 2^32)."""
+    index, stride = jnp.ones(shape, jnp.uint32), 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
+        stride = (stride * shape[axis]) % 2**32
+    return index
 
 
 @jax.jit
 def _device_fingerprints(leaves):
     def one(x):
         w = _words(x)
-        index = jnp.arange(1, w.shape[0] + 1, dtype=jnp.uint32)
-        return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * index, dtype=jnp.uint32)])
+        return jnp.stack(
+            [jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * _flat_index(w.shape), dtype=jnp.uint32)]
+        )
 
     return [one(x) for x in leaves]
 

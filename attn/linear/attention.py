@@ -285,8 +285,6 @@ def linear_attention(
     q, k, v = as_arrays(q, k, v)
     B, T, S, N, K, G, H, E = qkv_dims(q, k, v)
     _check_options(form, chunk_size, eps)
-    if T == 0 or S == 0:
-        fail("q/k", "at least one query and one key", f"T={T}, S={S}")
     if causal and T != S:
         fail("k", f"length S == T == {T} when causal=True", f"S={S}")
     phi = resolve(feature_map, projection, H)

@@ -143,13 +143,10 @@ def _dense(
         m = jnp.maximum(m, c.sink_logits[None, :, :, None, None])
     # The max only stabilizes exp(); softmax does not depend on it.
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    # s - m <= 0, but XLA may compute the s in the max and the s here in two
-    # roundings (fusing the scale into the dot in one of them): at logits of 1e9
-    # and more they differ by ulps of thousands, and exp() of that overflows.
-    p = jnp.where(ok, jnp.exp(jnp.minimum(s - m, 0.0)), 0.0)
+    p = jnp.where(ok, jnp.exp(_at_most_zero(s - m)), 0.0)
     denom = p.sum(-1, keepdims=True)
     if c.sink_logits is not None:
-        denom = denom + jnp.exp(jnp.minimum(c.sink_logits[None, :, :, None, None] - m, 0.0))
+        denom = denom + jnp.exp(_at_most_zero(c.sink_logits[None, :, :, None, None] - m))
     w = p / jnp.where(denom == 0, 1.0, denom)
     out = jnp.einsum("BKGTS,BSKE->BTKGE", w, v.astype(jnp.float32))
     out = out.reshape(B, T, N, E).astype(q.dtype)
@@ -162,6 +159,18 @@ def _dense(
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
         extras.append(lse[..., 0].reshape(B, N, T).transpose(0, 2, 1))
     return (out, *extras) if extras else out
+
+
+def _at_most_zero(x):
+    """``x`` with positive values set to 0, the gradient passing through at 0 itself.
+
+    ``s - max(s) <= 0``, but XLA may compute the s in the max and the s in the
+    difference in two roundings (fusing the scale into the dot in one of them):
+    at logits of 1e9 and more they differ by ulps of thousands, and exp() of
+    that overflows. ``jnp.minimum(x, 0)`` would halve the gradient at the max
+    (a tie), so this is a select.
+    """
+    return jnp.where(x > 0, jnp.zeros_like(x), x)
 
 
 def _grouped_bias(bias, d: errors.Dims):
