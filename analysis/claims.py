@@ -492,8 +492,8 @@ def main(argv=None) -> int:
         import train.plugins  # only then: the fast checks import no train
 
         try:
-            names, argv = train.plugins.split_flags(argv)
-            PLUGINS.extend(train.plugins.load(names))  # --run's comparison and experiments
+            loaded, argv = train.plugins.from_argv(argv)
+            PLUGINS.extend(loaded)  # --run's comparison and experiments see them too
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

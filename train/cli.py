@@ -94,8 +94,7 @@ def parse(
     Raises:
       ValueError: a bad plugin, config file, layer pattern or vocabulary override.
     """
-    names, argv = plugins.split_flags(sys.argv[1:] if argv is None else argv)
-    plugins.load(names)
+    _, argv = plugins.from_argv(sys.argv[1:] if argv is None else argv)
     description += f" {plugins.FLAG_HELP}."
     parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
     parser.add_argument("--config", default=default_config)

@@ -258,8 +258,7 @@ def main(argv=None) -> int:
 
 
 def _parse(argv: list[str]) -> CompareConfig:
-    names, argv = plugins.split_flags(argv)
-    plugins.load(names)  # before the config: it may name the plugins' variants
+    _, argv = plugins.from_argv(argv)  # before the config: it may name the plugins' variants
     quick = "--quick" in argv
     argv = [a for a in argv if a != "--quick"]
     config_kwargs = {"quick": quick}

@@ -328,36 +328,24 @@ def place_labels(ax, points, marker_points: float = 6.0) -> list:
         for px, py in (ax.transData.transform((x, y)) for x, y, _, _ in points)
     ]
     placed, labels = list(markers), []
+
+    def annotate(x, y, text, color, spot):
+        dx, dy, ha, va = spot
+        label = ax.annotate(
+            text, (x, y), textcoords="offset points", xytext=(dx, dy), ha=ha, va=va,
+            fontsize=8, color=color,
+        )  # fmt: skip
+        return label, label.get_window_extent(renderer)
+
     for x, y, text, color in points:
-        for dx, dy, ha, va in _LABEL_SPOTS:
-            label = ax.annotate(
-                text,
-                (x, y),
-                textcoords="offset points",
-                xytext=(dx, dy),
-                ha=ha,
-                va=va,
-                fontsize=8,
-                color=color,
-            )
-            box = label.get_window_extent(renderer)
+        for spot in _LABEL_SPOTS:
+            label, box = annotate(x, y, text, color, spot)
             inside = frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1)
             if inside and not any(box.overlaps(other) for other in placed):
                 break
             label.remove()
         else:  # every spot taken: the first, which at least stays next to its point
-            dx, dy, ha, va = _LABEL_SPOTS[0]
-            label = ax.annotate(
-                text,
-                (x, y),
-                textcoords="offset points",
-                xytext=(dx, dy),
-                ha=ha,
-                va=va,
-                fontsize=8,
-                color=color,
-            )
-            box = label.get_window_extent(renderer)
+            label, box = annotate(x, y, text, color, _LABEL_SPOTS[0])
         placed.append(box)
         labels.append(label)
     return labels

@@ -23,7 +23,7 @@ from pathlib import Path
 from attn.linear import FEATURE_MAPS
 from models import KINDS
 
-__all__ = ["FLAG_HELP", "load", "loaded", "needed", "split_flags"]
+__all__ = ["FLAG_HELP", "from_argv", "load", "loaded", "needed", "split_flags"]
 
 FLAG_HELP = (
     "--plugin MODULE (repeatable): import a module or .py file of one's own first, which "
@@ -122,6 +122,13 @@ def split_flags(argv) -> tuple[list[str], list[str]]:
         else:
             rest.append(arg)
     return names, rest
+
+
+def from_argv(argv) -> tuple[tuple[str, ...], list[str]]:
+    """Loads the plugins of ``--plugin`` flags in ``argv``: ``(how each is recorded, the
+    other arguments)``. Raises the ``ValueError`` of ``split_flags`` or ``load``."""
+    names, rest = split_flags(argv)
+    return load(names), rest
 
 
 def loaded() -> tuple[str, ...]:

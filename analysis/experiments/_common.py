@@ -173,8 +173,8 @@ def main(name: str, doc: str | None, argv=None) -> int:
     """The command line of experiment ``name``:
     ``[--plugin MODULE ...] [--quick] [--out DIR] [--config FILE]``."""
     try:
-        names, argv = train.plugins.split_flags(sys.argv[1:] if argv is None else argv)
-        train.plugins.load(names)  # before the config file, which may use what they add
+        # Before the config file, which may use what they add.
+        _, argv = train.plugins.from_argv(sys.argv[1:] if argv is None else argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

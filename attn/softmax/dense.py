@@ -162,15 +162,16 @@ def _dense(
 
 
 def _at_most_zero(x):
-    """``x`` with positive values set to 0, the gradient passing through at 0 itself.
+    """``min(x, 0)`` in value, ``x`` in gradient.
 
     ``s - max(s) <= 0``, but XLA may compute the s in the max and the s in the
     difference in two roundings (fusing the scale into the dot in one of them):
     at logits of 1e9 and more they differ by ulps of thousands, and exp() of
-    that overflows. ``jnp.minimum(x, 0)`` would halve the gradient at the max
-    (a tie), so this is a select.
+    that overflows. The guard moves the value only: ``jnp.minimum`` (or a
+    select) would halve or cut the gradient wherever rounding lands at or
+    above 0, i.e. at the max itself.
     """
-    return jnp.where(x > 0, jnp.zeros_like(x), x)
+    return x - jax.lax.stop_gradient(jnp.maximum(x, 0.0))
 
 
 def _grouped_bias(bias, d: errors.Dims):
