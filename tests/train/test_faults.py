@@ -15,6 +15,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
     assert (workdir / "corrupt").is_dir()
 
 
-@pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "bad_meta_json"])
+@pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "delete_state", "bad_meta_json"])
 def test_a_broken_newest_checkpoint_falls_back_in_one_line(tmp_path, env, reference, fault):
     workdir = tmp_path / fault
     done = run(workdir, env, stop_at=20)
@@ -146,6 +147,8 @@ def test_a_broken_newest_checkpoint_falls_back_in_one_line(tmp_path, env, refere
     if fault == "truncate":
         path = newest_data_file(workdir, 20)
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    elif fault == "delete_state":
+        shutil.rmtree(step_dir / "state")
     elif fault == "delete_metadata":
         (step_dir / "_CHECKPOINT_METADATA").unlink()
         for p in step_dir.rglob("_METADATA"):
@@ -203,8 +206,23 @@ def test_unwritable_folders_are_refused_before_training(tmp_path, env):
     assert time.monotonic() - t0 < 30
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "workdir: expected a folder this process can write" in done.stderr
-    with pytest.raises(ValueError, match=r"^results_dir: expected a folder this process can write"):
-        workdirs.check_writable(workdir / "checkpoints" / "x", "results_dir")
+    # A comparison whose results folder cannot be written stops before it trains anything.
+    argv = [
+        sys.executable,
+        "-m",
+        "train.compare",
+        "--quick",
+        "--no-progress",
+        "--results-dir",
+        str(workdir / "checkpoints"),
+        "--runs-dir",
+        str(tmp_path / "runs"),
+    ]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if "cpu_aot_loader" not in line]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("error: results_dir: expected a folder this process can write")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_a_full_disk_is_one_line_naming_the_folder_and_step(tmp_path, monkeypatch):
