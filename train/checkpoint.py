@@ -24,9 +24,14 @@ reads and verifies, moving the broken ones aside (``corrupt/``) and saying so.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import gc
 import json
+import os
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -270,20 +275,23 @@ class Checkpointer:
         """
         where = str(self.directory / str(step))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _drop_empty(target))
-        try:
-            out = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-                ),
-            )
-            meta, state = out["meta"], out["state"]
-            if not isinstance(meta, dict):
-                raise ValueError(f"metadata: expected a JSON object, got {type(meta).__name__}")
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as e:  # orbax and tensorstore raise many kinds: all mean unreadable
-            raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(e)}") from None
+        with _stderr_kept_unless_failed() as failed:
+            try:
+                out = self._manager.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                    ),
+                )
+                meta, state = out["meta"], out["state"]
+                if not isinstance(meta, dict):
+                    raise ValueError(f"metadata: expected a JSON object, got {type(meta).__name__}")
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as e:  # orbax and tensorstore raise many kinds: all mean unreadable
+                failed.append(e)
+        if failed:
+            raise CorruptCheckpoint(step, where, f"unreadable: {_first_line(failed[0])}")
         recorded = meta.get("fingerprints")
         if recorded is not None:  # checkpoints of older versions carry none
             now = fingerprints(state)
@@ -363,7 +371,38 @@ class Checkpointer:
         self._manager.close()
 
 
+@contextlib.contextmanager
+def _stderr_kept_unless_failed(grace_s: float = 0.3):
+    """Holds back what is written to the process's stderr (file descriptor 2) in the block.
+
+    The block appends an exception to the yielded list if it failed. Then the
+    held text is dropped: when one read of a checkpoint fails, orbax abandons
+    the others, and their threads and coroutines print tracebacks of the same
+    error as they finish (a closed event loop, "Exception ignored in" reports),
+    for up to ``grace_s`` seconds, which the caller reports in one line. If the
+    block succeeded, the held text is written out as it was.
+    """
+    failed: list[BaseException] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield failed
+            if failed:
+                time.sleep(grace_s)  # the abandoned reads finish and print here
+                gc.collect()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not failed:
+                held.seek(0)
+                os.write(2, held.read())
+
+
 def _first_line(e: BaseException) -> str:
     """The first line of an error's message (tensorstore's run to a hundred), at most 300 chars."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    text = text.split(" See full TensorStore details")[0]  # a repr of the whole spec follows
     return f"{type(e).__name__}: {text[:300]}"
