@@ -66,6 +66,21 @@ def reference(tmp_path_factory, env):
     return arrays(workdir), train.loop.read_metrics(workdir)
 
 
+@pytest.fixture(scope="module")
+def stopped_at_20_run(tmp_path_factory, env):
+    """The run stopped at step 20 (checkpoints 15 and 20), trained once for every test."""
+    workdir = tmp_path_factory.mktemp("at20") / "run"
+    done = run(workdir, env, stop_at=20)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return workdir
+
+
+@pytest.fixture
+def stopped_at_20(stopped_at_20_run):
+    """A fresh copy of ``stopped_at_20_run`` at the given path, for one fault."""
+    return lambda target: Path(shutil.copytree(stopped_at_20_run, target))
+
+
 def arrays(workdir) -> list[np.ndarray]:
     model, _ = train.load_run(workdir)
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
@@ -118,11 +133,9 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, env, refere
 
 
 def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
-    tmp_path, env, reference
+    tmp_path, env, reference, stopped_at_20
 ):
-    workdir = tmp_path / "flipped"
-    done = run(workdir, env, stop_at=20)  # checkpoints 15 and 20
-    assert done.returncode == 0, done.stderr[-3000:]
+    workdir = stopped_at_20(tmp_path / "flipped")
     path = newest_data_file(workdir, 20)
     data = bytearray(path.read_bytes())
     data[min(70000, len(data) // 2)] ^= 0xFF
@@ -139,10 +152,10 @@ def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
 
 
 @pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "delete_state", "bad_meta_json"])
-def test_a_broken_newest_checkpoint_falls_back_in_one_line(tmp_path, env, reference, fault):
-    workdir = tmp_path / fault
-    done = run(workdir, env, stop_at=20)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_a_broken_newest_checkpoint_falls_back_in_one_line(
+    tmp_path, env, reference, fault, stopped_at_20
+):
+    workdir = stopped_at_20(tmp_path / fault)
     step_dir = workdir / "checkpoints" / "20"
     if fault == "truncate":
         path = newest_data_file(workdir, 20)
