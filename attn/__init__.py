@@ -32,7 +32,7 @@ The families, each a package whose docstring lists its pieces:
                tiling layer (schedule, tiles, kernels)
     ring/      ring attention over a mesh axis, layouts, sharded_attention, work counts
     pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
-    linear/    linear attention in three forms, segments, feature maps
+    linear/    linear attention in three forms, segments, feature maps; the delta rule
 
 beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``errors`` (the input checks and their one ``ValueError`` format), ``merge``
@@ -48,10 +48,14 @@ from attn.conv import short_conv, short_conv_step
 from attn.dispatch import IMPLS, attention
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
+    DELTA_FORMS,
     FEATURE_MAPS,
     FORMS,
     LinearState,
+    delta_rule,
+    delta_rule_step,
     favor_projection,
+    init_delta_state,
     init_linear_state,
     linear_attention,
     linear_attention_step,
@@ -65,6 +69,7 @@ from attn.rope import apply_rope
 from attn.softmax import blockwise_attention, dot_product_attention
 
 __all__ = [
+    "DELTA_FORMS",
     "FEATURE_MAPS",
     "FORMS",
     "IMPLS",
@@ -74,9 +79,12 @@ __all__ = [
     "apply_rope",
     "attention",
     "blockwise_attention",
+    "delta_rule",
+    "delta_rule_step",
     "dot_product_attention",
     "errors",
     "favor_projection",
+    "init_delta_state",
     "init_linear_state",
     "kv_cache_bytes",
     "latent_attention",

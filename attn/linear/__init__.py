@@ -7,6 +7,9 @@ Modules:
   states; segment ids) and ``linear_attention_step`` (one token, for
   decoding), with ``LinearState``; its docstring states the math;
 * ``forms``: the three forms (and the non-causal global sums);
+* ``delta``: the delta rule (DeltaNet, Gated DeltaNet, KDA): ``delta_rule``
+  (forms ``"recurrent"`` and ``"chunkwise"``, in ``delta_forms``) and
+  ``delta_rule_step``;
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
 * ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
   ``register_feature_map`` adds to) and FAVOR+'s projection.
@@ -19,6 +22,7 @@ from attn.linear.attention import (
     linear_attention,
     linear_attention_step,
 )
+from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state
 from attn.linear.features import (
     EXP_KERNEL_MAPS,
     FEATURE_MAPS,
@@ -33,14 +37,18 @@ from attn.linear.features import (
 )
 
 __all__ = [
+    "DELTA_FORMS",
     "EXP_KERNEL_MAPS",
     "FEATURE_MAPS",
     "FORMS",
     "LinearState",
+    "delta_rule",
+    "delta_rule_step",
     "elu1",
     "favor",
     "favor_projection",
     "identity",
+    "init_delta_state",
     "init_linear_state",
     "linear_attention",
     "linear_attention_step",

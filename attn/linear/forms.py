@@ -143,15 +143,20 @@ def step(carry, q_t, k_t, v_t, log_a_t, phi, valid=None):
     return (kv, z), (num, den)
 
 
-def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
-    """Scan over tokens. q ``[B,T,K,G,H]``, k ``[B,T,K,H]``, v ``[B,T,K,E]`` float32.
+def scan_in_pieces(one_step, init, xs, T: int):
+    """``lax.scan`` of ``one_step`` over T tokens with memory O(sqrt(T)) in the backward pass.
 
-    The tokens are split into about sqrt(T) pieces of about sqrt(T) steps; the
-    outer scan stores only the state at piece boundaries and each piece's
-    inner scan is rematerialized in the backward pass, so backward memory is
-    O(sqrt(T)) states instead of T.
+    ``xs`` is a tuple of ``[B,T,...]`` arrays (or None); ``one_step(carry, x_t)``
+    returns ``(carry, y_t)`` with ``y_t`` a pytree of ``[B,...]``. The tokens are
+    split into about sqrt(T) pieces of about sqrt(T) steps; the outer scan stores
+    only the carry at piece boundaries and each piece's inner scan is
+    rematerialized in the backward pass, so backward memory is O(sqrt(T))
+    carries instead of T. Time padding (up to whole pieces) is zeros (False for
+    bools); the caller makes a zero token a no-op.
+
+    Returns:
+        ``(final carry, ys)`` with ys ``[B,T,...]``.
     """
-    B, T = q.shape[:2]
     piece = math.isqrt(T - 1) + 1  # ceil(sqrt(T)) for T >= 1
     num_pieces = -(-T // piece)
     pad = num_pieces * piece - T
@@ -161,27 +166,33 @@ def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
         x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
         return x.reshape(num_pieces, piece, *x.shape[1:])
 
-    if key_real is None and pad:
-        key_real = jnp.ones((B, T), bool)
-    xs = (
-        time_major(q),
-        time_major(k),
-        time_major(v),
-        None if log_a is None else time_major(log_a),
-        None if key_real is None else time_major(key_real),  # time padding: False
-    )
+    @jax.checkpoint
+    def run_piece(carry, xs_piece):
+        return lax.scan(one_step, carry, xs_piece)
+
+    xs = tuple(None if x is None else time_major(x) for x in xs)
+    carry, ys = lax.scan(run_piece, init, xs)
+
+    def batch_major(y):
+        return jnp.moveaxis(y.reshape(num_pieces * piece, *y.shape[2:])[:T], 0, 1)
+
+    return carry, jax.tree.map(batch_major, ys)
+
+
+def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
+    """Scan over tokens (``scan_in_pieces``).
+
+    q ``[B,T,K,G,H]``, k ``[B,T,K,H]``, v ``[B,T,K,E]`` float32.
+    """
+    B, T = q.shape[:2]
+    if key_real is None:
+        key_real = jnp.ones((B, T), bool)  # time padding is False: phi(0) never enters
 
     def one_step(carry, x):
         q_t, k_t, v_t, log_a_t, valid_t = x
         return step(carry, q_t, k_t, v_t, log_a_t, phi, valid_t)
 
-    @jax.checkpoint
-    def run_piece(carry, xs_piece):
-        return lax.scan(one_step, carry, xs_piece)
-
-    state, (num, den) = lax.scan(run_piece, (kv0, z0), xs)
-    num = jnp.moveaxis(num.reshape(num_pieces * piece, *num.shape[2:])[:T], 0, 1)
-    den = jnp.moveaxis(den.reshape(num_pieces * piece, *den.shape[2:])[:T], 0, 1)
+    state, (num, den) = scan_in_pieces(one_step, (kv0, z0), (q, k, v, log_a, key_real), T)
     return num, den, state
 
 
