@@ -1,6 +1,6 @@
 """The main job: attention variants on multi-query associative recall (Zoology's MQAR).
 
-    python -m train.compare            # this config: 9 variants x 2 seeds, to convergence
+    python -m train.compare            # this config: 10 variants x 2 seeds, to convergence
     python -m train.compare --quick    # mha, linear and the hybrid, 1 seed, about a minute
     python -m train.compare --task induction|selective_copy|bytes   # the same on another task
 
@@ -71,6 +71,7 @@ VARIANTS = (
     "linear_decay",
     "hybrid",
     "based",
+    "gated_deltanet",
 )
 
 SEQ_LEN = 24

@@ -69,6 +69,7 @@ from models.config import (
     ModelConfig,
     register_kind,
 )
+from models.delta import DeltaAttention, DeltaCache, DeltaConfig
 from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention
@@ -109,6 +110,9 @@ __all__ = [
     "CrossCache",
     "DecodeCache",
     "Decoder",
+    "DeltaAttention",
+    "DeltaCache",
+    "DeltaConfig",
     "Encoder",
     "EncoderDecoder",
     "HeadGate",

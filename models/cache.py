@@ -216,7 +216,10 @@ def _payload(layer) -> tuple:
         return tuple(getattr(layer, name) for name in layer.PAYLOAD)
     if isinstance(layer, LinearState):
         return (layer.kv, layer.z)
-    raise ValueError(f"cache: expected a layer cache, got {type(layer).__name__}")
+    leaves = jax.tree.leaves(layer)  # a kind's own cache (e.g. the delta rule's): all payload
+    if not leaves or not all(hasattr(x, "shape") for x in leaves):
+        raise ValueError(f"cache: expected a layer cache, got {type(layer).__name__}")
+    return tuple(leaves)
 
 
 def cache_bytes(cache: DecodeCache) -> int:

@@ -113,6 +113,9 @@ for _name, _description, _layers in (
         "Taylor linear, window in the last layer, short convs",
         lambda L: ("based",) * (L - 1) + ("based_window",),
     ),
+    ("deltanet", "the delta rule (DeltaNet), q/k/v short convs", "deltanet"),
+    ("gated_deltanet", "the delta rule with a decay per head", "gated_deltanet"),
+    ("kda", "the delta rule with a decay per key channel (KDA)", "kda"),
 ):
     register_variant(_name, _layers, description=_description)
 
@@ -125,7 +128,8 @@ class CompareConfig:
       train: the shared task, model width, budget and bookkeeping. Its
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
       variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
-        local_global, linear, linear_decay, linear_gated, hybrid, based, and any
+        local_global, linear, linear_decay, linear_gated, hybrid, based, deltanet,
+        gated_deltanet, kda, and any
         added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.

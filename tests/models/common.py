@@ -45,6 +45,14 @@ REGISTRY["linear_decay_gated_conv"] = dataclasses.replace(
 REGISTRY["mla_conv"] = dataclasses.replace(REGISTRY["mla"], short_conv=3)
 REGISTRY["streaming_conv"] = dataclasses.replace(REGISTRY["streaming"], short_conv=2)
 REGISTRY["linear_conv"] = dataclasses.replace(REGISTRY["linear"], short_conv=3)
+# The delta rule: grouped value heads (8 of them for 4 q/k heads) in chunks of 4
+# tokens (prefills span chunks), the recurrent form, and a Block input conv too.
+REGISTRY["gated_deltanet_grouped"] = dataclasses.replace(
+    REGISTRY["gated_deltanet"], value_heads=8, chunk_size=4
+)
+REGISTRY["kda_recurrent_conv"] = dataclasses.replace(
+    REGISTRY["kda"], form="recurrent", short_conv=3
+)
 
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
@@ -59,6 +67,8 @@ KINDS = {
     "linear_decay": ("linear_decay", "linear_favor"),
     "hybrid": ("linear_decay_gated_conv", "mla_conv", "streaming_conv"),
     "blockwise": ("streaming_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
+    "delta": ("deltanet", "kda_recurrent_conv"),
+    "delta_hybrid": ("gated_deltanet", "gated_deltanet_grouped", "mha"),
 }
 
 

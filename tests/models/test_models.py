@@ -187,6 +187,8 @@ PACKED = [
     ("mla", KINDS["mla"]),
     ("linear_decay_gated", ("linear_decay", "linear_gated")),
     ("hybrid", KINDS["hybrid"]),  # short convs; streaming: absolute initial tokens
+    ("delta", KINDS["delta"]),
+    ("delta_hybrid", KINDS["delta_hybrid"]),
 ]
 
 

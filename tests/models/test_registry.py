@@ -53,10 +53,32 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 
 
 def test_builtin_kinds_are_registered_like_any_other():
-    assert list(models.KINDS) == ["softmax", "mla", "linear"]
+    assert sorted(models.KINDS) == ["delta", "linear", "mla", "softmax"]
+    assert models.KINDS["delta"].config is models.DeltaConfig
+    assert models.KINDS["delta"].family == "linear"
     assert models.KINDS["softmax"].module is models.SelfAttention
     assert models.KINDS["linear"].family == "linear" and models.KINDS["mla"].family == "softmax"
     assert models.KINDS.origin("mla") == "models.latent.LatentAttention"
+
+
+def test_delta_config_refuses_what_its_layer_cannot_take():
+    cases = [
+        (dict(gate="vector"), "gate"),
+        (dict(form="parallel"), "form"),
+        (dict(rope=True), "rope"),
+        (dict(num_kv_heads=2), "num_kv_heads"),
+        (dict(value_heads=6), "value_heads"),
+        (dict(qkv_conv=-1), "qkv_conv"),
+        (dict(window=4), "window"),  # a softmax field
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(ValueError, match=rf"^{field}: expected"):
+            models.DeltaConfig(**kwargs)
+    with pytest.raises(ValueError, match=r"^kind: expected a kind whose config class"):
+        AttentionConfig(kind="delta", rope=False)
+    layer = models.PRESETS["kda"]
+    assert isinstance(layer, models.DeltaConfig) and layer.gate == "channel"
+    assert models.DeltaConfig(value_heads=8).num_value_heads == 8
 
 
 def test_a_field_of_another_kind_is_refused_not_ignored():
