@@ -101,6 +101,8 @@ COMPARE_QUICK = "compare_mqar_quick"  # what --run trains (python -m train.compa
 # Claim 10's criterion, fixed before reading any result: softmax MHA recalls at
 # least 10 accuracy points more than linear attention at the same width.
 RECALL_GAP = 0.10
+# The delta-rule variants claim 10's row places between softmax and linear attention.
+DELTA_VARIANTS = ("deltanet", "gated_deltanet", "kda")
 
 NOT_RUN = "not run (use --run)"
 
@@ -233,8 +235,14 @@ def compare_row(path: Path) -> Row:
     except Exception as e:
         return _error_row(10, source, e, criterion)
     gap = acc["mha"] - acc["linear"]
-    shown = [v for v in ("mha", "linear", "hybrid") if v in acc]
+    shown = [v for v in ("mha", "linear", "hybrid", *DELTA_VARIANTS) if v in acc]
     measured = ", ".join(f"{v} {acc[v]:.2f}" for v in shown) + f"; gap {gap:.2f}"
+    delta = [v for v in DELTA_VARIANTS if v in acc]
+    closed = {v: (acc[v] - acc["linear"]) / gap for v in delta} if gap > 0 else {}
+    if closed:  # where the delta rule's fixed state sits between the two
+        measured += "; the delta rule closes " + ", ".join(
+            f"{share:.0%} of it ({v})" for v, share in closed.items()
+        )
     width, chance = _width(results), results.get("chance_accuracy")
     extra = [s for s in (f"width {width}" if width else "", _chance(chance)) if s]
     if extra:
@@ -248,7 +256,7 @@ def compare_row(path: Path) -> Row:
         source,
         seconds=time.perf_counter() - t0,
         runtime_s=float(runtime) if isinstance(runtime, int | float) else None,
-        values={"accuracy": acc, "gap": gap, "width": width},
+        values={"accuracy": acc, "gap": gap, "width": width, "delta_rule_closes": closed},
     )
 
 

@@ -214,6 +214,15 @@ def test_compare_row(tmp_path, linear, holds):
     assert claims.compare_row(path).status == "error"  # no linear variant
 
 
+def test_compare_row_places_the_delta_rule(tmp_path):
+    accuracy = {"mha": 0.99, "linear": 0.25, "gated_deltanet": 0.62}
+    write_json(tmp_path / "compare_mqar" / "results.json", compare_result(accuracy))
+    (row,) = claims.collect([10], results=tmp_path)
+    assert "gated_deltanet 0.62" in row.measured
+    assert "the delta rule closes 50% of it (gated_deltanet)" in row.measured
+    assert row.values["delta_rule_closes"] == {"gated_deltanet": pytest.approx(0.5)}
+
+
 def test_run_reads_what_the_runs_wrote(tmp_path, monkeypatch):
     """--run: the comparison and the experiments write into out; the rows read them there."""
     out = tmp_path / "out"
