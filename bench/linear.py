@@ -27,6 +27,7 @@ Writes ``<out_dir>/<name>.json``, ``.md`` (tables) and ``.png`` (log-log plots).
     python bench/linear.py --max-len 16384
     python bench/linear.py --feature-map taylor --head-dim 16 --max-len 8192 --no-rss \
         --name linear-taylor-cpu
+    python bench/linear.py --family delta   # the delta rule (bench/_delta.py): delta-cpu.*
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ class Config:
     train_len: int = 16384  # length of the forward+backward comparison
     rss: bool = True  # measure peak RSS of recurrent forward+backward at T=65536
     out_dir: str = "bench/results"
-    name: str = "linear-cpu"
+    name: str | None = None  # default: "<family>-cpu"
+    family: str = "linear"  # "linear" (feature maps) or "delta" (the delta rule, bench/_delta.py)
 
 
 # ----------------------------------------------------------------------------
@@ -444,22 +446,43 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def environment() -> dict:
+    return {
+        "jax": jax.__version__,
+        "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def main_delta(cfg: Config) -> dict:
+    """The delta-rule family: ``bench/_delta.py``."""
+    from bench import _delta
+
+    if cfg.quick:
+        cfg = dataclasses.replace(cfg, repeats=1, name=cfg.name + "-quick")
+    result = {"config": dataclasses.asdict(cfg), "env": environment()}
+    result["delta"] = _delta.run(cfg, best_times, cfg.quick)
+    result["wall_seconds"] = result["delta"]["wall_seconds"]
+    result["env"]["load_average_at_end"] = os.getloadavg()
+    write_report(result, cfg.out_dir, cfg.name, _delta.markdown, _delta.plot)
+    return result
+
+
 def main(cfg: Config) -> dict:
+    if cfg.family not in ("linear", "delta"):
+        raise ValueError(f"family: expected 'linear' or 'delta', got {cfg.family!r}")
+    if cfg.name is None:
+        cfg = dataclasses.replace(cfg, name=f"{cfg.family}-cpu")
+    if cfg.family == "delta":
+        return main_delta(cfg)
     lengths = tuple(T for T in (QUICK_LENGTHS if cfg.quick else LENGTHS) if cfg.max_len >= T)
     if cfg.quick:
         cfg = dataclasses.replace(cfg, repeats=1, rss=False, name=cfg.name + "-quick")
     started = time.perf_counter()
-    result = {
-        "config": dataclasses.asdict(cfg),
-        "env": {
-            "jax": jax.__version__,
-            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            "cpu_count": os.cpu_count(),
-            "machine": platform.machine(),
-            "processor": platform.processor(),
-            "load_average_at_start": os.getloadavg(),
-        },
-    }
+    result = {"config": dataclasses.asdict(cfg), "env": environment()}
     if cfg.rss:  # first, while this process has started no other child
         print("peak RSS of the recurrent form's forward+backward (child process)...", flush=True)
         result["recurrent_backward_rss"] = recurrent_backward_rss(cfg)

@@ -1,0 +1,373 @@
+"""The delta-rule family in ``bench/linear.py --family delta``.
+
+At B=1, N=8 heads, H=E=64, float32, chunks of 64, unit-norm q and k:
+
+1. Forward and forward + backward time against T (1K to 16K) of
+   ``attn.delta_rule``'s chunkwise form for DeltaNet (no gate), Gated DeltaNet
+   (a gate per head) and KDA (a gate per key channel), its recurrent form for
+   Gated DeltaNet, and gated linear attention's chunkwise form at the same
+   shapes (``attn.linear_attention``, identity features, no normalizer, the
+   same per-head gates): the peer with the same state and the same matmuls
+   minus the delta rule's triangular inverse.
+2. Forward + backward temporary memory (XLA's buffer assignment of the
+   compiled program, ``memory_analysis().temp_size_in_bytes``) at each T.
+3. Decode: ``delta_rule_step`` tokens per second (64 steps per call).
+4. Float32 errors against a float64 recurrence (``lax.scan`` of the
+   equations, ``jax.grad`` of it for the gradients) at T = 1000.
+5. Achieved FLOP/s (XLA's cost analysis of each program over its time)
+   beside the machine's jitted float32 matmul rate.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn.linear import delta_rule, delta_rule_step, linear_attention
+
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (1024, 2048)
+ORACLE_T = 1000  # a multiple of no chunk size
+MATMUL_N = 1024
+
+METHODS = {  # name -> (delta gate or "gla", form)
+    "gated_deltanet chunkwise": ("head", "chunkwise"),
+    "gated_deltanet recurrent": ("head", "recurrent"),
+    "deltanet chunkwise": ("none", "chunkwise"),
+    "kda chunkwise": ("channel", "chunkwise"),
+    "gla chunkwise": ("gla", "chunkwise"),
+}
+
+
+def delta_inputs(B, T, N, H, seed=0):
+    """q, k (unit norm), v, beta, per-head and per-channel log gates."""
+    rng = np.random.default_rng(seed)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    q, k = (unit(rng.standard_normal((B, T, N, H))).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    beta = rng.uniform(0.0, 1.0, (B, T, N)).astype(np.float32)
+    g_head = -rng.uniform(0.0, 0.1, (B, T, N)).astype(np.float32)
+    g_channel = -rng.uniform(0.0, 0.1, (B, T, N, H)).astype(np.float32)
+    return tuple(jnp.asarray(x) for x in (q, k, v, beta, g_head, g_channel))
+
+
+def method_fn(name: str, chunk_size: int):
+    """``fn(q, k, v, beta, g_head, g_channel) -> out`` for one method."""
+    gate, form = METHODS[name]
+    if gate == "gla":
+        gla = partial(linear_attention, feature_map="identity", normalize=False)
+
+        def fn(q, k, v, beta, g_head, g_channel):
+            return gla(q, k, v, log_gates=g_head, form=form, chunk_size=chunk_size)
+
+        return fn
+
+    def fn(q, k, v, beta, g_head, g_channel):
+        g = {"none": None, "head": g_head, "channel": g_channel}[gate]
+        return delta_rule(q, k, v, beta, log_gates=g, form=form, chunk_size=chunk_size)
+
+    return fn
+
+
+def fwd_bwd(fn):
+    """Gradients of ``sum(out^2)`` with respect to q, k, v, beta and both gates."""
+    return jax.grad(lambda *xs: jnp.sum(fn(*xs) ** 2), argnums=tuple(range(6)))
+
+
+def compiled_stats(fn, args) -> dict:
+    compiled = jax.jit(fn).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {
+        "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)) if cost else None,
+    }
+
+
+def matmul_rate(best_times) -> float:
+    """FLOP/s of a jitted float32 ``[n, n] @ [n, n]`` matmul (every core)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((MATMUL_N, MATMUL_N), np.float32))
+    seconds = best_times({"matmul": (jnp.matmul, (a, a))}, 5)["matmul"]
+    return 2 * MATMUL_N**3 / seconds
+
+
+def vs_length(cfg, lengths, best_times, skip_reason) -> dict:
+    """Forward and forward + backward seconds and memory per method and T."""
+    out = {"forward": {}, "forward_backward": {}, "temp_bytes": {}, "flops": {}, "skipped": {}}
+    for kind in out:
+        for name in METHODS:
+            out[kind][name] = {}
+    for T in lengths:
+        args = delta_inputs(cfg.batch, T, cfg.heads, cfg.head_dim)
+        for kind, wrap in (("forward", lambda f: f), ("forward_backward", fwd_bwd)):
+            jobs = {}
+            for name in METHODS:
+                why = skip_reason(name, kind, T, out[kind][name])
+                if why:
+                    out["skipped"][name][f"{kind} {T}"] = why
+                    out[kind][name][T] = None
+                    print(f"  {name:>26} {kind:>16} T={T:>6}: skipped ({why})", flush=True)
+                    continue
+                jobs[name] = (wrap(method_fn(name, cfg.chunk_size)), args)
+                if kind == "forward_backward":
+                    stats = compiled_stats(*jobs[name])
+                    out["temp_bytes"][name][T] = stats["temp_bytes"]
+                    out["flops"][name][T] = stats["flops"]
+            for name, seconds in best_times(jobs, cfg.repeats).items():
+                out[kind][name][T] = seconds
+                print(f"  {name:>26} {kind:>16} T={T:>6}: {seconds * 1e3:9.2f} ms", flush=True)
+    return out
+
+
+def decode_rate(cfg, best_times) -> dict:
+    """``delta_rule_step`` tokens per second, per gate kind (64 steps per call)."""
+    B, N, H, steps = cfg.batch, cfg.heads, cfg.head_dim, cfg.decode_steps
+    q, k, v, beta, g_head, g_channel = delta_inputs(steps, B, N, H, seed=3)  # [steps, B, ...]
+    state = jnp.zeros((B, N, H, H), jnp.float32)
+
+    def run(gates):
+        def decode(state, q, k, v, beta, gates):
+            def one(S, x):
+                out, S = delta_rule_step(*x[:4], S, log_gates=x[4])
+                return S, out
+
+            return jax.lax.scan(one, state, (q, k, v, beta, gates))
+
+        return decode, (state, q, k, v, beta, gates)
+
+    jobs = {"gated_deltanet": run(g_head), "kda": run(g_channel)}
+    best = best_times(jobs, cfg.repeats)
+    return {name: steps / seconds for name, seconds in best.items()}
+
+
+def oracle_errors() -> dict:
+    """Relative errors of float32 chunkwise and recurrent against a float64 recurrence."""
+    B, N, H = 1, 4, 32
+    q, k, v, beta, g_head, g_channel = delta_inputs(B, ORACLE_T, N, H, seed=5)
+    state = jnp.asarray(np.random.default_rng(6).standard_normal((B, N, H, H), np.float32))
+
+    def reference(q, k, v, beta, g, state):
+        def step(S, x):
+            q_t, k_t, v_t, b_t, g_t = x
+            a = jnp.exp(g_t)
+            S = S * (a[..., None] if a.ndim == 3 else a[..., None, None])
+            u = b_t[..., None] * (v_t - jnp.einsum("bnh,bnhe->bne", k_t, S))
+            S = S + jnp.einsum("bnh,bne->bnhe", k_t, u)
+            return S, jnp.einsum("bnh,bnhe->bne", q_t * H**-0.5, S)
+
+        S, out = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g)])
+        return jnp.moveaxis(out, 0, 1), S
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    def loss_of(f):
+        return lambda *xs: sum(jnp.sum(jnp.sin(y)) for y in f(*xs))
+
+    errors = {}
+    for gate, g in (("head", g_head), ("channel", g_channel)):
+        args = (q, k, v, beta, g, state)
+        with jax.enable_x64(True):
+            x64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in args]
+            want = jax.jit(reference)(*x64)
+            want_grads = jax.jit(jax.grad(loss_of(reference), argnums=range(6)))(*x64)
+            want, want_grads = jax.tree.map(np.asarray, (want, want_grads))
+        for form in ("chunkwise", "recurrent"):
+
+            def ours(q, k, v, beta, g, state, form=form):
+                return delta_rule(
+                    q, k, v, beta, log_gates=g, form=form, initial_state=state, return_state=True
+                )
+
+            got = jax.jit(ours)(*args)
+            grads = jax.jit(jax.grad(loss_of(ours), argnums=range(6)))(*args)
+            errors[f"{gate} {form}"] = {
+                "output": rel(got[0], want[0]),
+                "state": rel(got[1], want[1]),
+                "gradients_max": max(rel(a, b) for a, b in zip(grads, want_grads, strict=True)),
+            }
+    return errors
+
+
+def run(cfg, best_times, quick: bool) -> dict:
+    started = time.perf_counter()
+    lengths = tuple(T for T in (QUICK_LENGTHS if quick else LENGTHS) if cfg.max_len >= T)
+
+    def skip_reason(name, kind, T, done):
+        measured = [(t, s) for t, s in done.items() if s is not None]
+        if any(s is None for s in done.values()):
+            return "a shorter length was skipped"
+        if measured:
+            last_t, last_s = max(measured)
+            projected = last_s * T / last_t
+            if projected > cfg.max_seconds:
+                return f"projected {projected:.0f} s > {cfg.max_seconds:.0f} s"
+        return None
+
+    print("matmul rate:", flush=True)
+    rate = matmul_rate(best_times)
+    print(f"  {rate / 1e9:.1f} GFLOP/s", flush=True)
+    print("delta rule vs T:", flush=True)
+    result = {
+        "matmul_flops_per_s": rate,
+        "lengths": vs_length(cfg, lengths, best_times, skip_reason),
+    }
+    print("decode:", flush=True)
+    result["decode_tokens_per_s"] = decode_rate(cfg, best_times)
+    print("float64 oracle:", flush=True)
+    result["oracle"] = oracle_errors()
+    result["targets"] = targets(result)
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
+
+
+def targets(result: dict) -> dict:
+    L = result["lengths"]
+    fb = L["forward_backward"]
+    mem = L["temp_bytes"]
+
+    def get(table, name, T):
+        return table[name].get(T)
+
+    def ratio(a, b):
+        return None if a is None or b is None else a / b
+
+    at = 4096
+    gdn = "gated_deltanet chunkwise"
+    checks = {
+        "chunkwise_vs_recurrent_fwd_bwd_at_4k": (
+            ratio(get(fb, "gated_deltanet recurrent", at), get(fb, gdn, at)),
+            ">=",
+            10.0,
+        ),
+        "chunkwise_over_gla_fwd_bwd_at_4k": (
+            ratio(get(fb, gdn, at), get(fb, "gla chunkwise", at)),
+            "<=",
+            3.0,
+        ),
+        "fwd_bwd_memory_16k_over_4k": (ratio(get(mem, gdn, 16384), get(mem, gdn, at)), "<=", 4.5),
+        "kda_fwd_bwd_memory_16k_over_4k": (
+            ratio(get(mem, "kda chunkwise", 16384), get(mem, "kda chunkwise", at)),
+            "<=",
+            4.5,
+        ),
+        "oracle_output_and_state_error": (
+            max(max(e["output"], e["state"]) for e in result["oracle"].values()),
+            "<=",
+            1e-5,
+        ),
+        "oracle_gradient_error": (
+            max(e["gradients_max"] for e in result["oracle"].values()),
+            "<=",
+            1e-4,
+        ),
+    }
+    out = {}
+    for name, (value, op, bound) in checks.items():
+        met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+        out[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    return out
+
+
+def markdown(result: dict) -> str:
+    cfg, env, d = result["config"], result["env"], result["delta"]
+    L = d["lengths"]
+    rate = d["matmul_flops_per_s"]
+    lines = [
+        f"# The delta rule on CPU ({env['devices']}, jax {env['jax']})",
+        "",
+        f"B={cfg['batch']}, N={cfg['heads']}, H=E={cfg['head_dim']}, float32, chunk "
+        f"{cfg['chunk_size']}; best of at least {cfg['repeats']} runs after warm-up. "
+        f"{env['cpu_count']} CPU cores; 1-minute load average "
+        f"{env['load_average_at_start'][0]:.1f} at start, {env['load_average_at_end'][0]:.1f} "
+        f"at end. Jitted float32 matmul ({MATMUL_N}^3): {rate / 1e9:.1f} GFLOP/s.",
+    ]
+    for kind, title in (("forward", "Forward"), ("forward_backward", "Forward + backward")):
+        names = list(L[kind])
+        lines += [
+            "",
+            f"{title}, ms:",
+            "",
+            "| T | " + " | ".join(names) + " |",
+            "|---:|" + "---:|" * len(names),
+        ]
+        for T in sorted({T for by in L[kind].values() for T in by}):
+            cells = []
+            for name in names:
+                s = L[kind][name].get(T)
+                cells.append("skipped" if s is None else f"{s * 1e3:.1f}")
+            lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    names = [n for n in L["temp_bytes"] if L["temp_bytes"][n]]
+    lines += [
+        "",
+        "Forward + backward: temporary memory of the compiled program (MiB), and "
+        "achieved GFLOP/s (XLA's flop count over the time):",
+        "",
+        "| T | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for T in sorted({T for by in L["temp_bytes"].values() for T in by}):
+        cells = []
+        for name in names:
+            b, f, s = (L[k][name].get(T) for k in ("temp_bytes", "flops", "forward_backward"))
+            speed = "" if not f or not s or "recurrent" in name else f", {f / s / 1e9:.1f}"
+            cells.append("-" if b is None else f"{b / 2**20:.0f}{speed}")
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    dec = d["decode_tokens_per_s"]
+    lines += [
+        "",
+        "Decode (`delta_rule_step`, state [B,N,H,E] float32): "
+        + ", ".join(f"{n} {r:,.0f} tokens/s" for n, r in dec.items())
+        + ".",
+    ]
+    lines += [
+        "",
+        f"Float32 against a float64 recurrence at T={ORACLE_T} (N=4, H=E=32, a "
+        "non-zero initial state; relative norm-wise errors):",
+        "",
+        "| case | output | state | worst gradient |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, e in d["oracle"].items():
+        lines.append(
+            f"| {name} | {e['output']:.1e} | {e['state']:.1e} | {e['gradients_max']:.1e} |"
+        )
+    lines += ["", "| target | value | wanted | met |", "|---|---:|---:|---|"]
+    for name, t in d["targets"].items():
+        value = "-" if t["value"] is None else f"{t['value']:.3g}"
+        lines.append(f"| {name} | {value} | {t['target']} | {t['met']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = result["delta"]["lengths"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, kind, ylabel in (
+        (axes[0], "forward", "forward time (s)"),
+        (axes[1], "forward_backward", "forward + backward time (s)"),
+        (axes[2], "temp_bytes", "forward + backward temp memory (bytes)"),
+    ):
+        for name, by_len in L[kind].items():
+            points = sorted((T, s) for T, s in by_len.items() if s is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
