@@ -309,7 +309,8 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "Forward + backward: temporary memory of the compiled program (MiB), and "
-        "achieved GFLOP/s (XLA's flop count over the time):",
+        "achieved GFLOP/s (XLA's flop count over the time; XLA counts no flops inside a "
+        "scan's body, so the recurrent form has none):",
         "",
         "| T | " + " | ".join(names) + " |",
         "|---:|" + "---:|" * len(names),
