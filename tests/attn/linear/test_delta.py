@@ -158,19 +158,12 @@ def test_one_token_and_the_step():
             out_t, S = step(q[:, t], k[:, t], v[:, t], beta[:, t], S, log_gates=g_t)
             assert rel_err(out_t, want_out[:, t]) <= RTOL, (gate, t)
         assert rel_err(S, want_S) <= RTOL, gate
-        first, first_S = np_delta(
-            q[:, :1],
-            k[:, :1],
-            v[:, :1],
-            beta[:, :1],
-            g_t := (None if g is None else g[:, :1]),
-            state,
-        )
+        one = [x[:, :1] for x in (q, k, v, beta)]
+        g_1 = None if g is None else g[:, :1]
+        first, first_S = np_delta(*one, g_1, state)
         for form in DELTA_FORMS:
             run = jax.jit(partial(delta_rule, form=form, return_state=True))
-            out, S1 = run(
-                q[:, :1], k[:, :1], v[:, :1], beta[:, :1], log_gates=g_t, initial_state=state
-            )
+            out, S1 = run(*one, log_gates=g_1, initial_state=state)
             assert rel_err(out, first) <= RTOL and rel_err(S1, first_S) <= RTOL, (gate, form)
 
 
