@@ -93,6 +93,25 @@ def test_linear_weights_times_values_are_the_output():
     assert rel_err(jnp.einsum("BNTS,BSNE->BTNE", w, v), out) <= 1e-5
 
 
+@jax.jit
+def _delta_weights_and_output(state, x):
+    layer = nnx.merge(*state)
+    _, (w,) = models.capture_weights(layer, x)
+    q, k, v = layer._split(attn.short_conv(layer.qkv_proj(x), layer.conv[...])[0])
+    beta, log_g = layer._beta_and_gates(x)
+    return w, v, attn.delta_rule(q, k, v, beta, log_gates=log_g, chunk_size=4)
+
+
+def test_delta_weights_times_values_are_the_delta_rule_output():
+    """The delta rule is linear in v: the captured M gives ``out = M V`` (before the norm)."""
+    cfg = dataclasses.replace(REGISTRY["kda"], value_heads=8, chunk_size=4)
+    layer = _layer(models.DeltaAttention, cfg)
+    w, v, out = _delta_weights_and_output(nnx.split(layer), normal(36, (B, 7, WIDTH)))
+    assert w.shape == (B, 8, 7, 7)
+    np.testing.assert_array_equal(np.asarray(w)[..., ~np.tril(np.ones((7, 7), bool))], 0.0)
+    assert rel_err(jnp.einsum("BNTS,BSNE->BTNE", w, v), out) <= 1e-5
+
+
 def test_zeroing_a_gate_removes_that_heads_contribution():
     """Gates act on each head's output before the (linear) output projection."""
     layer = _layer(models.SelfAttention, REGISTRY["gqa"])
