@@ -143,6 +143,13 @@ def step(carry, q_t, k_t, v_t, log_a_t, phi, valid=None):
     return (kv, z), (num, den)
 
 
+def _pieces(T: int) -> tuple[int, int, int]:
+    """``(piece length, number of pieces, time padding)`` of ``scan_in_pieces`` over T."""
+    piece = math.isqrt(T - 1) + 1  # ceil(sqrt(T)) for T >= 1
+    num_pieces = -(-T // piece)
+    return piece, num_pieces, num_pieces * piece - T
+
+
 def scan_in_pieces(one_step, init, xs, T: int):
     """``lax.scan`` of ``one_step`` over T tokens with memory O(sqrt(T)) in the backward pass.
 
@@ -157,9 +164,7 @@ def scan_in_pieces(one_step, init, xs, T: int):
     Returns:
         ``(final carry, ys)`` with ys ``[B,T,...]``.
     """
-    piece = math.isqrt(T - 1) + 1  # ceil(sqrt(T)) for T >= 1
-    num_pieces = -(-T // piece)
-    pad = num_pieces * piece - T
+    piece, num_pieces, pad = _pieces(T)
 
     def time_major(x):
         x = jnp.moveaxis(x, 1, 0)
@@ -185,7 +190,7 @@ def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
     q ``[B,T,K,G,H]``, k ``[B,T,K,H]``, v ``[B,T,K,E]`` float32.
     """
     B, T = q.shape[:2]
-    if key_real is None:
+    if key_real is None and _pieces(T)[2]:
         key_real = jnp.ones((B, T), bool)  # time padding is False: phi(0) never enters
 
     def one_step(carry, x):
