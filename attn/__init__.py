@@ -35,6 +35,7 @@ The families, each a package whose docstring lists its pieces:
     linear/    linear attention in three forms, segments, feature maps; the delta rule
 
 beside the pieces every family uses: ``masks`` (which keys a query sees),
+``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
 ``errors`` (the input checks and their one ``ValueError`` format), ``merge``
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
 ``cache`` (cache sizes and slots), ``dispatch`` (``attention(impl=...)``) and
@@ -42,7 +43,7 @@ beside the pieces every family uses: ``masks`` (which keys a query sees),
 presets and variants, are added to).
 """
 
-from attn import errors, linear, masks, pallas, registry, ring, softmax
+from attn import errors, linear, masks, pallas, registry, ring, scores, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.dispatch import IMPLS, attention
@@ -101,6 +102,7 @@ __all__ = [
     "registry",
     "ring",
     "ring_attention",
+    "scores",
     "sharded_attention",
     "short_conv",
     "short_conv_step",

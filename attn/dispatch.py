@@ -9,12 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from attn import masks
+from attn import masks, scores
 from attn.errors import Dims, as_arrays, fail
 from attn.pallas import flash_attention, splash_attention, splash_reason
 from attn.softmax.blockwise import blockwise_attention
 from attn.softmax.call import Call, check_call, dims_or_none
-from attn.softmax.dense import dot_product_attention
+from attn.softmax.dense import dot_product_attention, modifier_bias
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
@@ -57,9 +57,12 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         ``"auto"`` picks the fastest correct one for the platform (on CPU:
         blockwise where it measured faster than dense, from T = 128 on; see
         ``BLOCKWISE_MIN_T``; on GPU: cuDNN where its semantics, dtype and head
-        dim fit, else pallas; on TPU: splash where the call maps, else pallas;
+        dim fit, else pallas; on TPU: splash where the call maps, else blockwise;
         a ``bias`` goes to jax.nn where its semantics match, else to dense;
-        returned weights always to dense).
+        returned weights always to dense). A ``score_mod`` runs in every
+        implementation of ours; jax.nn and cuDNN take it only when it is
+        additive (no soft-cap), as a materialized ``[B,N,T,S]`` bias, so auto
+        sends it to pallas on a GPU.
       **kwargs: the keyword arguments of ``attn.dot_product_attention``.
 
     Returns:
@@ -92,13 +95,17 @@ def _choose(q, k, v, kwargs) -> str:
     fused_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
     if backend == "gpu":
         jax_nn_ok = _jax_nn_reason(q, k, v, kwargs) is None
-        if jax_nn_ok and _cudnn_fits(dims, q.dtype, kwargs):
+        # A modifier would be materialized for cuDNN: the fused kernel evaluates it per tile.
+        no_mod = kwargs.get("score_mod") is None
+        if jax_nn_ok and no_mod and _cudnn_fits(dims, q.dtype, kwargs):
             return "cudnn"
         if fused_ok:
             return "pallas"
         return "xla" if jax_nn_ok else "dense"  # a bias: materialized either way
     if backend == "tpu" and fused_ok:
-        return "splash" if splash_reason(q, k, v, **kwargs) is None else "pallas"
+        # Our Pallas kernel's blocks do not meet Mosaic TPU's (8, 128) tiling: what
+        # splash cannot run goes to blockwise, which XLA compiles for the TPU.
+        return "splash" if splash_reason(q, k, v, **kwargs) is None else "blockwise"
     if backend == "cpu" and fused_ok and _blockwise_faster(dims):
         return "blockwise"
     return "dense"
@@ -146,6 +153,8 @@ def _jax_nn_reason(q, k, v, kwargs) -> str | None:
     for name in ("sink_logits", "softcap", "q_positions", "kv_positions"):
         if kwargs.get(name) is not None:
             return f"{name} (jax.nn has no equivalent)"
+    if not scores.additive(kwargs.get("score_mod")):
+        return "a score_mod with a soft-cap (jax.nn takes additive biases only)"
     if kwargs.get("q_segment_ids") is not None or kwargs.get("kv_segment_ids") is not None:
         return "segment ids (jax.nn returns the mean of V on rows they fully mask)"
     if kwargs.get("return_weights") or kwargs.get("return_lse"):
@@ -180,9 +189,9 @@ def _window_args(mask) -> tuple[bool, tuple[int, int] | None] | None:
     return None
 
 
-def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, **rest):
-    c: Call = check_call(q, k, v, mask=mask, scale=scale, **_call_args(rest))
-    reason = _jax_nn_reason(q, k, v, dict(rest, mask=mask))
+def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, score_mod=None, **rest):
+    c: Call = check_call(q, k, v, mask=mask, scale=scale, score_mod=score_mod, **_call_args(rest))
+    reason = _jax_nn_reason(q, k, v, dict(rest, mask=mask, score_mod=score_mod))
     if reason is not None:
         fail("impl", f"an impl computing our semantics for {reason}", repr(impl))
     if impl == "cudnn":
@@ -191,6 +200,9 @@ def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, **rest):
         if q.dtype not in _CUDNN_DTYPES:
             fail("q", "bfloat16 or float16 inputs for impl='cudnn'", q.dtype)
     is_causal, window = _window_args(c.mask)
+    if c.score is not None:  # additive (checked above): one [B,N,T,S] bias
+        extra = modifier_bias(c).astype(q.dtype)
+        bias = extra if bias is None else bias + extra
     return jax.nn.dot_product_attention(
         q,
         k,

@@ -16,9 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from attn import masks
-from attn.softmax.call import MASKED, shape_logits
+from attn import masks, scores
+from attn.softmax.call import MASKED
 from attn.softmax.schedule import BlockSpec, Schedule
 
 
@@ -33,6 +34,7 @@ class FlashConfig(BlockSpec):
 
     bwd_block_q: int  # dk/dv kernel: query rows per inner-loop step
     bwd_block_k: int  # dk/dv kernel: keys per program
+    platform: str  # lowered for: "cpu", "gpu" or "tpu" (not necessarily the host's)
     interpret: bool
     num_warps: int | None
     num_stages: int | None
@@ -49,9 +51,19 @@ class KernelInts(NamedTuple):
     kv_seg: jax.Array | None  # [B,Sp] int32
 
 
+# jax.export's platform names, and jax.default_backend()'s, to the kernels' platforms.
+PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
 def compiler_params(config: FlashConfig):
-    """Triton launch settings on a GPU; nothing elsewhere."""
-    if config.interpret or jax.default_backend() != "gpu":
+    """Triton launch settings when lowering for a GPU; nothing elsewhere.
+
+    Chosen by the platform lowered for, never by the host: on a CPU host
+    exporting for ``cuda``, asking ``jax.default_backend()`` would leave the
+    parameters None, which jax reads as Mosaic GPU, a different lowering that
+    refuses these kernels.
+    """
+    if config.interpret or config.platform != "gpu":
         return None
     from jax.experimental.pallas import triton as plgpu  # loads Triton's lowering: GPU only
 
@@ -90,9 +102,89 @@ def tile_visible(config: FlashConfig, q_pos, k_pos, k_start, q_seg=None, k_seg=N
 
 
 def logits(config: FlashConfig, q, k):
-    """Float32 ``cap(scale * q k^T)`` of a tile ``[Q,H] x [J,H] -> [Q,J]``."""
+    """Float32 ``scale * q k^T`` of a tile ``[Q,H] x [J,H] -> [Q,J]`` (before the modifier)."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return shape_logits(s, config.scale, config.softcap)
+    return s * config.scale
+
+
+def modify(config: FlashConfig, s, views: dict, q_pos, k_pos):
+    """A tile's logits ``[Q,J]`` through the call's modifier (the soft-cap included).
+
+    Args:
+      views: role -> the tile's leaves of that role (``attn.scores.ROLES``):
+        head leaves ``[1, ...]``, q leaves ``[Q]``, k leaves ``[J]``.
+      q_pos, k_pos: int32 ``[Q]``, ``[J]``.
+    """
+    if config.score is None:
+        return s
+    views = dict(
+        head=views["head"], q=[x[:, None] for x in views["q"]], k=[x[None, :] for x in views["k"]]
+    )
+    mod = config.score.rebuild(config.score.merge(views))
+    return mod.apply(s, q_pos[:, None], k_pos[None, :])
+
+
+def modify_vjp(config: FlashConfig, s, views: dict, q_pos, k_pos):
+    """``modify`` and its VJP: ``(x, vjp)``, ``vjp(dx) -> (ds, views' cotangents)``."""
+    return jax.vjp(lambda s, views: modify(config, s, views, q_pos, k_pos), s, views)
+
+
+def head_view(ref, *index):
+    """A head leaf's tile view from its ref (block ``[..., 1, *rest]``) at leading ``index``.
+
+    ``[1]`` without trailing axes; with one (a table), its entries loaded one
+    by one as ``attn.scores.Entries`` (Triton cannot slice a loaded vector).
+    """
+    rest = ref.shape[len(index) + 1 :]
+    if not rest:
+        return ref[(*index, slice(None))]
+    if len(rest) > 1:
+        raise NotImplementedError("head leaves with more than one trailing axis")
+    return scores.Entries(ref[(*index, 0, b)] for b in range(rest[0]))
+
+
+def store_head(ref, value, *index):
+    """Writes a head leaf's tile cotangent (``head_view``'s structure) to ``ref``."""
+    if isinstance(value, scores.Entries):
+        for b, x in enumerate(value.items):
+            ref[(*index, 0, b)] = x
+    else:
+        ref[(*index, slice(None))] = value
+
+
+def role_counts(config: FlashConfig) -> dict[str, int]:
+    """How many leaves of each role the call's modifier has."""
+    roles = () if config.score is None else config.score.roles
+    return {role: roles.count(role) for role in scores.ROLES}
+
+
+def take_views(config: FlashConfig, refs):
+    """Splits a kernel's refs into the modifier's (``{role: [refs]}``) and the rest."""
+    views = {}
+    for role, n in role_counts(config).items():
+        views[role], refs = list(refs[:n]), refs[n:]
+    return views, refs
+
+
+def score_leaves(config: FlashConfig, leaves, Tp: int, Sp: int) -> dict:
+    """A modifier's leaves in the kernels' layouts, by role.
+
+    Head leaves ``[N, ...]`` -> ``[N, 1, ...]``; q leaves ``[B,T,N]`` -> ``[B,N,Tp]``;
+    k leaves ``[B,S,N]`` -> ``[B,N,Sp]`` (float32, zero-padded).
+    """
+    if config.score is None:
+        return {role: [] for role in scores.ROLES}
+    groups = config.score.by_role(leaves)
+
+    def rows(x, length):
+        x = x.astype(jnp.float32).transpose(0, 2, 1)
+        return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])))
+
+    return dict(
+        head=[x.astype(jnp.float32).reshape(x.shape[0], 1, *x.shape[1:]) for x in groups["head"]],
+        q=[rows(x, Tp) for x in groups["q"]],
+        k=[rows(x, Sp) for x in groups["k"]],
+    )
 
 
 def masked_unless_full(config: FlashConfig, s, kind, visible):
@@ -109,3 +201,20 @@ def matmul(a, b, contract=(1, 0)):
     """2-D float32-accumulated product contracting ``a``'s and ``b``'s given axes."""
     dims = (((contract[0],), (contract[1],)), ((), ()))
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def mod_specs(mod: dict, head, q, k):
+    """BlockSpecs of the modifier's leaves (``score_leaves``), in role order, and the leaves.
+
+    Args:
+      head: ``(rows, index_map)`` of head leaves ``[N, 1, ...]``: the block's head
+        rows (None for one head) and the grid's head-block index.
+      q, k: ``(block_shape, index_map)`` of the q ``[B,N,Tp]`` and k ``[B,N,Sp]`` leaves.
+    """
+    rows, head_index = head
+    specs = []
+    for x in mod["head"]:
+        rest = (0,) * (x.ndim - 1)
+        specs.append(pl.BlockSpec((rows, *x.shape[1:]), lambda *g, _r=rest: (head_index(*g), *_r)))
+    specs += [pl.BlockSpec(*q) for _ in mod["q"]] + [pl.BlockSpec(*k) for _ in mod["k"]]
+    return specs, [*mod["head"], *mod["q"], *mod["k"]]

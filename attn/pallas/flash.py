@@ -33,15 +33,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from attn import scores
 from attn.errors import as_arrays, fail, positive_int
 from attn.pallas import blocks as blocks_lib
 from attn.pallas.common import (
+    PLATFORMS,
     FlashConfig,
     KernelInts,
     compiler_params,
+    head_view,
     logits,
     masked_unless_full,
     matmul,
+    mod_specs,
+    modify,
+    score_leaves,
+    take_views,
     tile_visible,
 )
 from attn.pallas.flash_backward import backward
@@ -57,6 +64,7 @@ def flash_attention(
     mask=None,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     q_positions=None,
     kv_positions=None,
@@ -66,6 +74,7 @@ def flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | None = None,
+    platform: str | None = None,
 ):
     """Softmax attention as Pallas kernels (forward and FlashAttention-2 backward).
 
@@ -75,9 +84,12 @@ def flash_attention(
     Args:
       q: ``[B,T,N,H]`` queries (float32, bfloat16 or float16).
       k: ``[B,S,K,H]`` keys, ``N % K == 0``; v: ``[B,S,K,E]`` values.
-      mask, scale, softcap, sink_logits, q_positions, kv_positions,
+      mask, scale, softcap, score_mod, sink_logits, q_positions, kv_positions,
         q_segment_ids, kv_segment_ids: as in ``attn.dot_product_attention``
-        (segment ids: both or neither; id 0 is padding).
+        (segment ids: both or neither; id 0 is padding). A modifier is
+        evaluated in the kernels on each tile's position vectors and its slice
+        of the modifier's arrays; the backward kernels give those arrays'
+        gradients.
       return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
         sees nothing), which ``attn.merge_attention`` merges and which is
         differentiable.
@@ -85,6 +97,11 @@ def flash_attention(
         ``attn.pallas.blocks.BLOCKS`` for the platform. Compiled, they must be
         powers of two >= 16.
       interpret: run the kernels in Pallas interpret mode; None means on a CPU.
+      platform: the platform the kernels are lowered for: ``"gpu"`` (or
+        ``"cuda"``/``"rocm"``: Triton), ``"tpu"`` or ``"cpu"``; None is
+        ``jax.default_backend()``. Give it to ``jax.export`` a call for an
+        accelerator from another host: the blocks, the launch parameters and
+        interpret mode follow it.
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` if ``return_lse``.
@@ -97,26 +114,31 @@ def flash_attention(
         mask=mask,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_positions=q_positions,
         kv_positions=kv_positions,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    config = _config(call, block_q, block_k, interpret)
+    config = _config(call, block_q, block_k, interpret, platform)
     ints = _kernel_ints(config, call)
     qp, kp, vp = _padded_operands(config, q, k, v)
     N = call.dims.N
     sink = call.sink_logits.reshape(N) if config.has_sink else jnp.zeros((N,), jnp.float32)
-    out, lse = _flash(config, qp, kp, vp, sink, ints)
+    mod = score_leaves(config, scores.split(call.score)[1], *_padded_lengths(config))
+    out, lse = _flash(config, qp, kp, vp, sink, mod, ints)
     T, E = call.dims.T, call.dims.E
     out = out[:, :T, :, :E].astype(q.dtype)
     return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
 
 
-def _config(call: Call, block_q, block_k, interpret) -> FlashConfig:
+def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
     """The call's kernel settings: interpret mode, the tiles and the launch parameters."""
-    platform = jax.default_backend()
+    given = jax.default_backend() if platform is None else platform
+    if given not in PLATFORMS:
+        fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
+    platform = PLATFORMS[given]
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     table = blocks_lib.platform_blocks("cpu" if interpret else platform)
     minimum = 1 if interpret else blocks_lib.MIN_BLOCK
@@ -137,6 +159,7 @@ def _config(call: Call, block_q, block_k, interpret) -> FlashConfig:
         block_k=bk,
         bwd_block_q=bwd_bq,
         bwd_block_k=bwd_bk,
+        platform=platform,
         interpret=interpret,
         num_warps=None if interpret else num_warps,
         num_stages=None if interpret else table.num_stages,
@@ -207,7 +230,7 @@ def _pad(x, length: int, mode: str, last: int | None = None):
     return jnp.pad(x, widths, mode=mode)
 
 
-def forward(config: FlashConfig, q, k, v, sink, ints: KernelInts):
+def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
     """``(out [B,Tp,N,E], lse [B,N,Tp] float32)`` over the ``by_query`` schedule.
 
     Rows past the last scheduled query block are left unwritten (they are padding).
@@ -235,8 +258,14 @@ def forward(config: FlashConfig, q, k, v, sink, ints: KernelInts):
     if config.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
-    in_specs.append(pl.BlockSpec((None, 1), lambda b, n, i: (n, 0)))
-    args.append(sink[:, None])
+    specs, leaves = mod_specs(
+        mod,
+        head=(None, lambda b, n, i: n),
+        q=((None, None, bq), lambda b, n, i: (b, n, i)),
+        k=((None, None, Sp), lambda b, n, i: (b, n, 0)),
+    )
+    in_specs += [*specs, pl.BlockSpec((None, 1), lambda b, n, i: (n, 0))]
+    args += [*leaves, sink[:, None]]
     return pl.pallas_call(
         functools.partial(_forward_kernel, config),
         grid=(B, N, nq),
@@ -259,16 +288,18 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
                     q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    sink_ref, o_ref, lse_ref = refs
+    mod_refs, (sink_ref, o_ref, lse_ref) = take_views(config, refs)
     bq, bk = config.block_q, config.block_k
     q, q_pos = q_ref[...], q_pos_ref[...]
     q_seg = q_seg_ref[...] if config.has_segments else None
+    views = dict(head=[head_view(r) for r in mod_refs["head"]], q=[r[...] for r in mod_refs["q"]])
 
     def body(t, carry):
         m, l, acc = carry
         start = pl.multiple_of(key_ref[t] * bk, bk)
         keys = pl.ds(start, bk)
-        s = logits(config, q, k_ref[keys, :])
+        tile = dict(views, k=[r[keys] for r in mod_refs["k"]])
+        s = modify(config, logits(config, q, k_ref[keys, :]), tile, q_pos, kv_pos_ref[keys])
 
         def visible():
             k_seg = kv_seg_ref[keys] if config.has_segments else None
@@ -298,20 +329,20 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config: FlashConfig, q, k, v, sink, ints: KernelInts):
-    return forward(config, q, k, v, sink, ints)
+def _flash(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
+    return forward(config, q, k, v, sink, mod, ints)
 
 
-def _flash_fwd(config, q, k, v, sink, ints):
-    out, lse = forward(config, q, k, v, sink, ints)
-    return (out, lse), (q, k, v, sink, ints, out, lse)
+def _flash_fwd(config, q, k, v, sink, mod, ints):
+    out, lse = forward(config, q, k, v, sink, mod, ints)
+    return (out, lse), (q, k, v, sink, mod, ints, out, lse)
 
 
 def _flash_bwd(config, residuals, cotangents):
-    q, k, v, sink, ints, out, lse = residuals
+    q, k, v, sink, mod, ints, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dsink = backward(config, q, k, v, sink, ints, out, lse, d_out, d_lse)
-    return dq, dk, dv, dsink, None  # the integer inputs get no cotangent
+    dq, dk, dv, dsink, dmod = backward(config, q, k, v, sink, mod, ints, out, lse, d_out, d_lse)
+    return dq, dk, dv, dsink, dmod, None  # the integer inputs get no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

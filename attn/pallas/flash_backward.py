@@ -4,13 +4,19 @@ Internal to ``attn.pallas``. With ``D = rowsum(dO * O) - d_lse`` (the lse
 cotangent enters each logit's gradient as ``P`` does, so it folds into D) and
 the forward's float32 lse, each tile recomputes ``P = exp(logits - lse)`` and
 
-    dV += P^T dO      dP = dO V^T      dS = P * (dP - D) * cap'
+    dV += P^T dO      dP = dO V^T      dX = P * (dP - D)    dS = mod'(S)^T dX
     dQ += dS K        dK += dS^T Q     (times the logit scale)
 
 in two kernels: a dq kernel over ``(B, N, query blocks)`` looping over the
 forward's schedule, and a dk/dv kernel over ``(B, K, key blocks)`` looping over
 the query blocks that see each key block and over the G query heads of its kv
 head, so GQA sums dK and dV in the kernel without repeating K and V.
+
+The score modifier (soft-cap included) is differentiated per tile with
+``jax.vjp``, which gives dS and the tile's share of its leaves' cotangents:
+the dq kernel, which owns query rows, writes those of the q leaves and a
+per-program partial of the head leaves' (summed outside); the dk/dv kernel,
+which owns key columns, those of the k leaves.
 """
 
 from __future__ import annotations
@@ -26,16 +32,20 @@ from attn.pallas.common import (
     FlashConfig,
     KernelInts,
     compiler_params,
+    head_view,
     logits,
     masked_unless_full,
     matmul,
+    mod_specs,
+    modify_vjp,
+    store_head,
+    take_views,
     tile_visible,
 )
-from attn.softmax.call import softcap_grad
 
 
-def backward(config: FlashConfig, q, k, v, sink, ints: KernelInts, out, lse, d_out, d_lse):
-    """``(dq, dk, dv, dsink)`` in the padded layouts of q, k, v and ``[N]``."""
+def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse, d_out, d_lse):
+    """``(dq, dk, dv, dsink, dmod)`` in the padded layouts of q, k, v, ``[N]`` and ``mod``."""
     Tp, T = q.shape[1], config.T
     # Rows past T are padding: their outputs may be unwritten, so D is formed
     # on the real rows only and is zero on the rest, as is their dO.
@@ -46,18 +56,20 @@ def backward(config: FlashConfig, q, k, v, sink, ints: KernelInts, out, lse, d_o
     # +inf gives P = 0: rows that see nothing (lse = -inf) and padding rows.
     real = (jnp.arange(Tp) < T)[None, None, :]
     lse = jnp.where(real & ~jnp.isneginf(lse), lse, jnp.inf)
-    dq = _dq(config, q, k, v, d_out, lse, delta, ints)
-    dk, dv = _dkdv(config, q, k, v, d_out, lse, delta, ints)
+    dq, d_head, d_q = _dq(config, q, k, v, d_out, lse, delta, mod, ints)
+    dk, dv, d_k = _dkdv(config, q, k, v, d_out, lse, delta, mod, ints)
+    # Per (batch, head, query block) partials -> [N, 1, ...].
+    dmod = dict(head=[d.sum((0, 2)) for d in d_head], q=d_q, k=d_k)
     if config.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * D.
         p_sink = jnp.exp(sink[None, :, None] - lse[:, :, :T])
         dsink = -(p_sink * delta[:, :, :T]).sum((0, 2))
     else:
         dsink = jnp.zeros_like(sink)
-    return dq, dk, dv, dsink
+    return dq, dk, dv, dsink, dmod
 
 
-def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, ints: KernelInts):
+def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     B, _, N, H = q.shape
     Sp, E = k.shape[1], v.shape[-1]
     G, bq = config.G, config.block_q
@@ -85,56 +97,85 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, ints: KernelInts):
     if config.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
-    return pl.pallas_call(
+    q_block = ((None, None, bq), lambda b, n, i: (b, n, i))
+    k_block = ((None, None, Sp), lambda b, n, i: (b, n, 0))
+    specs, leaves = mod_specs(mod, head=(None, lambda b, n, i: n), q=q_block, k=k_block)
+    # Outputs: dq, a per-program partial of each head leaf's cotangent, the q leaves'.
+    head_partials = [
+        pl.BlockSpec((None, None, None, *x.shape[1:]),
+                     lambda b, n, i, _r=(0,) * (x.ndim - 1): (b, n, i, *_r))
+        for x in mod["head"]
+    ]  # fmt: skip
+    out_specs = [pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)), *head_partials]
+    out_specs += [pl.BlockSpec(*q_block) for _ in mod["q"]]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_shape += [jax.ShapeDtypeStruct((B, N, nq, *x.shape[1:]), jnp.float32) for x in mod["head"]]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in mod["q"]]
+    dq, *rest = pl.pallas_call(
         functools.partial(_dq_kernel, config),
         grid=(B, N, nq),
-        in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        in_specs=in_specs + specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=config.interpret,
         compiler_params=compiler_params(config),
         name="attn_flash_dq",
-    )(*args)
+    )(*args, *leaves)
+    n_head = len(mod["head"])
+    return dq, rest[:n_head], rest[n_head:]
 
 
 def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    (dq_ref,) = refs
+    mod_refs, (dq_ref, *refs) = take_views(config, refs)
+    d_head_refs, d_q_refs = refs[: len(mod_refs["head"])], refs[len(mod_refs["head"]) :]
     bk = config.block_k
     q, do, q_pos = q_ref[...], do_ref[...], q_pos_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     q_seg = q_seg_ref[...] if config.has_segments else None
+    views = dict(head=[head_view(r) for r in mod_refs["head"]], q=[r[...] for r in mod_refs["q"]])
 
-    def body(t, dq):
+    def body(t, carry):
+        dq, d_head, d_q = carry
         start = pl.multiple_of(key_ref[t] * bk, bk)
         keys = pl.ds(start, bk)
-        k = k_ref[keys, :]
+        k, k_pos = k_ref[keys, :], kv_pos_ref[keys]
+        tile = dict(views, k=[r[keys] for r in mod_refs["k"]])
 
         def visible():
             k_seg = kv_seg_ref[keys] if config.has_segments else None
-            return tile_visible(config, q_pos, kv_pos_ref[keys], start, q_seg, k_seg)
+            return tile_visible(config, q_pos, k_pos, start, q_seg, k_seg)
 
-        ds = _ds(config, logits(config, q, k), kind_ref[t], visible, lse, delta, do, v_ref[keys, :])
-        return dq + matmul(ds.astype(k.dtype), k)
+        s = logits(config, q, k)
+        ds, _, d_tile = _ds(config, s, kind_ref[t], visible, lse, delta, do, v_ref[keys, :],
+                            tile, q_pos, k_pos)  # fmt: skip
+        d_head = jax.tree.map(jnp.add, d_head, d_tile["head"])
+        d_q = [a + b for a, b in zip(d_q, d_tile["q"], strict=True)]
+        return dq + matmul(ds.astype(k.dtype), k), d_head, d_q
 
-    dq = lax.fori_loop(0, count_ref[0], body, jnp.zeros(q.shape, jnp.float32))
+    zeros = jax.tree.map(jnp.zeros_like, views)
+    carry = (jnp.zeros(q.shape, jnp.float32), zeros["head"], zeros["q"])
+    dq, d_head, d_q = lax.fori_loop(0, count_ref[0], body, carry)
     dq_ref[...] = (dq * config.scale).astype(dq_ref.dtype)
+    for ref, d in zip(d_head_refs, d_head, strict=True):
+        store_head(ref, d)
+    for ref, d in zip(d_q_refs, d_q, strict=True):
+        ref[...] = d
 
 
-def _ds(config: FlashConfig, x, kind, visible, lse, delta, do, v, p_out=None):
-    """``dS`` of a tile from its capped logits x ``[Q,J]`` (and P, if ``p_out`` is a list)."""
-    cap_grad = softcap_grad(x, config.softcap)  # from the unmasked logits: finite everywhere
+def _ds(config: FlashConfig, s, kind, visible, lse, delta, do, v, views, q_pos, k_pos):
+    """``(dS, P, the views' cotangents)`` of a tile from its scaled logits s ``[Q,J]``."""
+    # The modifier's derivative, from the unmasked logits: finite everywhere.
+    x, vjp = modify_vjp(config, s, views, q_pos, k_pos)
     x = masked_unless_full(config, x, kind, visible)
     p = jnp.exp(x - lse)  # masked logits give exp(MASKED - lse) = 0
-    if p_out is not None:
-        p_out.append(p)
-    ds = p * (matmul(do, v, (1, 1)) - delta)
-    return ds if cap_grad is None else ds * cap_grad
+    ds, d_views = vjp(p * (matmul(do, v, (1, 1)) - delta))
+    return ds, p, d_views
 
 
-def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, ints: KernelInts):
+def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     B, Tp, _, H = q.shape
     K, E = k.shape[2], v.shape[-1]
     G, bk = config.G, config.bwd_block_k
@@ -162,30 +203,42 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, ints: KernelInts):
     if config.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
-    return pl.pallas_call(
+    # The modifier's leaves for the G query heads of kv head h.
+    k_block = ((None, G, bk), lambda b, h, j: (b, h, j))
+    specs, leaves = mod_specs(
+        mod, head=(G, lambda b, h, j: h), q=((None, G, Tp), lambda b, h, j: (b, h, 0)), k=k_block
+    )
+    out_specs = [
+        pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0)),
+        pl.BlockSpec((None, bk, None, E), lambda b, h, j: (b, j, h, 0)),
+    ]
+    out_specs += [pl.BlockSpec(*k_block) for _ in mod["k"]]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in mod["k"]]
+    dk, dv, *d_k = pl.pallas_call(
         functools.partial(_dkdv_kernel, config),
         grid=(B, K, nk),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, bk, None, H), lambda b, h, j: (b, j, h, 0)),
-            pl.BlockSpec((None, bk, None, E), lambda b, h, j: (b, j, h, 0)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        in_specs=in_specs + specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         interpret=config.interpret,
         compiler_params=compiler_params(config),
         name="attn_flash_dkdv",
-    )(*args)
+    )(*args, *leaves)
+    return dk, dv, d_k
 
 
 def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
                  lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    dk_ref, dv_ref = refs
+    mod_refs, (dk_ref, dv_ref, *d_k_refs) = take_views(config, refs)
     bq, bk = config.bwd_block_q, config.bwd_block_k
     k, v, kv_pos = k_ref[...], v_ref[...], kv_pos_ref[...]
     k_seg = kv_seg_ref[...] if config.has_segments else None
     start_k = pl.program_id(2) * bk
+    for ref in d_k_refs:  # accumulated in place over query blocks and heads
+        ref[...] = jnp.zeros(ref.shape, jnp.float32)
 
     def body(t, carry):
         rows = pl.ds(pl.multiple_of(query_ref[t] * bq, bq), bq)
@@ -200,9 +253,16 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
             dk, dv = carry
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows][:, None], delta_ref[g, rows][:, None]
-            p = []
-            ds = _ds(config, logits(config, q, k), kind, visible, lse, delta, do, v, p)
-            dv = dv + matmul(p[0].astype(do.dtype), do, (0, 0))
+            views = dict(
+                head=[head_view(r, g) for r in mod_refs["head"]],
+                q=[r[g, rows] for r in mod_refs["q"]],
+                k=[r[g, :] for r in mod_refs["k"]],
+            )
+            s = logits(config, q, k)
+            ds, p, d_views = _ds(config, s, kind, visible, lse, delta, do, v, views, q_pos, kv_pos)
+            for ref, d in zip(d_k_refs, d_views["k"], strict=True):
+                ref[g, :] = ref[g, :] + d
+            dv = dv + matmul(p.astype(do.dtype), do, (0, 0))
             dk = dk + matmul(ds.astype(q.dtype), q, (0, 0))
             return dk, dv
 

@@ -40,9 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import masks
+from attn import masks, scores
 from attn.errors import as_arrays, fail
 from attn.pallas.blocks import SPLASH_BLOCK
+from attn.pallas.common import PLATFORMS
 from attn.softmax.call import MASKED, check_call, dims_or_none
 
 # The largest [T,S] boolean mask the NumPy fallback builds when tracing (64 MB).
@@ -73,7 +74,15 @@ def splash_reason(q, k, v, **kwargs) -> str | None:
 
 
 def _refusal(q, k, v, *, mask=None, bias=None, return_weights=False, return_lse=False,
-             q_positions=None, kv_positions=None, **_) -> _Refusal | None:  # fmt: skip
+             q_positions=None, kv_positions=None, score_mod=None, softcap=None,
+             **_) -> _Refusal | None:  # fmt: skip
+    if score_mod is not None and not (isinstance(score_mod, scores.Softcap) and softcap is None):
+        return _Refusal(
+            "score_mod",
+            "None or scores.softcap(c) for impl='splash' (splash has no hook on the "
+            "logits but its soft-cap; impl='pallas' evaluates any modifier)",
+            type(score_mod).__name__,
+        )
     if bias is not None:
         return _Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
     if return_weights:
@@ -97,7 +106,8 @@ def _refusal(q, k, v, *, mask=None, bias=None, return_weights=False, return_lse=
         return None
     T, S = dims.T, dims.S
     if _maps_to_numpy(mask, q_positions, kv_positions, T, S):
-        Tp, Sp = _padded(T), _padded(S)
+        compiled = jax.default_backend() == "tpu"  # the refusal's bound, as the host runs it
+        Tp, Sp = _padded(T, compiled), _padded(S, compiled)
         if Tp * Sp > NUMPY_MASK_LIMIT:
             return _Refusal(
                 "mask",
@@ -108,13 +118,13 @@ def _refusal(q, k, v, *, mask=None, bias=None, return_weights=False, return_lse=
     return None
 
 
-def _block(length: int) -> int:
-    platform = "tpu" if jax.default_backend() == "tpu" else "cpu"
-    return min(SPLASH_BLOCK[platform], -(-length // LANES) * LANES)
+def _block(length: int, compiled: bool) -> int:
+    """The tile for ``length``: the TPU's when the kernel is compiled, else interpret mode's."""
+    return min(SPLASH_BLOCK["tpu" if compiled else "cpu"], -(-length // LANES) * LANES)
 
 
-def _padded(length: int) -> int:
-    block = _block(length)
+def _padded(length: int, compiled: bool) -> int:
+    block = _block(length, compiled)
     return -(-length // block) * block
 
 
@@ -191,6 +201,7 @@ def splash_attention(
     mask=None,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     q_positions=None,
     kv_positions=None,
@@ -198,12 +209,15 @@ def splash_attention(
     kv_segment_ids=None,
     return_lse: bool = False,
     interpret: bool | None = None,
+    platform: str | None = None,
 ):
     """Softmax attention through splash attention, with our semantics (module doc).
 
     Args: as ``attn.dot_product_attention`` (no ``bias`` or returned weights,
-    and ``return_lse`` must be False), plus ``interpret`` (None: interpret mode
-    anywhere but on a TPU).
+    ``return_lse`` must be False, and ``score_mod`` may only be a soft-cap),
+    plus ``interpret`` (None: interpret mode unless lowering for a TPU) and
+    ``platform`` (the platform lowered for, None: ``jax.default_backend()``;
+    ``"tpu"`` exports the Mosaic kernel from any host with ``jax.export``).
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype.
@@ -222,9 +236,13 @@ def splash_attention(
         return_lse=return_lse,
         q_positions=q_positions,
         kv_positions=kv_positions,
+        score_mod=score_mod,
+        softcap=softcap,
     )
     if refusal is not None:
         fail(refusal.arg, refusal.expected, refusal.got)
+    if score_mod is not None:  # a lone soft-cap (anything else was refused)
+        softcap, score_mod = score_mod.cap, None
     call = check_call(
         q,
         k,
@@ -239,9 +257,12 @@ def splash_attention(
         kv_segment_ids=kv_segment_ids,
     )
     T, S, N = call.dims.T, call.dims.S, call.dims.N
-    interpret = jax.default_backend() != "tpu" if interpret is None else bool(interpret)
-    bq, bk = _block(T), _block(S)
-    Tp, Sp = _padded(T), _padded(S)
+    platform = jax.default_backend() if platform is None else platform
+    if platform not in PLATFORMS:
+        fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
+    interpret = PLATFORMS[platform] != "tpu" if interpret is None else bool(interpret)
+    bq, bk = _block(T, not interpret), _block(S, not interpret)
+    Tp, Sp = _padded(T, not interpret), _padded(S, not interpret)
     q_pos = _first_rows(q_positions)
     q_pos = np.arange(T) + S - T if q_pos is None else q_pos.astype(np.int64)
     k_pos = _first_rows(kv_positions)

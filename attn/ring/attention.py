@@ -36,16 +36,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn import errors
+from attn import errors, scores
 from attn.errors import as_arrays, fail
 from attn.masks import Mask
 from attn.merge import merge_attention
 from attn.ring.kernels import RingInputs, ring_flash, ring_forward
 from attn.softmax.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, TILE_SCORES
 from attn.softmax.call import check_call, check_default_queries, check_static
+from attn.softmax.kernels import vary_like
+from attn.softmax.score_tiles import score_tiles
 from attn.softmax.tiles import qkv_tiles, tile_config, untile
 
 
@@ -62,6 +65,7 @@ def ring_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -90,6 +94,9 @@ def ring_attention(
         neither); queries see only keys with the same id, id 0 is padding.
       scale: logit scale, default ``1/sqrt(H)``.
       softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
+      score_mod: an ``attn.scores`` modifier with the local shard's data (its
+        q leaves ``[B,T,N]`` for the local queries, its k leaves ``[B,S,N]``
+        for the local keys, which travel with them), on absolute positions.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
         denominator once (not once per ring step) without contributing a value.
       block_q, block_k: tile sizes of the blockwise steps (default those of
@@ -112,6 +119,7 @@ def ring_attention(
         kv_segment_ids=kv_segment_ids,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         block_q=block_q,
         block_k=block_k,
@@ -162,6 +170,7 @@ def count_ring_tiles(
         kv_segment_ids=kv_segment_ids,
         scale=None,
         softcap=None,
+        score_mod=None,
         sink_logits=None,
         block_q=block_q,
         block_k=block_k,
@@ -170,10 +179,11 @@ def count_ring_tiles(
 
 
 def _prepare(q, k, v, axis_name, *, mask, q_positions, kv_positions, block_q, block_k, **kw):
-    """Checks a local call; returns its tile config, (q, kT, v) tiles, integer inputs, sink.
+    """Checks a local call; returns its tile config, (q, kT, v, modifier) tiles, integer
+    inputs and sink.
 
     ``kw`` holds the keywords checked by ``attn.softmax.call.check_call`` alone
-    (scale, softcap, sink logits and segment ids).
+    (scale, softcap, score_mod, sink logits and segment ids).
     """
     if not isinstance(axis_name, str):
         fail("axis_name", "the name (a str) of the mesh axis the sequence is sharded on", axis_name)
@@ -195,7 +205,11 @@ def _prepare(q, k, v, axis_name, *, mask, q_positions, kv_positions, block_q, bl
     inputs = RingInputs(
         call.q_positions, call.kv_positions, call.q_segment_ids, call.kv_segment_ids
     )
-    return config, qkv_tiles(config, q, k, v), inputs, call.sink_logits
+    # Replicated leaves (ALiBi's slopes) enter varying like q: their cotangent is then
+    # summed over the devices (see attn.softmax.kernels.vary_like).
+    mod = score_tiles(config, scores.split(call.score)[1])
+    mod = jax.tree.map(lambda x: vary_like(x, q), mod)
+    return config, (*qkv_tiles(config, q, k, v), mod), inputs, call.sink_logits
 
 
 def _default_positions(d, mask, axis_name, num_devices, q_positions, kv_positions):

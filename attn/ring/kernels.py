@@ -23,6 +23,7 @@ from jax import lax
 from attn.masks import BlockKind
 from attn.merge import merge_attention
 from attn.softmax.kernels import KernelInputs, backward, forward, kernel_inputs, vary_like
+from attn.softmax.score_tiles import ScoreTiles
 from attn.softmax.tiles import TileConfig
 
 
@@ -36,12 +37,14 @@ class RingInputs(NamedTuple):
 
 
 class KVBlock(NamedTuple):
-    """What travels around the ring: one device's k/v tiles with their positions and ids."""
+    """What travels around the ring: one device's k/v tiles with their positions and ids,
+    and the key-side leaves of a score modifier (FoX's running gate sums)."""
 
     kT: jax.Array  # [groups*nk, X, H, J]
     v: jax.Array  # [groups*nk, X, J, E]
     pos: jax.Array  # [B,S] int32
     seg: jax.Array | None  # [B,S] int32
+    mod_k: tuple  # [groups*nk, X, G, J] each
 
 
 def _varying(tree, axis_name: str, like=None):
@@ -98,7 +101,8 @@ def _no_sink(config: TileConfig):
     return jnp.zeros((config.K, config.G), jnp.float32)
 
 
-def ring_forward(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInputs):
+def ring_forward(config: TileConfig, axis_name: str, q, kT, v, mod: ScoreTiles,
+                 inputs: RingInputs):  # fmt: skip
     """P ring steps of blockwise attention, merged with ``attn.merge.merge_attention``.
 
     Args:
@@ -106,6 +110,8 @@ def ring_forward(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInput
         outputs are merged in float32) and ``has_sink`` False.
       axis_name: the mesh axis of the ring, bound by an enclosing ``shard_map``.
       q: ``[groups*nq, X, Q, H]`` scaled query tiles; kT, v: the local k/v tiles.
+      mod: the score modifier's local leaves in tile layout; the key-side ones
+        travel with the k/v tiles.
       inputs: the local positions and segment ids.
 
     Returns:
@@ -122,9 +128,9 @@ def ring_forward(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInput
         block, out, lse, counts = carry
 
         def visit(block):
-            part = forward(
-                config, q, block.kT, block.v, no_sink, _kernel_inputs(config, inputs, block)
-            )
+            step_mod = mod._replace(k=block.mod_k)
+            kernel_inputs = _kernel_inputs(config, inputs, block)
+            part = forward(config, q, block.kT, block.v, no_sink, step_mod, kernel_inputs)
             o, l, (full, partial) = part
             visited = jnp.stack([1, full // config.groups, partial // config.groups])
             return o, l, visited.astype(jnp.int32)
@@ -140,7 +146,7 @@ def ring_forward(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInput
 
     out0 = jnp.zeros((n_tiles, X, Q, v.shape[-1]), jnp.float32)
     lse0 = jnp.full((n_tiles, X, Q), -jnp.inf, jnp.float32)
-    block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg)
+    block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg, mod.k)
     carry = _varying((block, out0, lse0, jnp.zeros(3, jnp.int32)), axis_name, q)
     (_, out, lse, counts), _ = lax.scan(step, carry, length=num_devices)
     return out, lse, counts
@@ -154,7 +160,7 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
     block's share of dq, and the whole dk, dv from the local queries. dk and dv
     travel with their block and arrive home after the P-th shift.
     """
-    q, kT, v, inputs, out, lse = residuals
+    q, kT, v, mod, inputs, out, lse = residuals
     q = _varying(q, axis_name)  # the kernels' loop carries vary where q does
     num_devices = lax.axis_size(axis_name)
     no_sink = _no_sink(config)
@@ -162,17 +168,19 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
     d_out = d_out.astype(v.dtype)
 
     def step(carry, _):
-        block, dkT, dv, dq = carry
+        block, dkT, dv, dmod_k, dq, dmod = carry
 
         def visit(block):
             kernel_inputs = _kernel_inputs(config, inputs, block)
+            step_mod = mod._replace(k=block.mod_k)
             # float32 partials: a half-precision input is rounded once, after the ring's sum.
-            grads = backward(
+            dq, dkT, dv, _, dmod = backward(
                 config,
                 q,
                 block.kT,
                 block.v,
                 no_sink,
+                step_mod,
                 kernel_inputs,
                 out,
                 lse,
@@ -180,44 +188,52 @@ def _ring_backward(config: TileConfig, axis_name: str, residuals, d_out, d_lse):
                 d_lse,
                 grad_dtype=jnp.float32,
             )
-            return grads[:3]
+            return dq, dkT, dv, dmod
 
         def skip(block):
-            return jnp.zeros_like(dq), jnp.zeros_like(dkT), jnp.zeros_like(dv)
+            zeros = jax.tree.map(jnp.zeros_like, (dq, dkT, dv, dmod))
+            return zeros
 
-        dq_s, dkT_s, dv_s = lax.cond(_visible(config, inputs, block), visit, skip, block)
-        block, dkT, dv = _shift((block, dkT + dkT_s, dv + dv_s), axis_name, num_devices)
-        return (block, dkT, dv, dq + dq_s), None
+        dq_s, dkT_s, dv_s, dmod_s = lax.cond(_visible(config, inputs, block), visit, skip, block)
+        dmod_k = jax.tree.map(jnp.add, dmod_k, dmod_s.k)
+        travel = (block, dkT + dkT_s, dv + dv_s, dmod_k)
+        block, dkT, dv, dmod_k = _shift(travel, axis_name, num_devices)
+        dmod = jax.tree.map(jnp.add, dmod, dmod_s._replace(k=dmod.k))
+        return (block, dkT, dv, dmod_k, dq + dq_s, dmod), None
 
-    block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg)
+    block = KVBlock(kT, v, inputs.kv_pos, inputs.kv_seg, mod.k)
     f32 = functools.partial(jnp.zeros_like, dtype=jnp.float32)
-    carry = _varying((block, f32(kT), f32(v), f32(q)), axis_name, q)
-    (_, dkT, dv, dq), _ = lax.scan(step, carry, length=num_devices)
-    return dq.astype(q.dtype), dkT.astype(kT.dtype), dv.astype(v.dtype)
+    zeros_mod = jax.tree.map(f32, mod)
+    carry = (block, f32(kT), f32(v), zeros_mod.k, f32(q), zeros_mod)
+    carry = _varying(carry, axis_name, q)
+    (_, dkT, dv, dmod_k, dq, dmod), _ = lax.scan(step, carry, length=num_devices)
+    dmod = jax.tree.map(lambda d, x: d.astype(x.dtype), dmod._replace(k=dmod_k), mod)
+    return dq.astype(q.dtype), dkT.astype(kT.dtype), dv.astype(v.dtype), dmod
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def ring_flash(config: TileConfig, axis_name: str, q, kT, v, inputs: RingInputs):
+def ring_flash(config: TileConfig, axis_name: str, q, kT, v, mod: ScoreTiles, inputs: RingInputs):
     """``(out, lse)`` of ``ring_forward``, differentiated by a ring of blockwise backwards.
 
-    Saves only the local q, k, v, out and lse: memory stays linear in the shard length.
+    Saves only the local q, k, v, modifier leaves, out and lse: memory stays
+    linear in the shard length.
     """
-    out, lse, _ = ring_forward(config, axis_name, q, kT, v, inputs)
+    out, lse, _ = ring_forward(config, axis_name, q, kT, v, mod, inputs)
     return out, lse
 
 
-def _ring_flash_fwd(config, axis_name, q, kT, v, inputs):
-    out, lse, _ = ring_forward(config, axis_name, q, kT, v, inputs)
-    return (out, lse), (q, kT, v, inputs, out, lse)
+def _ring_flash_fwd(config, axis_name, q, kT, v, mod, inputs):
+    out, lse, _ = ring_forward(config, axis_name, q, kT, v, mod, inputs)
+    return (out, lse), (q, kT, v, mod, inputs, out, lse)
 
 
 def _ring_flash_bwd(config, axis_name, residuals, cotangents):
     q, kT, v, *_ = residuals
-    dq, dkT, dv = _ring_backward(config, axis_name, residuals, *cotangents)
+    dq, dkT, dv, dmod = _ring_backward(config, axis_name, residuals, *cotangents)
     chex.assert_equal_shape([dq, q])
     chex.assert_equal_shape([dkT, kT])
     chex.assert_equal_shape([dv, v])
-    return dq, dkT, dv, None  # the integer inputs get no cotangent
+    return dq, dkT, dv, dmod, None  # the integer inputs get no cotangent
 
 
 ring_flash.defvjp(_ring_flash_fwd, _ring_flash_bwd)

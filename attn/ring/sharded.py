@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from attn import scores
 from attn.errors import as_arrays, fail
 from attn.masks import Mask
 from attn.ring.attention import ring_attention
@@ -31,6 +32,7 @@ def sharded_attention(
     kv_segment_ids=None,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     block_q: int | None = None,
     block_k: int | None = None,
@@ -53,8 +55,9 @@ def sharded_attention(
       layout: ``"zigzag"`` (balanced for causal masks; T and S multiples of 2P)
         or ``"contiguous"`` (T and S multiples of P).
       mask, q_positions, kv_positions, q_segment_ids, kv_segment_ids, scale,
-        softcap, sink_logits, return_lse: as in ``attn.dot_product_attention``,
-        over the whole sequence.
+        softcap, score_mod, sink_logits, return_lse: as in
+        ``attn.dot_product_attention``, over the whole sequence (a modifier's
+        per-token leaves are sharded with their tokens, the others replicated).
       block_q, block_k: tile sizes of each device's blockwise steps; by default
         those of ``attn.blockwise_attention``, capped at a shard (at a zigzag chunk).
 
@@ -75,6 +78,7 @@ def sharded_attention(
         mask=mask,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_positions=q_positions,
         kv_positions=kv_positions,
@@ -113,18 +117,28 @@ def sharded_attention(
         shard(call.kv_segment_ids, kv_order),
         sink,
     )
+    structure, leaves = scores.split(score_mod)
+    roles = () if structure is None else structure.roles
+    orders = {"q": q_order, "k": kv_order}
+    leaves = [
+        _replicated(x, mesh, explicit) if role == "head" else shard(x, orders[role])
+        for x, role in zip(leaves, roles, strict=True)
+    ]
+    leaf_specs = tuple(PartitionSpec() if role == "head" else seq for role in roles)
     local = functools.partial(
         _local_attention,
         axis_name=axis_name,
         mask=call.mask,
         scale=call.scale,
         softcap=call.softcap,
+        structure=structure,
         block_q=block_q,
         block_k=block_k,
     )
-    out, lse = jax.shard_map(
-        local, mesh=mesh, in_specs=(seq,) * 7 + (PartitionSpec(),), out_specs=(seq, seq)
-    )(*args)
+    in_specs = (seq,) * 7 + (PartitionSpec(), leaf_specs)
+    out, lse = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(seq, seq))(
+        *args, tuple(leaves)
+    )
     inverse = np.argsort(q_order)
     whole = functools.partial(_reorder, mesh=mesh, spec=PartitionSpec(), explicit=explicit)
     out, lse = whole(out, inverse), whole(lse, inverse)
@@ -150,7 +164,7 @@ def _reorder(x, order, *, mesh: Mesh, spec: PartitionSpec, explicit: bool):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec)) if explicit else x
 
 
-def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sink, **kw):
+def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sink, leaves, *, structure, **kw):
     """One device's ``ring_attention`` with its shard's positions (positional for shard_map)."""
     return ring_attention(
         q,
@@ -161,6 +175,7 @@ def _local_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, sink, **kw):
         q_segment_ids=q_seg,
         kv_segment_ids=kv_seg,
         sink_logits=sink,
+        score_mod=None if structure is None else structure.rebuild(leaves),
         return_lse=True,
         **kw,
     )

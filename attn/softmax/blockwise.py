@@ -42,11 +42,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from attn import scores
 from attn.errors import as_arrays
 from attn.masks import Mask
 from attn.softmax.call import check_call, static_rows
 from attn.softmax.kernels import KernelInputs, flash, forward, kernel_inputs, vary_like
 from attn.softmax.schedule import num_blocks
+from attn.softmax.score_tiles import ScoreTiles, score_tiles
 from attn.softmax.tiles import TileConfig, qkv_tiles, tile_config, untile
 
 # Default tile sizes, measured on a 2-core AVX-512 CPU (causal, f32, B=1, N=8,
@@ -89,6 +91,7 @@ def blockwise_attention(
     return_lse: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     q_positions=None,
     kv_positions=None,
@@ -98,7 +101,8 @@ def blockwise_attention(
     """Softmax attention computed block by block, never materializing ``[T,S]``.
 
     Computes exactly ``attn.dot_product_attention``'s function (same masks,
-    positions, segment ids, soft-cap and learned sink logits; a query with no visible
+    positions, segment ids, soft-cap, score modifiers and learned sink logits; a
+    query with no visible
     key gets zeros and zero gradients), with memory linear in T and S in the forward
     and the backward pass, and work proportional to the non-empty blocks of the mask.
 
@@ -114,6 +118,9 @@ def blockwise_attention(
         ``attn.merge.merge_attention``.
       scale: logit scale, default ``1/sqrt(H)``.
       softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
+      score_mod: an ``attn.scores`` modifier, evaluated on each tile (forward
+        and backward) from the tile's positions and its slice of the
+        modifier's arrays, which get gradients.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
         denominator without contributing a value.
       q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T) + S - T`` (the
@@ -127,7 +134,7 @@ def blockwise_attention(
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
     """
     q, k, v = as_arrays(q, k, v)
-    config, inputs, sink = _prepare(
+    config, inputs, sink, mod = _prepare(
         q,
         k,
         v,
@@ -136,14 +143,15 @@ def blockwise_attention(
         mask=mask,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_positions=q_positions,
         kv_positions=kv_positions,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    sink = vary_like(sink, q)
-    out, lse = flash(config, *qkv_tiles(config, q, k, v), sink, inputs)
+    sink, mod = vary_like(sink, q), jax.tree.map(lambda x: vary_like(x, q), mod)
+    out, lse = flash(config, *qkv_tiles(config, q, k, v), sink, mod, inputs)
     out = untile(config, out)
     return (out, untile(config, lse[..., None])[..., 0]) if return_lse else out
 
@@ -167,7 +175,7 @@ def count_blocks(
     what is computed, not what the schedule promises. Arguments as in
     ``blockwise_attention``; under ``jit`` the counts are int32 arrays.
     """
-    config, inputs, sink = _prepare(
+    config, inputs, sink, mod = _prepare(
         q,
         k,
         v,
@@ -179,7 +187,7 @@ def count_blocks(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
     )
-    n_full, n_partial = _count_tiles(config, q, k, v, sink, inputs)
+    n_full, n_partial = _count_tiles(config, q, k, v, sink, mod, inputs)
     # The loop counts tiles; each block pair is one tile per head group.
     n_full, n_partial = n_full // config.groups, n_partial // config.groups
     total = num_blocks(config.T, config.block_q) * num_blocks(config.S, config.block_k)
@@ -189,14 +197,15 @@ def count_blocks(
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _count_tiles(config: TileConfig, q, k, v, sink, inputs: KernelInputs):
+def _count_tiles(config: TileConfig, q, k, v, sink, mod: ScoreTiles, inputs: KernelInputs):
     """The forward pass's tile counters (compiled as one program, not op by op)."""
-    *_, counts = forward(config, *qkv_tiles(config, q, k, v), sink, inputs)
+    *_, counts = forward(config, *qkv_tiles(config, q, k, v), sink, mod, inputs)
     return counts
 
 
-def _prepare(q, k, v, block_q, block_k, **kwargs) -> tuple[TileConfig, KernelInputs, jax.Array]:
-    """Checks a call; returns its tile configuration, integer inputs and ``[K,G]`` sink logits."""
+def _prepare(q, k, v, block_q, block_k, **kwargs):
+    """Checks a call; returns its tile configuration, integer inputs, ``[K,G]`` sink logits
+    and the modifier's leaves in tile layout."""
     call = check_call(q, k, v, **kwargs)
     config = tile_config(call, block_q, block_k, q.dtype, TILE_SCORES)
     rows = [call.q_positions, call.kv_positions]
@@ -207,4 +216,4 @@ def _prepare(q, k, v, block_q, block_k, **kwargs) -> tuple[TileConfig, KernelInp
         sink = call.sink_logits
     else:
         sink = jnp.zeros((call.dims.K, call.dims.G), jnp.float32)
-    return config, inputs, sink
+    return config, inputs, sink, score_tiles(config, scores.split(call.score)[1])

@@ -9,8 +9,10 @@ through the same rules:
   learned sink logits and the segment ids, into a ``Call``;
 * ``visible``: which keys a query sees (the mask on absolute positions, within
   segments; id 0 is padding, see ``attn.masks.same_segment``);
-* ``shape_logits`` / ``softcap`` / ``softcap_grad``: the logit scale and the
-  tanh soft-cap, and its derivative for hand-written backward passes;
+* ``score``: the call's score modifier (``attn.scores``), with ``softcap=``
+  folded in as ``scores.softcap`` applied first; ``shape_logits`` / ``softcap``
+  / ``softcap_grad``: the logit scale and the tanh soft-cap, and its
+  derivative, for kernels that handle the soft-cap alone;
 * ``CallSpec``: the hashable, static part of a call that kernels are traced
   with (implementations extend it with their block sizes);
 * ``static_rows``: the positions and segment ids as NumPy arrays when they are
@@ -28,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
+from attn import errors, scores
 from attn.errors import fail
 from attn.masks import Full, Mask, full, same_segment
 
@@ -36,10 +38,12 @@ __all__ = [
     "MASKED",
     "Call",
     "CallSpec",
+    "apply_score",
     "check_call",
     "check_default_queries",
     "check_static",
     "dims_or_none",
+    "modified",
     "shape_logits",
     "softcap",
     "softcap_grad",
@@ -60,6 +64,7 @@ class Call(NamedTuple):
     mask: Mask
     scale: float
     softcap: float | None
+    score: scores.ScoreMod | None  # softcap= first, then score_mod=
     sink_logits: jax.Array | None  # [K, G] float32
     q_positions: jax.Array  # [B, T] int32
     kv_positions: jax.Array  # [B, S] int32
@@ -79,6 +84,7 @@ class CallSpec:
     mask: Mask
     scale: float
     softcap: float | None
+    score: scores.Structure | None  # the static part of Call.score
     has_sink: bool
     has_segments: bool
     B: int
@@ -95,6 +101,7 @@ def spec_fields(call: Call) -> dict[str, Any]:
         mask=call.mask,
         scale=call.scale,
         softcap=call.softcap,
+        score=scores.split(call.score)[0],
         has_sink=call.sink_logits is not None,
         has_segments=call.q_segment_ids is not None,
         B=d.B,
@@ -155,6 +162,7 @@ def check_call(
     mask=None,
     scale=None,
     softcap=None,
+    score_mod=None,
     sink_logits=None,
     q_positions=None,
     kv_positions=None,
@@ -174,11 +182,13 @@ def check_call(
         if sink_logits.shape != (d.N,):
             fail("sink_logits", f"shape ({d.N},), one logit per query head", sink_logits.shape)
         sink_logits = sink_logits.astype(jnp.float32).reshape(d.K, d.G)
+    score_mod = scores.check_score_mod(score_mod, d)
     return Call(
         dims=d,
         mask=mask,
         scale=scale,
         softcap=softcap,
+        score=scores.compose(None if softcap is None else scores.softcap(softcap), score_mod),
         sink_logits=sink_logits,
         q_positions=errors.positions(q_positions, "q_positions", d.B, d.T, offset=d.S - d.T),
         kv_positions=errors.positions(kv_positions, "kv_positions", d.B, d.S),
@@ -240,6 +250,26 @@ def softcap_grad(x, cap: float | None):
         return None
     t = x / cap
     return 1.0 - t * t
+
+
+def modified(call: Call, s, q_pos, k_pos, view):
+    """``s`` through the call's modifier, its leaves laid out by ``view(role, leaf)``.
+
+    Args:
+      s: float32 scaled logits; q_pos, k_pos: int32 positions broadcastable to it.
+      view: maps a leaf and its role (``attn.scores.ROLES``) to an array that
+        broadcasts against ``s`` (a head leaf keeping its trailing axes).
+    """
+    return apply_score(scores.split(call.score), s, q_pos, k_pos, view)
+
+
+def apply_score(parts, s, q_pos, k_pos, view):
+    """``modified`` from a modifier's ``(structure, leaves)``; ``s`` as it is without one."""
+    structure, leaves = parts
+    if structure is None:
+        return s
+    mod = structure.rebuild([view(r, x) for r, x in zip(structure.roles, leaves, strict=True)])
+    return mod.apply(s, q_pos, k_pos)
 
 
 def shape_logits(s, scale: float, cap: float | None):

@@ -13,10 +13,10 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from attn import errors
+from attn import errors, scores
 from attn.errors import as_arrays, fail
 from attn.masks import Mask
-from attn.softmax.call import MASKED, check_call, check_static, shape_logits, visible
+from attn.softmax.call import MASKED, check_call, check_static, modified, visible
 
 
 def dot_product_attention(
@@ -28,6 +28,7 @@ def dot_product_attention(
     bias=None,
     scale: float | None = None,
     softcap: float | None = None,
+    score_mod=None,
     sink_logits=None,
     q_positions=None,
     kv_positions=None,
@@ -39,7 +40,7 @@ def dot_product_attention(
     """Softmax attention with the ``[T,S]`` weights materialized.
 
     ``out[b,t,n] = sum_s w[b,n,t,s] v[b,s,n//G]`` with
-    ``w = softmax_s(cap(scale * q.k) + bias)`` over the keys the mask, the
+    ``w = softmax_s(mod(cap(scale * q.k)) + bias)`` over the keys the mask, the
     positions and the segment ids make visible. A query with no visible key
     gets zeros (and zero gradients), unlike ``jax.nn.dot_product_attention``,
     which returns the mean of V. Statistics are float32 for every input dtype.
@@ -51,7 +52,11 @@ def dot_product_attention(
       mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
       bias: additive logits, rank 4, broadcastable to ``[B,N,T,S]``.
       scale: logit scale, default ``1/sqrt(H)``.
-      softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
+      softcap: if given, logits become ``softcap * tanh(logits / softcap)``
+        (shorthand for ``scores.softcap``, applied before ``score_mod``).
+      score_mod: an ``attn.scores`` modifier (ALiBi, T5 buckets, FoX, ...) of
+        the scaled logits, evaluated on the absolute positions; gradients
+        reach its arrays.
       sink_logits: ``[N]`` learned per-head logits that join the softmax
         denominator without contributing a value (learned sink logits, gpt-oss style).
       q_positions: ``[T]`` or ``[B,T]`` ints. Default ``arange(T) + S - T``: the
@@ -71,6 +76,7 @@ def dot_product_attention(
     """
     q, k, v = as_arrays(q, k, v)
     mask, scale, softcap = check_static(mask, scale, softcap)
+    scores.check_type(score_mod)  # a function would fail obscurely at the jit boundary
     # Values are checked here, before the jit boundary below hides them.
     errors.segment_values(q_segment_ids, "q_segment_ids")
     errors.segment_values(kv_segment_ids, "kv_segment_ids")
@@ -82,6 +88,7 @@ def dot_product_attention(
         bias=bias,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_positions=q_positions,
         kv_positions=kv_positions,
@@ -106,6 +113,7 @@ def _dense(
     bias,
     scale,
     softcap,
+    score_mod,
     sink_logits,
     q_positions,
     kv_positions,
@@ -121,6 +129,7 @@ def _dense(
         mask=mask,
         scale=scale,
         softcap=softcap,
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_positions=q_positions,
         kv_positions=kv_positions,
@@ -131,7 +140,7 @@ def _dense(
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
     chex.assert_shape(s, (B, K, G, T, S))
-    s = shape_logits(s, c.scale, c.softcap)
+    s = _modified(c, s * c.scale)
     if bias is not None:
         s = s + _grouped_bias(bias, c.dims)
     ok = visible(c.mask, c.q_positions, c.kv_positions, c.q_segment_ids, c.kv_segment_ids)
@@ -159,6 +168,27 @@ def _dense(
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
         extras.append(lse[..., 0].reshape(B, N, T).transpose(0, 2, 1))
     return (out, *extras) if extras else out
+
+
+def modifier_bias(c):
+    """The call's additive modifier materialized: float32 ``[B,N,T,S]`` (for jax.nn's bias)."""
+    B, T, S, N, K, G, *_ = c.dims
+    return _modified(c, jnp.zeros((B, K, G, T, S), jnp.float32)).reshape(B, N, T, S)
+
+
+def _modified(c, s):
+    """``s [B,K,G,T,S]`` through the call's modifier (soft-cap included)."""
+    B, T, S, _, K, G, *_ = c.dims
+
+    def view(role, x):
+        if role == "head":  # [N, ...] -> [1,K,G,1,1, ...]
+            return x.reshape(1, K, G, 1, 1, *x.shape[1:])
+        length = T if role == "q" else S
+        x = x.reshape(B, length, K, G).transpose(0, 2, 3, 1)  # [B,K,G,L]
+        return x[..., None] if role == "q" else x[..., None, :]
+
+    q_pos, k_pos = c.q_positions[:, None, None, :, None], c.kv_positions[:, None, None, None, :]
+    return modified(c, s, q_pos, k_pos, view)
 
 
 def _at_most_zero(x):

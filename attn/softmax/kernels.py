@@ -31,8 +31,9 @@ from jax import lax
 
 from attn.masks import BlockKind
 from attn.merge import merge_unnormalized
-from attn.softmax.call import MASKED, softcap, softcap_grad, visible
+from attn.softmax.call import MASKED, visible
 from attn.softmax.schedule import Schedule, build_schedule, num_blocks
+from attn.softmax.score_tiles import ScoreTiles, modify, tile_of
 from attn.softmax.tiles import TileConfig, row_tiles
 
 
@@ -143,13 +144,14 @@ def _sink_rows(config: TileConfig, sink):
     return rows.reshape(config.groups, config.tile_heads, config.G * config.block_q)
 
 
-def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
+def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelInputs):
     """Online softmax over the schedule.
 
     Args:
       q: ``[groups*nq, X, Q, H]`` query tiles, already multiplied by the logit scale.
       kT: ``[groups*nk, X, H, J]`` key tiles, transposed; v: ``[groups*nk, X, J, E]``.
       sink: float32 ``[K,G]`` (ignored unless ``config.has_sink``).
+      mod: the score modifier's leaves in tile layout (empty without one).
       inputs: the schedule, positions, padding and segment ids of the tiles.
 
     Returns:
@@ -161,11 +163,12 @@ def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
     sink_rows = _sink_rows(config, sink)
 
     def q_tile(counts, xs):
-        q_i, group, q_pos_i, q_seg_i, key_tile, kind, count = xs
+        q_i, group, q_pos_i, q_seg_i, mod_i, key_tile, kind, count = xs
 
         def tile(j, masked):
             s = jnp.einsum("XQH,XHJ->XQJ", q_i, kT[j], preferred_element_type=jnp.float32)
-            s = softcap(s, config.softcap)  # q is pre-scaled
+            tile_mod = tile_of(mod, group, mod_i, j)  # q is pre-scaled:
+            s = modify(config, s, tile_mod, q_pos_i, inputs.kv_pos[j], keys_major=False)
             if masked:
                 ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=False)
                 s = jnp.where(ok, s, MASKED)
@@ -200,7 +203,7 @@ def forward(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
         return counts + tile_counts, (out.astype(config.dtype), lse)
 
     groups = jnp.arange(n_tiles) // (n_tiles // config.groups)  # head group of each query tile
-    xs = (q, groups, inputs.q_pos, inputs.q_seg, *inputs.schedule)
+    xs = (q, groups, inputs.q_pos, inputs.q_seg, mod.q, *inputs.schedule)
     counts, (out, lse) = lax.scan(q_tile, _new(q, (2,), 0, jnp.int32), xs)
     return out, lse, (counts[0], counts[1])
 
@@ -211,6 +214,7 @@ def backward(
     kT,
     v,
     sink,
+    mod: ScoreTiles,
     inputs: KernelInputs,
     out,
     lse,
@@ -221,10 +225,12 @@ def backward(
     """FlashAttention-2 backward, recomputing each tile's probabilities from the lse.
 
     Arguments as ``forward``'s, plus its outputs and their cotangents. Returns
-    ``(dq, dkT, dv, dsink)`` in the layouts of q, kT, v (and ``[K,G]`` or None),
-    in their dtypes, or all in ``grad_dtype`` if given: a caller that sums
-    several backwards (ring attention's steps) asks for float32 so that
-    half-precision inputs are rounded once, after the sum.
+    ``(dq, dkT, dv, dsink, dmod)`` in the layouts of q, kT, v (``[K,G]`` or
+    None, and a float32 ``ScoreTiles`` like ``mod``), in their dtypes, or all
+    in ``grad_dtype`` if given: a caller that sums several backwards (ring
+    attention's steps) asks for float32 so that half-precision inputs are
+    rounded once, after the sum. A modifier's leaves get, per tile, the
+    cotangent ``jax.vjp`` of ``modify`` gives.
     """
     _, X, Q, H = q.shape
     k = kT.swapaxes(-1, -2)  # [groups*nk, X, J, H]
@@ -236,17 +242,23 @@ def backward(
     # A row that sees nothing has lse = -inf; +inf makes its P = exp(x - inf) = 0.
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
-    def q_tile(dkv, xs):
-        q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, key_tile, kind, count = xs
+    n_tiles = q.shape[0]
+    groups = jnp.arange(n_tiles) // (n_tiles // config.groups)
+
+    def q_tile(carry, xs):
+        q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, group, mod_i = xs[:9]
+        key_tile, kind, count = xs[9:]
         doT_i = do_i.swapaxes(-1, -2)  # [X,E,Q]
         lse_i, delta_i = lse_i[:, None], delta_i[:, None]  # [X,1,Q]: one per column
 
         def tile(j, masked):
             sT = jnp.einsum("XJH,XHQ->XJQ", k[j], qT_i, preferred_element_type=jnp.float32)
-            xT = softcap(sT, config.softcap)
-            cap_grad = softcap_grad(
-                xT, config.softcap
-            )  # from the unmasked logits: finite everywhere
+
+            def modified(sT, tile_mod):
+                return modify(config, sT, tile_mod, q_pos_i, inputs.kv_pos[j], keys_major=True)
+
+            # The modifier's derivative, from the unmasked logits (finite everywhere).
+            xT, mod_vjp = jax.vjp(modified, sT, tile_of(mod, group, mod_i, j))
             if masked:  # exp(MASKED - lse) = 0: no need to mask P itself
                 ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=True)
                 xT = jnp.where(ok, xT, MASKED)
@@ -255,28 +267,36 @@ def backward(
                 "XJQ,XQE->XJE", pT.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
             )
             dpT = jnp.einsum("XJE,XEQ->XJQ", v[j], doT_i, preferred_element_type=jnp.float32)
-            dsT = pT * (dpT - delta_i)
-            if cap_grad is not None:
-                dsT = dsT * cap_grad
+            dsT, dmod_j = mod_vjp(pT * (dpT - delta_i))
             dsT = dsT.astype(q.dtype)
             dk_j = jnp.einsum("XJQ,XQH->XJH", dsT, q_i, preferred_element_type=jnp.float32)
             dqT_j = jnp.einsum("XHJ,XJQ->XHQ", kT[j], dsT, preferred_element_type=jnp.float32)
-            return dqT_j, dk_j, dv_j
+            return dqT_j, dk_j, dv_j, dmod_j
 
         def combine(state, j, full, part):
-            dqT_i, dk, dv = state
-            dqT_j, dk_j, dv_j = part
+            dqT_i, dmod_i, dk, dv, dmod_k = state
+            dqT_j, dk_j, dv_j, dmod_j = part
             dk = lax.dynamic_update_index_in_dim(dk, dk[j] + dk_j, j, 0)
             dv = lax.dynamic_update_index_in_dim(dv, dv[j] + dv_j, j, 0)
-            return dqT_i + dqT_j, dk, dv
+            dmod_k = tuple(
+                lax.dynamic_update_index_in_dim(d, d[j] + d_j, j, 0)
+                for d, d_j in zip(dmod_k, dmod_j.k, strict=True)
+            )
+            dmod_i = jax.tree.map(jnp.add, dmod_i, dmod_j._replace(k=()))
+            return dqT_i + dqT_j, dmod_i, dk, dv, dmod_k
 
         dqT_i = _new(q_i, (X, H, Q))
-        dqT_i, dk, dv = _visit(key_tile, kind, count, tile, combine, (dqT_i, *dkv))
-        return (dk, dv), dqT_i.swapaxes(-1, -2).astype(grad_dtype or q.dtype)
+        dmod_i = jax.tree.map(lambda x: _new(q_i, x.shape[1:]), mod._replace(k=()))
+        state = (dqT_i, dmod_i, *carry)
+        dqT_i, dmod_i, *carry = _visit(key_tile, kind, count, tile, combine, state)
+        return tuple(carry), (dqT_i.swapaxes(-1, -2).astype(grad_dtype or q.dtype), dmod_i)
 
-    dkv0 = (_new(q, k.shape), _new(q, v.shape))
-    xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, *inputs.schedule)
-    (dk, dv), dq = lax.scan(q_tile, dkv0, xs)
+    carry0 = (_new(q, k.shape), _new(q, v.shape), tuple(_new(q, x.shape) for x in mod.k))
+    xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, groups, mod.q, *inputs.schedule)
+    (dk, dv, dmod_k), (dq, dmod_q) = lax.scan(q_tile, carry0, xs)
+    # Per query tile -> per head group: the head leaves' cotangents summed over query tiles.
+    dmod_head = tuple(d.reshape(config.groups, -1, *d.shape[1:]).sum(1) for d in dmod_q.head)
+    dmod = ScoreTiles(dmod_head, dmod_q.q, dmod_k)
     dsink = None
     if config.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * (D - d_lse).
@@ -286,32 +306,33 @@ def backward(
         per_row = per_row.swapaxes(1, 2).reshape(config.B, config.K, -1, config.G, config.block_q)
         dsink = -per_row.sum((0, 2, 4))
     dk, dv = dk.swapaxes(-1, -2).astype(grad_dtype or kT.dtype), dv.astype(grad_dtype or v.dtype)
-    return dq, dk, dv, dsink
+    return dq, dk, dv, dsink, dmod
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def flash(config: TileConfig, q, kT, v, sink, inputs: KernelInputs):
+def flash(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelInputs):
     """``(out, lse)`` of ``forward``, differentiated by the memory-linear ``backward``.
 
-    Saves only q, k, v, the output and the lse for the backward pass.
+    Saves only q, k, v, the modifier's leaves, the output and the lse for the backward pass.
     """
-    out, lse, _ = forward(config, q, kT, v, sink, inputs)
+    out, lse, _ = forward(config, q, kT, v, sink, mod, inputs)
     return out, lse
 
 
-def _flash_fwd(config, q, kT, v, sink, inputs):
-    out, lse, _ = forward(config, q, kT, v, sink, inputs)
-    return (out, lse), (q, kT, v, sink, inputs, out, lse)
+def _flash_fwd(config, q, kT, v, sink, mod, inputs):
+    out, lse, _ = forward(config, q, kT, v, sink, mod, inputs)
+    return (out, lse), (q, kT, v, sink, mod, inputs, out, lse)
 
 
 def _flash_bwd(config, residuals, cotangents):
-    q, kT, v, sink, inputs, out, lse = residuals
+    q, kT, v, sink, mod, inputs, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dkT, dv, dsink = backward(config, q, kT, v, sink, inputs, out, lse, d_out, d_lse)
+    dq, dkT, dv, dsink, dmod = backward(config, q, kT, v, sink, mod, inputs, out, lse, d_out, d_lse)
     chex.assert_equal_shape([dq, q])
     chex.assert_equal_shape([dkT, kT])
     chex.assert_equal_shape([dv, v])
-    return dq, dkT, dv, dsink, None  # the integer inputs get no cotangent
+    dmod = jax.tree.map(lambda d, x: d.astype(x.dtype), dmod, mod)
+    return dq, dkT, dv, dsink, dmod, None  # the integer inputs get no cotangent
 
 
 flash.defvjp(_flash_fwd, _flash_bwd)

@@ -117,16 +117,17 @@ def test_auto_on_gpu_takes_cudnn_where_it_fits_else_pallas(monkeypatch):
     assert rel_err(attn.attention(q, k, v, **kw), want) <= 1e-5
 
 
-def test_auto_on_tpu_takes_splash_where_it_maps_else_pallas(monkeypatch):
+def test_auto_on_tpu_takes_splash_where_it_maps_else_blockwise(monkeypatch):
     fake_platform(monkeypatch, "tpu")
     choose = attn.dispatch._choose
     q, k, v = qkv(8, B=1, T=9, N=2)
     assert choose(q, k, v, {"mask": masks.causal()}) == "splash"
     assert choose(q, k, v, {"mask": masks.causal() & masks.initial_tokens(2)}) == "splash"
-    assert choose(q, k, v, {"mask": masks.causal(), "return_lse": True}) == "pallas"
+    # Our Pallas kernel does not lower for Mosaic TPU (tests/attn/pallas/test_export.py).
+    assert choose(q, k, v, {"mask": masks.causal(), "return_lse": True}) == "blockwise"
     rows = jnp.stack([jnp.arange(9), jnp.arange(9) + 3])
     two = qkv(8, B=2, T=9, N=2)
-    assert choose(*two, {"mask": masks.causal(), "q_positions": rows}) == "pallas"
+    assert choose(*two, {"mask": masks.causal(), "q_positions": rows}) == "blockwise"
     assert choose(q, k, v, {"return_weights": True}) == "dense"
 
 

@@ -179,7 +179,7 @@ def test_resume_after_sigkill_is_exact(tmp_path, compilation_cache_dir):
         "JAX_COMPILATION_CACHE_DIR": compilation_cache_dir,
     }
     # Long enough that the kill lands mid-run; checkpoints often, so one exists early.
-    overrides = ("--steps", "300", "--ckpt-every", "10", "--eval-every", "150", "--log-every", "10")
+    overrides = ("--steps", "150", "--ckpt-every", "10", "--eval-every", "75", "--log-every", "10")
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     ref = subprocess.Popen(_cli(straight, *overrides), cwd=REPO, env=env)
     victim = subprocess.Popen(
@@ -200,11 +200,11 @@ def test_resume_after_sigkill_is_exact(tmp_path, compilation_cache_dir):
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     config = get_config()
-    config = dataclasses.replace(config, steps=300, ckpt_every=10, eval_every=150, log_every=10)
+    config = dataclasses.replace(config, steps=150, ckpt_every=10, eval_every=75, log_every=10)
     ckpt = Checkpointer(killed)
     killed_at = ckpt.latest_step()
     ckpt.close()
-    assert 20 <= killed_at < 300
+    assert 20 <= killed_at < 150
 
     resumed = subprocess.run(_cli(killed, *overrides), cwd=REPO, env=env, check=False)
     assert resumed.returncode == 0

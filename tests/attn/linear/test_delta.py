@@ -135,7 +135,8 @@ def test_forms_match_float64_forward_and_gradients(gate):
     assert rel_err(scan_out, want_out) <= 1e-12  # the two oracles agree
     assert rel_err(scan_S, want_S) <= 1e-12
     want_grads = oracle_grads(args, cotangents)
-    for form, chunk in (("recurrent", 64), ("chunkwise", 16), ("chunkwise", 32), ("chunkwise", 64)):
+    # C = 16 is one substitution block; C = 64 > T merges four by halves, over padding.
+    for form, chunk in (("recurrent", 64), ("chunkwise", 16), ("chunkwise", 64)):
         (out, S), grads = ours_with_grads(args, cotangents, form=form, chunk_size=chunk)
         what = f"{form} C={chunk}"
         assert out.dtype == jnp.float32 and S.dtype == jnp.float32

@@ -151,11 +151,12 @@ def test_lse_merges_two_key_halves_and_default_blocks():
 def test_schedule_is_blockwise_schedule_and_its_transpose():
     T = S = 70
     mask = MASKS["streaming"]
-    spec = dict(mask=mask, scale=1.0, softcap=None, has_sink=False, has_segments=False)
-    spec |= dict(B=1, T=T, S=S, K=1, G=1, block_q=16, block_k=32)
+    spec = dict(mask=mask, scale=1.0, softcap=None, score=None, has_sink=False)
+    spec |= dict(has_segments=False, B=1, T=T, S=S, K=1, G=1, block_q=16, block_k=32)
     config = FlashConfig(
-        **spec, bwd_block_q=16, bwd_block_k=32, interpret=True, num_warps=None, num_stages=None
-    )
+        **spec, bwd_block_q=16, bwd_block_k=32, platform="cpu", interpret=True,
+        num_warps=None, num_stages=None,
+    )  # fmt: skip
     pos = np.arange(T)[None]
     plan = schedules(config, [jnp.asarray(pos)] * 2, [pos, pos])
     ref = build_schedule(BlockSpec(**spec), [jnp.asarray(pos)] * 2, [pos, pos])
