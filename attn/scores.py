@@ -163,10 +163,9 @@ class RelativeBias(ScoreMod):
     def apply(self, s, q_pos, k_pos):
         bucket = relative_buckets(q_pos - k_pos, self.num_buckets, self.max_distance,
                                   self.bidirectional)  # fmt: skip
-        bias = jnp.zeros((), jnp.float32)
-        for b in range(self.num_buckets):
-            bias = jnp.where(bucket == b, self.table[..., b], bias)
-        return s + bias
+        if isinstance(self.table, Entries):  # in a Pallas kernel: no custom_vjp there
+            return s + _select(self.table, bucket)
+        return s + _lookup(self.table, bucket)
 
     def check(self, dims: Dims) -> None:
         super().check(dims)
@@ -174,6 +173,52 @@ class RelativeBias(ScoreMod):
         if shape != (dims.N, self.num_buckets):
             want = f"shape ({dims.N}, {self.num_buckets}): one bias per head and bucket"
             fail("RelativeBias.table", want, shape)
+
+
+def _select(table, bucket):
+    """``table[..., bucket]`` as one select per entry (no gather: every backend lowers it).
+
+    ``table`` is ``[..., nb]`` (or ``Entries``) broadcasting against ``bucket``.
+    """
+    out = jnp.zeros((), jnp.float32)
+    for b in range(_entries(table)):
+        out = jnp.where(bucket == b, table[..., b], out)
+    return out
+
+
+@jax.custom_vjp
+def _lookup(table, bucket):
+    """``_select`` whose VJP keeps only ``bucket``: autodiff of the select chain would
+    keep one intermediate per entry, each the size of the logits (Triton lowers no
+    custom VJP, so the Pallas kernels use ``_select``, in registers)."""
+    return _select(table, bucket)
+
+
+def _entries(table) -> int:
+    return len(table.items) if isinstance(table, Entries) else table.shape[-1]
+
+
+def _lookup_fwd(table, bucket):
+    return _lookup(table, bucket), (table, bucket)
+
+
+def _lookup_bwd(residuals, g):
+    table, bucket = residuals
+    d = [_unbroadcast(jnp.where(bucket == b, g, 0.0), jnp.shape(table[..., b]))
+         for b in range(_entries(table))]  # fmt: skip
+    return jnp.stack(d, axis=-1), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
+
+
+def _unbroadcast(x, shape):
+    """Sums ``x`` down to ``shape`` (the transpose of broadcasting ``shape`` to ``x.shape``)."""
+    lead = x.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, n in enumerate(shape) if n == 1 and x.shape[lead + i] != 1
+    )
+    return x.sum(axes).reshape(shape) if axes else x.reshape(shape)
 
 
 class Forgetting(ScoreMod):

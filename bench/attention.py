@@ -44,6 +44,8 @@ Writes ``bench/results/attention-<platform>.json``, ``.md`` (a table) and
     python bench/attention.py --quick         # smoke test: T = 1K, 2K, "-quick" files
     python bench/attention.py --max-len 16384
     python bench/attention.py --dtype bfloat16  # on a GPU: cuDNN's fused kernel as the peer
+    python bench/attention.py --scores --baseline-root /tmp/before  # score modifiers
+                                              # (bench/_scores.py): attention-scores-cpu.*
 
 On a GPU the peers are ``jax.nn.dot_product_attention`` with ``implementation``
 ``"xla"`` and ``"cudnn"`` (``PLATFORM_IMPLS``), and memory is the device's peak
@@ -127,6 +129,8 @@ class Config:
     max_seconds: float = 45.0  # skip a run projected (from the previous T) to take longer
     memory_fraction: float = 0.6  # of available memory, for materialized [N,T,S] arrays
     out_dir: str = "bench/results"
+    scores: bool = False  # the score-modifier run instead (bench/_scores.py)
+    baseline_root: str = ""  # --scores: an earlier checkout, timed beside today's (before/after)
 
     def __post_init__(self):
         # Names are checked before any measurement: a typo must not cost a whole sweep.
@@ -148,6 +152,12 @@ def child_main(spec: dict) -> dict:
     """Runs one measurement in this (child) process and returns its result."""
     if spec["platform"]:
         os.environ["JAX_PLATFORMS"] = spec["platform"]
+    if spec.get("kind") == "scores":
+        from bench._scores import time_scores  # before an earlier checkout shadows `bench`
+
+        if spec.get("root"):  # an earlier checkout's attn (a before/after run)
+            sys.path.insert(0, spec["root"])
+        return time_scores(spec)
     if spec["impl"] == "platform":  # which backend JAX picks; the parent never starts one
         import jax
 
@@ -674,6 +684,12 @@ def main(cfg: Config) -> dict:
         if "platform" not in probe:
             raise RuntimeError(f"finding JAX's platform: {probe['status']}")
         platform = probe["platform"]
+    if cfg.scores:
+        from bench import _scores
+
+        spec = dict(impl="matmul", platform=platform, dtype=cfg.dtype, T=MATMUL_SIZE, repeats=5)
+        rate = 2 * MATMUL_SIZE**3 / measure(spec, 600)["seconds"]
+        return _scores.main(cfg, measure, rate, platform, write_report)
     lengths = [T for T in (QUICK_LENGTHS if cfg.quick else LENGTHS) if cfg.max_len >= T]
     impls = cfg.impls or PLATFORM_IMPLS.get(platform, PLATFORM_IMPLS["gpu"])
     cfg = dataclasses.replace(cfg, impls=tuple(impls), platform=platform)

@@ -70,6 +70,7 @@ from models.config import (
     register_kind,
 )
 from models.delta import DeltaAttention, DeltaCache, DeltaConfig
+from models.diff import DiffAttention, DiffConfig, depth_lambda_init
 from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention
@@ -113,6 +114,8 @@ __all__ = [
     "DeltaAttention",
     "DeltaCache",
     "DeltaConfig",
+    "DiffAttention",
+    "DiffConfig",
     "Encoder",
     "EncoderDecoder",
     "HeadGate",
@@ -132,6 +135,7 @@ __all__ = [
     "cache_bytes",
     "cache_overflow",
     "capture_weights",
+    "depth_lambda_init",
     "describe",
     "generate",
     "head_gates",

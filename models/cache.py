@@ -105,6 +105,24 @@ class KVCache(SlotCache):
 
 
 @struct.dataclass
+class ForgetCache(KVCache):
+    """A FoX layer's keys and values, with the running sums of its forget gates.
+
+    Attributes:
+      c: ``[B,S,N]`` float32: at each slot, the sum of the log forget gates of the
+        row's tokens up to and including the slot's token (``attn.scores.Forgetting``'s
+        key side).
+      total: ``[B,N]`` float32: the same sum up to the last token stored, where
+        the next tokens' sums continue from.
+    """
+
+    c: jax.Array
+    total: jax.Array
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("k", "v", "c")
+
+
+@struct.dataclass
 class LatentCache(SlotCache):
     """What one MLA layer keeps (plus ``SlotCache``'s pos, pinned, ring).
 

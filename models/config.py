@@ -63,6 +63,13 @@ LINEAR_FIELDS = (
 )
 LATENT_FIELDS = ("kv_rank", "q_rank", "rope_head_dim", "nope_head_dim", "v_head_dim")
 
+# A softmax layer's score modifiers (``attn.scores``): ALiBi's fixed slopes, T5's
+# learned bucket table, the Forgetting Transformer's per-head forget gates.
+SCORES = ("alibi", "t5", "forgetting")
+# T5's bucketing (Raffel et al. 2020): 32 buckets, log-spaced up to 128 positions.
+T5_BUCKETS = 32
+T5_MAX_DISTANCE = 128
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerKind:
@@ -235,6 +242,14 @@ class AttentionConfig:
         without such a mesh the layer computes as ``"auto"``. ``"auto"`` itself
         turns into ring attention under a mesh whose ``"seq"`` axis has > 1 device.
       softcap: (softmax, MLA) logit soft-cap (Gemma 2), or None.
+      score: (softmax) a score modifier of the logits (``attn.scores``), or None:
+        ``"alibi"`` (ALiBi's fixed per-head slopes, Press et al. 2022),
+        ``"t5"`` (a learned bias per head and log-spaced distance bucket, T5),
+        ``"forgetting"`` (FoX, Lin et al. 2025: a per-head forget gate
+        ``sigmoid(x W_f + b_f)`` per token; the logit of key j for query i gets
+        the sum of the log gates after j up to i). Usually with ``rope=False``:
+        each is a position signal of its own. ``"forgetting"`` decodes with the
+        running sum of the gates in its cache and cannot run sequence-parallel.
       sink_logits: (softmax, MLA) a learned per-head logit joins each softmax
         denominator (gpt-oss).
       feature_map: (linear) a name in ``attn.linear.FEATURE_MAPS``.
@@ -268,6 +283,7 @@ class AttentionConfig:
     global_tokens: tuple[int, ...] = ()
     impl: str = "auto"
     softcap: float | None = None
+    score: str | None = None
     sink_logits: bool = False
     feature_map: str = "elu1"
     form: str = "chunkwise"
@@ -360,6 +376,11 @@ class AttentionConfig:
                 repr(self.impl),
             )
         _positive_float(self.softcap, "softcap", allow_none=True)
+        if self.score is not None and self.score not in SCORES:
+            fail("score", f"one of {SCORES} or None", repr(self.score))
+        if self.score == "forgetting" and self.impl == "ring":
+            why = "FoX's running sum of gates runs in array order, which the ring's layout permutes"
+            fail("impl", f"not 'ring' with score='forgetting' ({why})", repr(self.impl))
         if not isinstance(self.sink_logits, bool):
             fail("sink_logits", "a bool", repr(self.sink_logits))
 

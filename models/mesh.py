@@ -92,16 +92,20 @@ def explicit_spec(x) -> PartitionSpec | None:
     return sharding.spec
 
 
+# Per-head arrays a sharded call takes whole: sink logits, ALiBi slopes, T5's table.
+REPLICATED = frozenset({"sink", "slopes", "table"})
+
+
 def shard_rows(fn, args: dict, split: PartitionSpec, axes: set[str]):
     """``fn(args)`` run per shard by ``jax.shard_map`` over the context mesh's ``axes``.
 
     Every array of ``args`` (``"q"`` among them) is split by ``split`` except
-    ``"sink"`` (replicated), and so is the output. Under Explicit axes the
-    arrays are resharded to those specs first (a ``shard_map`` takes its inputs
-    as they are typed) and the output back to q's sharding; Auto axes are laid
-    out by XLA.
+    those named in ``REPLICATED`` (per-head parameters), and so is the output.
+    Under Explicit axes the arrays are resharded to those specs first (a
+    ``shard_map`` takes its inputs as they are typed) and the output back to
+    q's sharding; Auto axes are laid out by XLA.
     """
-    specs = {name: PartitionSpec() if name == "sink" else split for name in args}
+    specs = {name: PartitionSpec() if name in REPLICATED else split for name in args}
     given = explicit_spec(args["q"])
     if given is not None:
         args = {name: jax.sharding.reshard(x, specs[name]) for name, x in args.items()}

@@ -151,6 +151,21 @@ _builtin(
         global_tokens=tuple(s.global_positions),
     ),
 )
+_builtin(
+    "alibi",
+    "softmax with ALiBi's fixed per-head slopes instead of RoPE (Press et al. 2022)",
+    lambda s: s.base(rope=False, score="alibi"),
+)
+_builtin(
+    "t5",
+    "softmax with T5's learned relative-position buckets instead of RoPE",
+    lambda s: s.base(rope=False, score="t5"),
+)
+_builtin(
+    "fox",
+    "the Forgetting Transformer: softmax with per-head forget gates, no RoPE (Lin et al. 2025)",
+    lambda s: s.base(rope=False, score="forgetting"),
+)
 _builtin("linear", "linear, elu+1", lambda s: s.linear())
 _builtin("linear_decay", "linear, RetNet decay", lambda s: s.linear(decay="retnet"))
 _builtin("linear_gated", "linear, data-dependent gates", lambda s: s.linear(gating=True))

@@ -32,17 +32,39 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 import attn
-from attn import ring
+from attn import ring, scores
 from attn.errors import fail
-from models.cache import EMPTY, CrossCache, KVCache
-from models.config import MASK_FIELDS, AttentionConfig, register_kind
-from models.heads import Heads, cached_impl, step_positions
+from models.cache import EMPTY, CrossCache, ForgetCache, KVCache
+from models.config import MASK_FIELDS, T5_BUCKETS, T5_MAX_DISTANCE, AttentionConfig, register_kind
+from models.heads import Buffer, Heads, cached_impl, dense, step_positions
 from models.mesh import SEQ_AXIS, batch_axes, seq_devices, shard_rows
+
+# FoX's forget-gate bias at initialization: sigmoid(4) = 0.98 per token, so the
+# decay starts mild (a gate's product halves over ~35 tokens) and the layer
+# starts close to plain softmax attention; training moves it per head.
+FORGET_BIAS_INIT = 4.0
+
+
+def _score_mod(args: dict, *, bidirectional: bool):
+    """The layer's modifier from its arrays in ``args`` (``Softmax._score_args``), or None."""
+    if "slopes" in args:
+        return scores.alibi(args["slopes"])
+    if "table" in args:
+        return scores.relative_bias(
+            args["table"],
+            num_buckets=T5_BUCKETS,
+            max_distance=T5_MAX_DISTANCE,
+            bidirectional=bidirectional,
+        )
+    if "log_forget" in args:
+        return scores.forgetting(args["log_forget"])
+    return None
 
 
 def _plain_impl(impl: str) -> str:
@@ -59,6 +81,41 @@ class Softmax(Heads):
             nnx.Param(jnp.zeros((cfg.num_heads,), param_dtype)) if cfg.sink_logits else None
         )
 
+    def _init_score(self, width: int, *, dtype, param_dtype, rngs):
+        """The modifier's arrays: ALiBi's fixed slopes, T5's table, FoX's gate projection."""
+        cfg, N = self.cfg, self.cfg.num_heads
+        score = getattr(cfg, "score", None)
+        slopes = jnp.asarray(scores.alibi_slopes(N))
+        self.alibi_slopes = Buffer(slopes) if score == "alibi" else None
+        # T5 learns its table; a small random start makes every bucket differ.
+        self.t5_table = (
+            nnx.Param(0.1 * jax.random.normal(rngs.params(), (N, T5_BUCKETS), param_dtype))
+            if score == "t5"
+            else None
+        )
+        self.forget_proj = (
+            dense(
+                width, N, dtype=dtype, param_dtype=param_dtype, rngs=rngs, use_bias=True,
+                bias_init=nnx.initializers.constant(FORGET_BIAS_INIT),
+            )
+            if score == "forgetting"
+            else None
+        )  # fmt: skip
+
+    def _score_args(self, x) -> dict:
+        """The modifier's arrays for a call on ``x [B,T,D]``: slopes, table or log gates."""
+        if self.alibi_slopes is not None:
+            return {"slopes": self.alibi_slopes[...]}
+        if self.t5_table is not None:
+            return {"table": self.t5_table[...]}
+        if self.forget_proj is not None:
+            return {"log_forget": self._log_forget(x)}
+        return {}
+
+    def _log_forget(self, x):
+        """FoX's per-token log forget gates ``[B,T,N]`` float32 (each < 0)."""
+        return jax.nn.log_sigmoid(self.forget_proj(x).astype(jnp.float32))
+
     def _softmax(self, fn, *args, impl: str, tap: bool = False, **kwargs):
         """``fn(*args, ...)`` (``attn.attention`` or ``attn.latent_attention``) with this
         layer's mask, soft-cap and learned sink logits; returns ``out [B,T,N,E]``.
@@ -68,6 +125,8 @@ class Softmax(Heads):
         it (every implementation computes the same function).
         """
         kwargs["mask"] = self.cfg.mask(self.causal)
+        if kwargs.get("score_mod") is None:
+            kwargs.pop("score_mod", None)
         if self.cfg.softcap is not None:
             kwargs["softcap"] = self.cfg.softcap
         if self.sink_logits is not None:
@@ -108,7 +167,10 @@ class Softmax(Heads):
 
 
 @register_kind(
-    "softmax", fields=(*MASK_FIELDS, "rotary_dim"), family="softmax", sequence_parallel=True
+    "softmax",
+    fields=(*MASK_FIELDS, "rotary_dim", "score"),
+    family="softmax",
+    sequence_parallel=True,
 )
 class SelfAttention(Softmax):
     """Softmax self-attention: MHA (K == N), GQA (1 < K < N), MQA (K == 1), any mask.
@@ -120,6 +182,7 @@ class SelfAttention(Softmax):
     def __init__(self, cfg: AttentionConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
         self._init_softmax(cfg, causal=causal, dtype=dtype, param_dtype=param_dtype)
         self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_score(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, positions=None, segment_ids=None):
         """Self-attention over the whole sequence.
@@ -134,23 +197,31 @@ class SelfAttention(Softmax):
           ``y [B,T,D]``.
         """
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if positions is None else positions)
+        score_args = self._score_args(x)
         if self._on_ring(x.shape[1]):
-            return self._output(self._ring(q, k, v, positions, segment_ids))
+            return self._output(self._ring(q, k, v, positions, segment_ids, score_args))
         impl = _plain_impl(self.cfg.impl)
         axes = () if self.sow_weights else batch_axes(x.shape[0])
         if not axes:
             kwargs = self._full_kwargs(positions, segment_ids)
-            out = self._softmax(attn.attention, q, k, v, impl=impl, tap=True, **kwargs)
+            mod = _score_mod(score_args, bidirectional=not self.causal)
+            out = self._softmax(
+                attn.attention, q, k, v, impl=impl, tap=True, score_mod=mod, **kwargs
+            )
             return self._output(out)
         local = functools.partial(
-            _attention_shard, mask=self.cfg.mask(self.causal), softcap=self.cfg.softcap, impl=impl
+            _attention_shard,
+            mask=self.cfg.mask(self.causal),
+            softcap=self.cfg.softcap,
+            impl=impl,
+            bidirectional=not self.causal,
         )
-        args = self._shard_args(q, k, v, positions, segment_ids)
+        args = self._shard_args(q, k, v, positions, segment_ids, score_args)
         return self._output(shard_rows(local, args, PartitionSpec(axes), set(axes)))
 
-    def _shard_args(self, q, k, v, positions, segment_ids) -> dict:
-        """The arrays of a call run per shard: q, k, v; pos, seg and sink where given."""
-        args = {"q": q, "k": k, "v": v}
+    def _shard_args(self, q, k, v, positions, segment_ids, score_args) -> dict:
+        """The arrays of a call run per shard: q, k, v; pos, seg, sink and the modifier's."""
+        args = {"q": q, "k": k, "v": v, **score_args}
         if positions is not None:
             args["pos"] = jnp.broadcast_to(positions, q.shape[:2])
         if segment_ids is not None:
@@ -169,6 +240,8 @@ class SelfAttention(Softmax):
         impl, devices = self.cfg.impl, seq_devices()
         if self.sow_weights or impl not in ("auto", "ring") or devices is None:
             return False  # (the weights tap needs the dense weights [B,N,T,S])
+        if self.cfg.score == "forgetting":  # its gate sums run in array order (config refuses ring)
+            return False
         if impl == "auto":
             return devices > 1 and T % devices == 0
         if T % devices:
@@ -180,7 +253,7 @@ class SelfAttention(Softmax):
             )
         return True
 
-    def _ring(self, q, k, v, positions, segment_ids):
+    def _ring(self, q, k, v, positions, segment_ids, score_args):
         """``out [B,T,N,H]``: ring attention with T split over the context mesh's "seq" axis.
 
         Args:
@@ -192,7 +265,7 @@ class SelfAttention(Softmax):
         devices = seq_devices()
         if positions is None:
             positions = jnp.arange(T, dtype=jnp.int32)
-        args = self._shard_args(q, k, v, positions, segment_ids)
+        args = self._shard_args(q, k, v, positions, segment_ids, score_args)
         # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
         shard = T // devices
         layout = "zigzag" if shard % 2 == 0 else "contiguous"
@@ -203,15 +276,21 @@ class SelfAttention(Softmax):
             softcap=self.cfg.softcap,
             block_q=block_q,
             block_k=block_k,
+            bidirectional=not self.causal,
         )
         axes = batch_axes(B)
         return shard_rows(local, args, PartitionSpec(axes or None, SEQ_AXIS), {SEQ_AXIS, *axes})
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        """Empty ``KVCache``: k, v ``[B,S,K,H]`` with S from ``cfg.cache_layout(max_len)``."""
+        """Empty ``KVCache``: k, v ``[B,S,K,H]`` with S from ``cfg.cache_layout(max_len)``
+        (a ``ForgetCache`` for FoX, which also keeps its gates' running sums)."""
         cfg = self.cfg
         S, fields = self._slots(batch, max_len)
         zeros = functools.partial(jnp.zeros, (batch, S, cfg.kv_heads, cfg.head_dim), self.dtype)
+        if self.forget_proj is not None:
+            N = cfg.num_heads
+            sums = jnp.zeros((batch, S, N), jnp.float32), jnp.zeros((batch, N), jnp.float32)
+            return ForgetCache(zeros(), zeros(), *sums, **fields)
         return KVCache(zeros(), zeros(), **fields)
 
     def extend(self, x, cache: KVCache, start, lengths=None):
@@ -226,18 +305,40 @@ class SelfAttention(Softmax):
         """
         positions = step_positions(start, x.shape[1])
         q, k, v = self._qkv(x, positions)
-        (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
+        if isinstance(cache, ForgetCache):
+            (keys, values), kv_pos, cache, mod = self._extend_forget(x, k, v, cache, start, lengths)
+        else:
+            (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
+            mod = _score_mod(self._score_args(x), bidirectional=not self.causal)
         kwargs = self._cached_kwargs(positions, kv_pos)
-        out = self._softmax(
-            attn.attention, q, keys, values, impl=cached_impl(_plain_impl(self.cfg.impl)), **kwargs
-        )
+        impl = cached_impl(_plain_impl(self.cfg.impl))
+        out = self._softmax(attn.attention, q, keys, values, impl=impl, score_mod=mod, **kwargs)
         return self._output(out), cache
 
+    def _extend_forget(self, x, k, v, cache: ForgetCache, start, lengths):
+        """Stores FoX's new keys with their gate sums; returns them and the call's modifier.
 
-def _attention_shard(args: dict, *, mask, softcap, impl: str):
-    """One device's ``attn.attention`` on its rows of ``args`` (q, k, v; pos, seg, sink)."""
+        The new tokens' sums continue the row's total; tokens past ``lengths``
+        (not stored) add no gate, so the total stays that of the stored tokens.
+        """
+        T = x.shape[1]
+        log_f = self._log_forget(x)
+        if lengths is not None:
+            log_f = jnp.where(jnp.arange(T)[None, :, None] < lengths[:, None, None], log_f, 0.0)
+        c = cache.total[:, None] + jnp.cumsum(log_f, axis=1)  # [B,T,N]
+        (keys, values, c_kv), kv_pos, cache = cache.extend((k, v, c), start, lengths)
+        cache = cache.replace(total=c[:, -1])
+        return (keys, values), kv_pos, cache, scores.Forgetting(c, c_kv)
+
+
+def _attention_shard(args: dict, *, mask, softcap, impl: str, bidirectional: bool):
+    """One device's ``attn.attention`` on its rows of ``args`` (q, k, v; pos, seg, sink,
+    the modifier's arrays)."""
     pos, seg = args.get("pos"), args.get("seg")
     kwargs = {} if pos is None else dict(q_positions=pos, kv_positions=pos)
+    mod = _score_mod(args, bidirectional=bidirectional)
+    if mod is not None:
+        kwargs["score_mod"] = mod
     if seg is not None:
         kwargs.update(q_segment_ids=seg, kv_segment_ids=seg)
     if softcap is not None:
@@ -247,8 +348,9 @@ def _attention_shard(args: dict, *, mask, softcap, impl: str):
     return attn.attention(args["q"], args["k"], args["v"], mask=mask, impl=impl, **kwargs)
 
 
-def _ring_shard(args: dict, *, mask, softcap, block_q: int, block_k: int):
-    """One device's ``attn.ring_attention`` on its shard of ``args`` (q, k, v, pos; seg, sink)."""
+def _ring_shard(args: dict, *, mask, softcap, block_q: int, block_k: int, bidirectional: bool):
+    """One device's ``attn.ring_attention`` on its shard of ``args`` (q, k, v, pos; seg, sink,
+    ALiBi's or T5's arrays)."""
     return attn.ring_attention(
         args["q"],
         args["k"],
@@ -260,6 +362,7 @@ def _ring_shard(args: dict, *, mask, softcap, block_q: int, block_k: int):
         q_segment_ids=args.get("seg"),
         kv_segment_ids=args.get("seg"),
         softcap=softcap,
+        score_mod=_score_mod(args, bidirectional=bidirectional),
         sink_logits=args.get("sink"),
         block_q=block_q,
         block_k=block_k,
@@ -275,6 +378,9 @@ class CrossAttention(Softmax):
     """
 
     def __init__(self, cfg: AttentionConfig, width: int, *, dtype, param_dtype, rngs):
+        if cfg.score is not None:
+            why = "positions of two sequences are not comparable"
+            fail("cross.score", f"None for cross-attention ({why})", repr(cfg.score))
         self._init_softmax(cfg, causal=False, dtype=dtype, param_dtype=param_dtype)
         self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 

@@ -242,6 +242,7 @@ def check_sequence_parallel(model, name: str = "model") -> None:
       permutes; ``"mla"``: no ring implementation (the registry says why);
     - ``short_conv > 0``: each token mixes its array neighbours, which the layout
       separates (and the shard boundaries cut);
+    - ``score="forgetting"`` (FoX): its forget gates are summed in array order;
     - layers with an explicit ``impl`` other than ``"auto"``/``"ring"``:
       those kernels would gather the whole sequence on every device.
 
@@ -265,6 +266,12 @@ def check_sequence_parallel(model, name: str = "model") -> None:
                     f"{where}.short_conv: expected 0 under a mesh with seq > 1, got "
                     f"{layer.short_conv} (a short convolution mixes array neighbours, which the "
                     "sequence-parallel layout separates across devices)"
+                )
+            if getattr(layer, "score", None) == "forgetting":
+                raise ValueError(
+                    f"{where}.score: expected not 'forgetting' under a mesh with seq > 1 (FoX "
+                    "sums its forget gates in array order, which the sequence-parallel layout "
+                    "permutes)"
                 )
             if layer.impl not in ("auto", "ring"):
                 raise ValueError(

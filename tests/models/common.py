@@ -53,6 +53,15 @@ REGISTRY["gated_deltanet_grouped"] = dataclasses.replace(
 REGISTRY["kda_recurrent_conv"] = dataclasses.replace(
     REGISTRY["kda"], form="recurrent", short_conv=3
 )
+# Score modifiers: FoX over a window's ring buffer (its gate sums are cache payload),
+# T5 buckets with GQA, ALiBi with a soft-cap (applied first).
+REGISTRY["fox_window"] = dataclasses.replace(REGISTRY["fox"], window=4)
+REGISTRY["t5_gqa"] = dataclasses.replace(REGISTRY["t5"], num_kv_heads=2)
+REGISTRY["alibi_softcap"] = dataclasses.replace(REGISTRY["alibi"], softcap=20.0)
+# Differential attention with GQA over a window's ring buffer, at the first layer's lambda_init.
+REGISTRY["diff_window_gqa"] = dataclasses.replace(
+    REGISTRY["diff"], window=4, num_kv_heads=2, lambda_init=models.depth_lambda_init(1)
+)
 
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
@@ -69,6 +78,8 @@ KINDS = {
     "blockwise": ("streaming_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
     "delta": ("deltanet", "kda_recurrent_conv"),
     "delta_hybrid": ("gated_deltanet", "gated_deltanet_grouped", "mha"),
+    "scores": ("alibi_softcap", "fox_window", "t5_gqa"),
+    "diff": ("diff", "diff_window_gqa"),
 }
 
 

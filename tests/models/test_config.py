@@ -212,3 +212,19 @@ def test_cached_calls_leave_kernels_that_need_static_positions_to_auto():
         "blockwise",
         "pallas",
     ]
+
+
+def test_score_modifiers_are_a_softmax_field_checked_by_name():
+    assert AttentionConfig(score="alibi").score == "alibi"
+    assert models.PRESETS["fox"].score == "forgetting" and not models.PRESETS["fox"].rope
+    with pytest.raises(ValueError, match=r"^score: expected one of \('alibi', 't5', 'forgetting'"):
+        AttentionConfig(score="rope")
+    with pytest.raises(ValueError, match=r"^impl: expected not 'ring' with score='forgetting'"):
+        AttentionConfig(score="forgetting", impl="ring")
+    with pytest.raises(ValueError, match=r"^score: expected None for kind='mla'"):
+        dataclasses.replace(models.PRESETS["mla"], score="alibi")
+    with pytest.raises(ValueError, match=r"^cross\.score: expected None for cross-attention"):
+        models.CrossAttention(
+            AttentionConfig(score="t5"), 16, dtype=np.float32, param_dtype=np.float32,
+            rngs=nnx.Rngs(0),
+        )  # fmt: skip

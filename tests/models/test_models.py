@@ -189,6 +189,8 @@ PACKED = [
     ("hybrid", KINDS["hybrid"]),  # short convs; streaming: absolute initial tokens
     ("delta", KINDS["delta"]),
     ("delta_hybrid", KINDS["delta_hybrid"]),
+    ("scores", KINDS["scores"]),
+    ("diff", KINDS["diff"]),
 ]
 
 

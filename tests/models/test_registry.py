@@ -53,7 +53,7 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 
 
 def test_builtin_kinds_are_registered_like_any_other():
-    assert sorted(models.KINDS) == ["delta", "linear", "mla", "softmax"]
+    assert sorted(models.KINDS) == ["delta", "diff", "linear", "mla", "softmax"]
     assert models.KINDS["delta"].config is models.DeltaConfig
     assert models.KINDS["delta"].family == "linear"
     assert models.KINDS["softmax"].module is models.SelfAttention

@@ -146,6 +146,9 @@ def case_bad_meshes(root):
         "model.layers[0].impl:": config(
             model=dataclasses.replace(config().model, layers=(dense,)), **seq
         ),
+        "model.layers[0].score:": config(
+            model=dataclasses.replace(config().model, layers=(layers["fox"],)), **seq
+        ),
     }
     errors = {}
     for i, (field, cfg) in enumerate(runs.items()):
