@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from attn import masks, scores
+from attn.errors import fail
 from attn.softmax.call import MASKED
 from attn.softmax.schedule import BlockSpec, Schedule
 
@@ -138,8 +139,8 @@ def head_view(ref, *index):
     rest = ref.shape[len(index) + 1 :]
     if not rest:
         return ref[(*index, slice(None))]
-    if len(rest) > 1:
-        raise NotImplementedError("head leaves with more than one trailing axis")
+    if len(rest) > 1:  # no modifier of attn.scores has one; a user's might
+        fail("score_mod", "head leaves [N] or [N, entries] for impl='pallas'", f"[N, {rest}]")
     return scores.Entries(ref[(*index, 0, b)] for b in range(rest[0]))
 
 
