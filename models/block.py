@@ -12,7 +12,7 @@ import attn
 from attn import masks
 from models.cache import CrossCache
 from models.config import KINDS, AttentionConfig, ModelConfig
-from models.heads import dense
+from models.heads import dense, fused
 from models.softmax import CrossAttention
 
 
@@ -27,7 +27,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         """``[B,T,D] -> [B,T,D]``."""
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate, up = fused(x, self.gate, self.up)
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class ShortConv(nnx.Module):

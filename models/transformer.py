@@ -33,6 +33,7 @@ from models import inputs
 from models.block import Block
 from models.cache import DecodeCache, cache_overflow
 from models.config import AttentionConfig, ModelConfig
+from models.heads import Dense, rows
 from models.mesh import explicit_spec
 
 
@@ -79,7 +80,7 @@ class _LM(nnx.Module):
         self.head = (
             None
             if config.tied_embeddings
-            else nnx.Linear(
+            else Dense(
                 config.width,
                 config.vocab_size,
                 use_bias=False,
@@ -111,7 +112,11 @@ class _LM(nnx.Module):
         h = self.final_norm(x).astype(jnp.float32)
         if self.head is not None:
             return self.head(h)
-        return jnp.einsum("BTD,VD->BTV", h, self.embed.embedding[...].astype(jnp.float32))
+        table = self.embed.embedding[...].astype(jnp.float32)
+        flat = rows(h)
+        if flat is None:
+            return jnp.einsum("BTD,VD->BTV", h, table)
+        return (flat @ table.T).reshape(*h.shape[:-1], -1)
 
     def _forward(self, blocks, tokens, *, positions=None, segment_ids=None, memory=()):
         """The residual stream ``[B,T,D]`` after a stack (``memory``: one CrossCache a block)."""

@@ -282,70 +282,104 @@ def _eval_step(model, batch, gather=None):
     return jnp.stack([loss * count, correct, count])
 
 
-_jit_train_step = nnx.jit(_train_step)
 _jit_eval_step = nnx.jit(_eval_step)
 
 
-@functools.lru_cache(maxsize=8)
-def _sharded_steps(mesh):
-    """``_train_step`` and ``_eval_step`` for state laid out on ``mesh`` by ``train.sharding``.
+# Updates dispatched before the loop reads their metrics, at most (see _Run.flush).
+MAX_PENDING = 100
 
-    Under Auto axes the collectives come from the input shardings. Under
-    Explicit ones each step gathers the parameters it computes with
-    (``sharding.gather``: FSDP's all-gather, whose transpose scatters the
-    gradients back to the shards). The updated model and optimizer state are
+
+@functools.lru_cache(maxsize=16)
+def _pure_steps(mesh, graphdef, treedef):
+    """``(train, eval)``: ``_train_step`` and ``_eval_step`` jitted over the state's leaves.
+
+    ``train(leaves, batch) -> (leaves, metrics)`` and ``eval(leaves, batch) ->
+    [loss sum, correct, count]``, where ``leaves`` are the arrays of
+    ``nnx.split((model, optimizer))``'s state (``treedef`` its structure) and
+    ``graphdef`` the rest. A call costs the host one flatten of a list of
+    arrays: ``nnx.cached_partial`` also writes every variable back into the
+    modules after each call, and a static graphdef is hashed on each call;
+    either costs a small model's step on one core several milliseconds.
+
+    On a mesh (``train.sharding``'s layout): under Auto axes the collectives
+    come from the input shardings. Under Explicit ones each step gathers the
+    parameters it computes with (``sharding.gather``: FSDP's all-gather, whose
+    transpose scatters the gradients back to the shards). The updated state is
     constrained back to the rules, so the layout never drifts.
     """
-    gather = functools.partial(sharding.gather, mesh) if sharding.is_explicit(mesh) else None
+    gather = None
+    if mesh is not None and sharding.is_explicit(mesh):
+        gather = functools.partial(sharding.gather, mesh)
 
-    def train_step(model, optimizer, batch):
+    def objects(leaves):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+
+    @jax.jit
+    def train(leaves, batch):
+        model, optimizer = objects(leaves)
         out = _train_step(model, optimizer, batch, gather)
-        for obj in (model, optimizer):
-            nnx.update(obj, sharding.constrain(mesh, nnx.state(obj)))
-        return out
+        state = nnx.split((model, optimizer))[1]
+        if mesh is not None:
+            state = sharding.constrain(mesh, state)
+        return jax.tree.leaves(state), out
 
-    def eval_step(model, batch):
+    @jax.jit
+    def evaluate(leaves, batch):
+        model, _ = objects(leaves)
         return _eval_step(model, batch, gather)
 
-    return nnx.jit(train_step), nnx.jit(eval_step)
+    return train, evaluate
 
 
-def _step_fns(mesh, model: nnx.Module, optimizer: nnx.Optimizer):
-    """The run's jitted ``(train_step, eval_step)`` on host batches, bound to its state.
+class _Steps:
+    """A run's jitted train and eval steps on host batches, over its model's state.
 
-    ``nnx.cached_partial`` binds the modules once per run: it skips re-flattening
-    the object graph on every call, which costs more than a small model's step on CPU.
+    The state lives here between steps, as a list of arrays; ``sync()`` writes
+    it into the model and optimizer (before anything reads them: checkpoints,
+    the summary) and ``reload()`` takes it from them (after a restore wrote
+    into them).
     """
-    if mesh is None:
-        return (
-            nnx.cached_partial(_jit_train_step, model, optimizer),
-            nnx.cached_partial(_jit_eval_step, model),
-        )
-    train_step, eval_step = _sharded_steps(mesh)
-    return (
-        _on_mesh(mesh, nnx.cached_partial(train_step, model, optimizer)),
-        _on_mesh(mesh, nnx.cached_partial(eval_step, model)),
-    )
+
+    def __init__(self, mesh, model: nnx.Module, optimizer: nnx.Optimizer):
+        self.mesh, self.objects = mesh, (model, optimizer)
+        self.reload()
+
+    def reload(self) -> None:
+        graphdef, state = nnx.split(self.objects)
+        self.leaves, treedef = jax.tree.flatten(state)
+        self.treedef = treedef
+        self._train, self._eval = _pure_steps(self.mesh, graphdef, treedef)
+        self.synced = True
+
+    def sync(self) -> None:
+        if not self.synced:
+            nnx.update(self.objects, jax.tree.unflatten(self.treedef, self.leaves))
+            self.synced = True
+
+    def _batch(self, batch):
+        return batch if self.mesh is None else sharding.shard_batch(self.mesh, batch)
+
+    def _context(self):
+        # Models read the mesh when they trace (ring attention over "seq", models.softmax).
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+    def train(self, batch) -> dict:
+        """One update; returns its metrics (loss, accuracy, grad_norm) as device scalars."""
+        with self._context():
+            self.leaves, out = self._train(self.leaves, self._batch(batch))
+        self.synced = False
+        return out
+
+    def eval(self, batch):
+        """``[loss sum, correct, count]`` of the current state on ``batch``."""
+        with self._context():
+            return self._eval(self.leaves, self._batch(batch))
 
 
 def _place(mesh, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
     """Moves the model and optimizer state onto ``mesh`` with ``train.sharding``'s rules."""
     for obj in (model, optimizer):
         nnx.update(obj, sharding.place(mesh, nnx.state(obj)))
-
-
-def _on_mesh(mesh, step_fn):
-    """``step_fn`` taking host batches, which it splits over ``mesh`` first.
-
-    It runs under ``jax.set_mesh(mesh)``: the models read the mesh from there
-    when they trace (ring attention over its ``seq`` axis, ``models.softmax``).
-    """
-
-    def run(batch):
-        with jax.set_mesh(mesh):
-            return step_fn(sharding.shard_batch(mesh, batch))
-
-    return run
 
 
 def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None) -> dict:
@@ -587,6 +621,7 @@ def _train(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin):
     finally:
         bar.close()
         run.ckpt.close()
+    run.steps.sync()
     return _summary(workdir, config, run.model, end, run.tokens_per_s(), run.wall(), reached)
 
 
@@ -617,13 +652,16 @@ class _Run:
         self.model, self.optimizer = init_state(config, self.task.vocab_size, model_fn)
         if mesh is not None:  # the restore target then carries the mesh's shardings
             _place(mesh, self.model, self.optimizer)
-        self.train_step, self.eval_step = _step_fns(mesh, self.model, self.optimizer)
+        self.steps = _Steps(mesh, self.model, self.optimizer)
         # One compile, not one per op.
         self.schedule = jax.jit(make_schedule(config.optim, config.steps))
         self.ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
         self.saving = False
         self.totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
         self.window: list[tuple[float, float]] = []
+        self.pending: list[dict] = []  # device metrics of the updates not yet read
+        self.span: float | None = None  # when the training time being counted began
+        self.gnorm = math.nan  # the gradient norm of the last update read
 
     def resume(self, extended_from: int | None) -> int:
         """Restores the newest checkpoint that verifies, if any; returns its step (0 without).
@@ -640,6 +678,7 @@ class _Run:
             return 0
         _, tree, meta = found
         start = load_state(self.model, self.optimizer, tree)
+        self.steps.reload()
         self.totals.update(meta["totals"])
         self.window = [tuple(x) for x in meta["window"]]
         note = ""
@@ -678,6 +717,7 @@ class _Run:
         log.flush()
         meta = {"totals": {**self.totals, "wall_s": self.wall()}, "window": self.window}
         self.saving = True
+        self.steps.sync()
         try:
             self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)  # verifiable
         finally:
@@ -687,20 +727,52 @@ class _Run:
         """Whether a checkpoint is being written (here or in the background)."""
         return self.saving or self.ckpt.saving()
 
-    def step(self, batch, first: bool, prefetch):
-        """One update on ``batch``; times it unless ``first`` (which includes compilation).
+    def step(self, batch, done: int) -> None:
+        """Dispatches update ``done + 1`` on ``batch`` without waiting for it (see ``flush``).
 
-        ``prefetch()`` builds the next batch while the step runs (dispatch is
-        asynchronous). Returns ``((loss, accuracy, grad_norm), its result)``.
+        The first of a session includes compilation: it is read at once, untimed.
         """
-        t0 = time.perf_counter()
-        out = self.train_step(batch)
-        following = prefetch()
-        metrics = tuple(float(out[k]) for k in ("loss", "accuracy", "grad_norm"))
-        if not first:
-            self.totals["train_s"] += time.perf_counter() - t0
-            self.totals["train_tokens"] += self.config.batch_size * self.config.task.seq_len
-        return metrics, following
+        self.pending.append(self.steps.train(batch))
+        if self.span is None:
+            self.flush(done + 1)
+            self.resume_timing()
+
+    def flush(self, done: int) -> float:
+        """Reads the metrics of the updates dispatched since the last flush, up to ``done``.
+
+        Waiting on every step would cost a small model's step on one core a
+        fifth of its time (the host and XLA's thread take turns instead of
+        overlapping), so the loop reads them in one transfer at each record,
+        evaluation, checkpoint or stop. Their time counts as training time.
+
+        Returns:
+          the last update's gradient norm.
+
+        Raises:
+          NonFiniteLossError: one of them had a non-finite loss or gradient norm,
+            naming the first (nothing is saved).
+        """
+        metrics = jax.device_get(self.pending)
+        first = done - len(metrics) + 1
+        now = time.perf_counter()
+        if self.span is not None:  # (None: the session's first step, which compiled)
+            self.totals["train_s"] += now - self.span
+            self.totals["train_tokens"] += (
+                len(metrics) * self.config.batch_size * self.config.task.seq_len
+            )
+        self.pending.clear()
+        for i, out in enumerate(metrics):
+            loss, acc, gnorm = (float(out[k]) for k in ("loss", "accuracy", "grad_norm"))
+            if not (math.isfinite(loss) and math.isfinite(gnorm)):
+                self.ckpt.wait()
+                raise NonFiniteLossError(first + i, loss, gnorm, self.ckpt.latest_step())
+            self.window.append((loss, acc))
+            self.gnorm = gnorm
+        return self.gnorm
+
+    def resume_timing(self) -> None:
+        """Training time counts again from here (after an evaluation, a save or a flush)."""
+        self.span = time.perf_counter()
 
     def train_record(self, done: int, gnorm: float) -> dict[str, Any]:
         """The mean of the steps since the last record, as a ``metrics.jsonl`` record."""
@@ -721,7 +793,7 @@ class _Run:
         return {
             "step": done,
             "kind": "eval",
-            **evaluate(self.model, self.task, self.config, step_fn=self.eval_step),
+            **evaluate(self.model, self.task, self.config, step_fn=self.steps.eval),
         }
 
 
@@ -738,23 +810,27 @@ def _run_steps(run: _Run, start: int, end: int, log, stop, bar) -> tuple[int, in
     config, done, reached = run.config, start, False
 
     def batch_at(step: int):
-        return run.task.batch(config.seed, "train", step, config.batch_size) if step < end else None
+        return run.task.batch(config.seed, "train", step, config.batch_size)
 
-    batch = batch_at(start)
     for step in range(start, end):
         if stop.now:  # Ctrl-C twice during a write: stop once it is done, saving nothing new
             break
         if stop.requested:  # Ctrl-C: stop between steps, with a checkpoint of the last
+            if run.pending:
+                run.flush(done)
             if run.ckpt.latest_step() != done:
                 run.save(done, log)
             break
-        (loss, acc, gnorm), batch = run.step(batch, step == start, lambda s=step: batch_at(s + 1))
+        run.step(batch_at(step), done)
         done = step + 1
-        if not (math.isfinite(loss) and math.isfinite(gnorm)):
-            run.ckpt.wait()
-            raise NonFiniteLossError(done, loss, gnorm, run.ckpt.latest_step())
-        run.window.append((loss, acc))
-        if done % config.log_every == 0 or done == config.steps:
+        bar.update(1)
+        record_now = done % config.log_every == 0 or done == config.steps
+        eval_now = done % config.eval_every == 0 or done == config.steps
+        save_now = done % config.ckpt_every == 0 or done == end
+        if not (record_now or eval_now or save_now or len(run.pending) >= MAX_PENDING):
+            continue
+        gnorm = run.flush(done)
+        if record_now:
             record = run.train_record(done, gnorm)
             log.write(json.dumps(record) + "\n")
             bar.set_postfix(
@@ -762,15 +838,17 @@ def _run_steps(run: _Run, start: int, end: int, log, stop, bar) -> tuple[int, in
                 acc=f"{record['accuracy']:.3f}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
             )
-        bar.update(1)
-        if done % config.eval_every == 0 or done == config.steps:
+        if eval_now:
             record = run.eval_record(done)
             log.write(json.dumps(record) + "\n")
             reached = _reached_target([record], done, config.target_accuracy)
-        if done % config.ckpt_every == 0 or done == end or reached:
+        if save_now or reached:
             run.save(done, log)
         if reached:
             return done, done, True
+        run.resume_timing()
+    if run.pending:  # stopped by a second Ctrl-C: read what ran, save nothing
+        run.flush(done)
     return done, end, reached
 
 

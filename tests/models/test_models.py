@@ -321,3 +321,33 @@ def test_untied_head_and_bf16():
     # ~20 roundings in two layers. The lower bound checks that it computes in bf16.
     err = rel_err(logits, forward(f32, tokens(42, (B, 6))))
     assert 1e-3 < err <= 1.5e-2
+
+
+def test_projections_on_rows_and_fused_equal_nnx_linear():
+    # Dense computes on [B*T, D] rows and fused() concatenates kernels: both are the
+    # same maps as nnx.Linear on [B,T,D], value and gradient (float64 reference).
+    from models.heads import Dense, fused
+
+    rngs = nnx.Rngs(0)
+    layers = [Dense(8, n, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs, use_bias=False)
+              for n in (8, 4, 4)]  # fmt: skip
+    x = normal(1, (2, 5, 8))
+
+    def reference(kernels, x):
+        x = np.asarray(x, np.float64)
+        return [np.einsum("btd,df->btf", x, np.asarray(k, np.float64)) for k in kernels]
+
+    kernels = [layer.kernel[...] for layer in layers]
+    want = reference(kernels, x)
+    for got in (tuple(layer(x) for layer in layers), fused(x, *layers)):
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape and rel_err(g, w) < 1e-6
+
+    def loss(stack):
+        return sum(jnp.sum(jnp.sin(y)) for y in fused(x, *stack))
+
+    grads = nnx.grad(loss)(nnx.List(layers))
+    x64 = np.asarray(x, np.float64)
+    for k, g in zip(kernels, (grads[i]["kernel"][...] for i in range(3)), strict=True):
+        y = np.einsum("btd,df->btf", x64, np.asarray(k, np.float64))
+        assert rel_err(g, np.einsum("btd,btf->df", x64, np.cos(y))) < 1e-5

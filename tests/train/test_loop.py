@@ -158,6 +158,30 @@ def test_non_finite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
     assert all(r["step"] < bad for r in read_metrics(tmp_path))
 
 
+def test_non_finite_loss_is_found_at_its_step_between_reads(tmp_path):
+    # The loop reads the metrics every log_every steps; the error still names the
+    # first bad step, and the checkpoint kept is the last one before it. (At this
+    # learning rate the tiny model's loss overflows at step 8.)
+    def run(every, workdir):
+        config = dataclasses.replace(
+            get_config(),
+            optim=OptimConfig(lr=300.0, warmup_fraction=0.0),
+            ckpt_every=every,
+            log_every=every,
+            eval_every=every,
+        )
+        with pytest.raises(NonFiniteLossError) as info:
+            train(config, workdir, progress=False)
+        return info.value
+
+    each, sparse = run(1, tmp_path / "each"), run(3, tmp_path / "sparse")
+    assert each.step > 3  # the bad step lies past a checkpoint of the sparse run
+    assert sparse.step == each.step
+    kept = (each.step - 1) // 3 * 3
+    assert sparse.last_checkpoint == kept
+    assert all(r["step"] <= kept for r in read_metrics(tmp_path / "sparse"))
+
+
 def _cli(workdir, *extra):
     return [
         sys.executable,
