@@ -1,18 +1,18 @@
 """``python -m analysis.claims``: every claim the project reproduces, one measured row each.
 
-    python -m analysis.claims                  # fast checks (1-9) + committed results (10-14)
+    python -m analysis.claims                  # fast checks (1-9) + committed results (10-15)
     python -m analysis.claims --run            # also runs the comparison and the experiments
     python -m analysis.claims --only 1,5,10    # some rows only
 
 Claims 1 to 9 are fast checks computed here with ``attn`` and ``models``
 (``analysis.claim_checks``; under a minute on 2 CPU cores). Claim 10 reads the
 main comparison's ``compare_mqar/results.json`` (``python -m train.compare``);
-claims 11 to 14 read the experiments' ``<name>/results.json``
+claims 11 to 15 read the experiments' ``<name>/results.json``
 (``analysis.experiments``), each of which states its own measured value,
 criterion and verdict. Without ``--run`` those files are read from
 ``--results`` (default: the committed ``docs/results/``); a file that is not
 there gives a row "not run (use --run)", never a made-up value. With ``--run``
-claim 10 runs ``python -m train.compare --quick`` and claims 11 to 14 run each
+claim 10 runs ``python -m train.compare --quick`` and claims 11 to 15 run each
 experiment with its full config, all into ``--out``, and the rows read what
 they wrote.
 
@@ -22,7 +22,8 @@ exit code is 0 whether or not each claim holds (the table is a report); it is
 is malformed, a run failed), with the traceback on stderr.
 
 The fast checks take about 15 s on 2 CPU cores, and ``--run`` about 17.5
-minutes; the measured runtimes are in docs/results/README.md.
+minutes for claims 10 to 14 plus the recall frontier's 45 (claim 15, its cpu
+scale); the measured runtimes are in docs/results/README.md.
 """
 
 from __future__ import annotations
@@ -86,15 +87,18 @@ CLAIMS: dict[int, str] = {
     "stable past the training length, a plain window does not",
     13: "Many heads can be pruned with little loss",
     14: "Window layers interleaved with global layers keep long-range paths",
+    15: "What a fixed state buys in recall: the delta rule reaches attention's MQAR accuracy "
+    "at a state where linear attention stays near chance (Zoology's recall-memory frontier)",
 }
 
-# Claims 11-14: the experiment (module analysis.experiments.<name>, config
+# Claims 11-15: the experiment (module analysis.experiments.<name>, config
 # configs/<name>.py) whose results.json holds the row.
 EXPERIMENTS: dict[int, str] = {
     11: "induction_heads",
     12: "sinks_streaming",
     13: "head_pruning",
     14: "windows_global",
+    15: "recall_frontier",
 }
 COMPARE = "compare_mqar"  # the main job's results folder (python -m train.compare)
 COMPARE_QUICK = "compare_mqar_quick"  # what --run trains (python -m train.compare --quick)
@@ -112,7 +116,7 @@ class Row:
     """One claim's line of the table.
 
     Attributes:
-      number: the claim's number, 1 to 14.
+      number: the claim's number, 1 to 15.
       claim: the claim in a short sentence.
       measured: what was measured (or why nothing was).
       criterion: what the measurement is judged by.
@@ -300,11 +304,11 @@ def run_compare(out: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------
-# Claims 11-14: the experiments
+# Claims 11-15: the experiments
 
 
 def experiment_row(number: int, path: Path) -> Row:
-    """Claim ``number`` (11-14) from its experiment's ``results.json``.
+    """Claim ``number`` (11-15) from its experiment's ``results.json``.
 
     The file holds ``"claim": {"measured": str, "criterion": str, "holds":
     bool}`` and ``"runtime_s"``; the row shows them as they are.
@@ -376,10 +380,10 @@ def collect(
     """The rows of claims ``numbers``, in order.
 
     Args:
-      numbers: claim numbers, 1 to 14.
+      numbers: claim numbers, 1 to 15.
       run: train the comparison and run the experiments (into ``out``) first,
         and read their results from ``out``; else read them from ``results``.
-      results: where the results of claims 10-14 are read without ``run``.
+      results: where the results of claims 10-15 are read without ``run``.
       out: where ``run`` writes them.
     """
     rows = []
@@ -430,7 +434,7 @@ def format_table(rows: list[Row], *, header: str = "") -> str:
     lines += [
         "",
         "Claims 1-9 are measured by `analysis.claim_checks` on every run; claim 10 reads the "
-        "main comparison (`python -m train.compare`), claims 11-14 the experiments of "
+        "main comparison (`python -m train.compare`), claims 11-15 the experiments of "
         '`analysis.experiments`, which state their own criterion and verdict. "not run": no '
         "results file yet (`python -m analysis.claims --run` produces them).",
         "",
@@ -471,8 +475,8 @@ class Args:
       run: also train the comparison (``train.compare --quick``, a few minutes)
         and run the four experiments with their full configs, into ``out``.
       out: where table.md and results.json (and, with ``run``, the runs) go.
-      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 14.
-      results: where claims 10-14 are read from without ``run`` (the committed results).
+      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 15.
+      results: where claims 10-15 are read from without ``run`` (the committed results).
     """
 
     run: bool = False
@@ -489,7 +493,7 @@ def _numbers(only: str) -> list[int]:
     except ValueError:
         numbers = []
     if not numbers or any(n not in CLAIMS for n in numbers):
-        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 14, got {only!r}")
+        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 15, got {only!r}")
     return numbers
 
 

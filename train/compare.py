@@ -111,7 +111,7 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
     }
 
 
-def _worker_init(started, plugin_names=()) -> None:
+def worker_init(started, plugin_names=()) -> None:
     """A worker process: one core of its own (the runs share the machine), cached compilation,
     and the parent's plugins imported (before any config naming what they add arrives).
 
@@ -140,7 +140,7 @@ class ComparisonInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped a comparison; the runs resume where their checkpoints are."""
 
 
-def _stop_workers(signum=None, frame=None) -> None:
+def stop_workers(signum=None, frame=None) -> None:
     """SIGINT while workers train: kill them and stop. Their runs' checkpoints are
     crash-safe (a run killed at any moment resumes bit for bit), so rerunning the
     comparison loses nothing saved. The main thread is only waiting for them here,
@@ -186,7 +186,7 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
         ]
     else:
         if interrupt.active():  # the command line: Ctrl-C stops the workers, then this process
-            signal.signal(signal.SIGINT, _stop_workers)
+            signal.signal(signal.SIGINT, stop_workers)
             # Workers killed that way leave the semaphore of the core counter registered;
             # multiprocessing's tracker (started below, with this environment) frees it,
             # and says so in a warning that would be the only noise of an interrupt.
@@ -197,7 +197,7 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
             ProcessPoolExecutor(
                 config.jobs,
                 mp_context=context,
-                initializer=_worker_init,
+                initializer=worker_init,
                 initargs=(context.Value("i", 0), plugins.loaded()),
             ) as pool,
             tqdm(total=len(specs), desc=config.name, disable=not config.progress) as bar,

@@ -7,10 +7,19 @@
   (Michel et al.).
 - ``windows_global``: window layers with a global layer in every three keep
   long-range recall that window-only layers lose (MQAR accuracy per gap).
+- ``recall_frontier``: MQAR accuracy against decode-state size for every family
+  (Zoology's recall-memory trade-off), with its own flags (``--scale``, ``--only``,
+  ``--jobs``, ``--dry-run``).
 
 Run one with ``python -m analysis.experiments.<name> [--quick] [--out DIR]``. Each
 module has ``NAME``, ``run(config, out_dir) -> dict`` and ``main(argv) -> int``;
 its config is ``configs/<name>.py`` (``get_config(quick=False)``).
 """
 
-NAMES = ("induction_heads", "sinks_streaming", "head_pruning", "windows_global")
+NAMES = (
+    "induction_heads",
+    "sinks_streaming",
+    "head_pruning",
+    "windows_global",
+    "recall_frontier",
+)

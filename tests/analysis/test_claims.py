@@ -151,8 +151,8 @@ def test_a_raising_check_is_an_error_row(monkeypatch):
 
 
 def test_missing_results_are_not_run(tmp_path):
-    rows = claims.collect([10, 11, 12, 13, 14], results=tmp_path)
-    assert [r.number for r in rows] == [10, 11, 12, 13, 14]
+    rows = claims.collect([10, 11, 12, 13, 14, 15], results=tmp_path)
+    assert [r.number for r in rows] == [10, 11, 12, 13, 14, 15]
     for r in rows:
         assert r.holds is None
         assert r.status == "not run"
@@ -163,7 +163,8 @@ def test_missing_results_are_not_run(tmp_path):
 def test_experiment_result_is_read_into_its_row(tmp_path, holds):
     for number, name in claims.EXPERIMENTS.items():
         write_json(tmp_path / name / "results.json", experiment_result(f"measured {number}", holds))
-    rows = claims.collect([11, 12, 13, 14], results=tmp_path)
+    rows = claims.collect(sorted(claims.EXPERIMENTS), results=tmp_path)
+    assert [r.number for r in rows] == [11, 12, 13, 14, 15]
     for r in rows:
         assert r.measured == f"measured {r.number}"
         assert r.criterion == "jumps within 100 steps"
@@ -287,7 +288,7 @@ def test_cli_exit_code_is_one_on_errors(tmp_path):
     assert data["rows"][0]["status"] == "error"
 
 
-@pytest.mark.parametrize("only", ["15", "0", "1,x", ","])
+@pytest.mark.parametrize("only", ["16", "0", "1,x", ","])
 def test_cli_rejects_bad_claim_numbers(tmp_path, only):
     with pytest.raises(ValueError, match="--only"):
         claims.main(["--only", only, "--out", str(tmp_path)])

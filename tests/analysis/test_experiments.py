@@ -27,6 +27,7 @@ from analysis.experiments import (
     _common,
     head_pruning,
     induction_heads,
+    recall_frontier,
     sinks_streaming,
     windows_global,
 )
@@ -43,6 +44,7 @@ MODULES = {
     "sinks_streaming": sinks_streaming,
     "head_pruning": head_pruning,
     "windows_global": windows_global,
+    "recall_frontier": recall_frontier,
 }
 
 
@@ -214,3 +216,68 @@ def test_sink_onset_is_the_smallest_model_with_a_sink():
     assert sinks_streaming.onset(rows, False) is None
     with pytest.raises(ValueError, match="sizes"):
         sinks_streaming.Size(width=30, layers=2, heads=4)
+
+
+def test_recall_frontier_quick(tmp_path, capsys):
+    # Two runs end to end through the command line (one job), then again: read back.
+    out = tmp_path / "frontier"
+    argv = ["--quick", "--jobs", "1", "--out", str(out), "--no-progress"]
+    assert recall_frontier.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    check_common(results, out, "recall_frontier")
+    assert {(p["family"], p["knob"]) for p in results["points"]} == {("mha", 16), ("linear", 16)}
+    for p in results["points"]:
+        assert 0 <= p["accuracy"] <= 1 and p["state_elements"] * 4 == p["state_bytes"]
+    mha, linear = sorted(results["points"], key=lambda p: p["family"] != "mha")
+    # 2 layers: K/V of width 16 over T = 16, or 4 heads' 16 x 16 state and normalizer;
+    # and each layer's short conv keeps its last 3 inputs.
+    assert mha["state_elements"] == 2 * (2 * 16 * 16 + 3 * 16)
+    assert linear["state_elements"] == 2 * (4 * 16 * 16 + 4 * 16 + 3 * 64)
+    summaries = {r["name"]: r["summary"] for r in results["runs"]}
+    capsys.readouterr()
+    assert recall_frontier.main(argv) == 0  # finished runs are read back, not retrained
+    again = json.loads((out / "results.json").read_text())
+    assert {r["name"]: r["summary"] for r in again["runs"]} == summaries
+
+
+def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
+    result = recall_frontier.dry_run(recall_frontier.SCALES["zoology"])
+    scale = recall_frontier.SCALES["zoology"]
+    assert result["runs"] == 9 * 4 * 4 * 4 == len(recall_frontier.runs(scale))
+    assert len(result["points"]) == 9 * 4 * 4
+    by = {(tuple(p["setting"]), p["family"], p["knob"]): p for p in result["points"]}
+    # Zoology's count for a softmax layer: 2 x d x T per layer (plus the short convs' W-1
+    # inputs of width d, which Zoology's count leaves out).
+    mha = by[((64, 4), "mha", 64)]
+    assert mha["state_elements"] == 2 * (2 * 64 * 64 + 3 * 64)
+    # Fixed states do not grow with T; caches do.
+    for family, knob in (("linear", 16), ("gated_deltanet", 32), ("window", 32)):
+        assert (
+            by[((64, 4), family, knob)]["state_elements"]
+            == by[((512, 64), family, knob)]["state_elements"]
+        )
+    assert by[((512, 64), "mha", 64)]["state_elements"] > mha["state_elements"]
+    for family, knobs in scale.knobs:  # every knob sweep grows the state
+        states = [by[((128, 8), family, k)]["state_elements"] for k in knobs]
+        assert states == sorted(states) and len(set(states)) == len(states), family
+    assert recall_frontier.main(["--dry-run", "--scale", "zoology", "--only", "mha,linear"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == "128 runs, 32 points (zoology scale)"
+
+
+def test_recall_frontier_pareto_and_reach():
+    rows = [
+        {"family": "a", "knob": 1, "state_elements": 10, "accuracy": 0.5},
+        {"family": "a", "knob": 2, "state_elements": 100, "accuracy": 0.95},
+        {"family": "b", "knob": 1, "state_elements": 50, "accuracy": 0.4},
+        {"family": "b", "knob": 2, "state_elements": 100, "accuracy": 0.97},
+    ]
+    front = recall_frontier.pareto(rows)
+    assert [(r["family"], r["knob"]) for r in front] == [("a", 1), ("b", 2)]
+    families = dict(recall_frontier.FAMILIES, a=recall_frontier.FAMILIES["mha"])
+    families["b"] = recall_frontier.FAMILIES["linear"]
+    import unittest.mock
+
+    with unittest.mock.patch.object(recall_frontier, "FAMILIES", families):
+        assert recall_frontier.reach(rows, "a").startswith("100 (width 2)")
+        assert recall_frontier.reach(rows, "b", level=0.99) == "not reached at 100"

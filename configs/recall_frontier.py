@@ -1,0 +1,33 @@
+"""The recall frontier: every family's MQAR accuracy against its decode state.
+
+    python -m analysis.experiments.recall_frontier                  # the cpu scale (this file)
+    python -m analysis.experiments.recall_frontier --scale zoology  # Zoology's grid
+    python -m analysis.experiments.recall_frontier --quick          # two points, seconds
+
+Three scales (``analysis.experiments.recall_frontier.Scale``; the families
+and their knobs are defined there):
+
+* ``cpu`` (the default): what fits in 45 minutes on a 2-core CPU with 2 jobs.
+  Zoology's two smallest settings, (T, pairs) = (64, 4) and (128, 8), with a
+  vocabulary of 256 instead of 8192: at 8192 the output layer alone (a
+  [B*T, 64] x [64, 8192] product, forward and backward) costs 13 GFLOP a step
+  at T = 64, 25 times the rest of a width-64 model, which would leave time for
+  a tenth of the grid; and with 4096 keys to tell apart a model needs far more
+  steps before it recalls at all. Two learning rates (3e-3 and 1e-2, the upper
+  half of Zoology's four), one seed, at most 800 updates of batch 64 per point,
+  stopping early at 0.99 test accuracy (checked every 50 updates).
+* ``zoology``: Zoology's grid (Arora et al. 2023, the Based paper's Figure 2
+  configs): V = 8192, (T, pairs) in (64, 4), (128, 8), (256, 16), (512, 64),
+  learning rates ``logspace(-3, -1.5, 4)``, batch 256 and the step counts of
+  32 epochs over Zoology's training sets (100,000 examples at T = 64, 20,000
+  at the others), for an accelerator.
+* ``quick``: two points for the tests.
+"""
+
+from analysis.experiments.recall_frontier import SCALES
+
+
+def get_config(quick: bool = False, scale: str = "cpu"):
+    if scale not in SCALES:
+        raise ValueError(f"scale: expected one of {sorted(SCALES)}, got {scale!r}")
+    return SCALES["quick" if quick else scale]
