@@ -17,7 +17,7 @@ With ``--baseline-root DIR`` (a checkout of an earlier commit) every variant
 also trains from that checkout, at the same time as this one on the other
 core, the two swapping cores each round; the table gives both and their ratio.
 
-    python bench/steps.py --baseline-root /tmp/base     # before/after (about 10 minutes)
+    python bench/steps.py --baseline-root /tmp/base     # before/after (about 20 minutes)
     python bench/steps.py --variants mha linear --rounds 1   # a quick look
 
 Writes ``<out_dir>/steps-cpu.json`` and ``.md``.
@@ -218,7 +218,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"cores), jax {meta['jax']}: the comparison's models (width 64, 2 layers, batch 64, "
         f"24 tokens), {meta['steps']} updates of `train.loop.train` per run, best of "
         f"{meta['rounds']} rounds; two runs at once, each pinned to its own core"
-        + (" (before and after side by side, swapping cores each round)" if before else "")
+        + (
+            f" (before: {meta['baseline_commit']}, after: {meta['commit']}, side by side, "
+            "swapping cores each round)"
+            if before
+            else ""
+        )
         + f". Load average {meta['load_before']} before, {meta['load_after']} after.",
         "",
         "GFLOP/step: XLA's count for one forward + backward (not the optimizer). "
@@ -227,6 +232,14 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
     ]
     return "\n".join(intro) + table(head, body) + "\n"
+
+
+def _commit(root) -> str | None:
+    """The checkout's commit (short hash), or None where git cannot tell."""
+    out = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return out.stdout.strip() or None
 
 
 def main(cfg: Config) -> None:
@@ -240,6 +253,8 @@ def main(cfg: Config) -> None:
         "steps": cfg.steps,
         "rounds": cfg.rounds,
         "baseline_root": cfg.baseline_root,
+        "baseline_commit": _commit(cfg.baseline_root) if cfg.baseline_root else None,
+        "commit": _commit(ROOT),
         "args": " --baseline-root DIR" if cfg.baseline_root else "",
         "load_before": round(os.getloadavg()[0], 2),
     }

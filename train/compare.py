@@ -42,6 +42,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one l
 
     exit_on_sigint("python -m train.compare")
 
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -121,11 +122,17 @@ def worker_init(started, plugin_names=()) -> None:
     still kept 1.9 of 2 cores busy on a jitted matmul, and flags without a
     leading ``--`` are silently ignored.
 
+    On Linux the worker also dies with its parent (``PR_SET_PDEATHSIG``): a
+    parent killed by a signal it cannot handle (SIGTERM, SIGKILL) would
+    otherwise leave its workers training on, unseen, on the cores the next
+    command runs on. Their runs keep their checkpoints either way.
+
     Args:
       started: a shared counter of the workers started so far.
       plugin_names: the plugins the parent loaded (``train.plugins.loaded()``).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (run_comparison)
+    _die_with_parent()
     plugins.load(plugin_names)
     with started.get_lock():
         index = started.value
@@ -134,6 +141,18 @@ def worker_init(started, plugin_names=()) -> None:
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[index % len(cores)]})
     enable_compilation_cache()
+
+
+# prctl(2) options: the signal a process gets when its parent dies, and reading it back.
+PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
+
+
+def _die_with_parent() -> None:
+    """Asks Linux to SIGKILL this process when its parent exits (elsewhere: nothing)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class ComparisonInterrupted(KeyboardInterrupt):

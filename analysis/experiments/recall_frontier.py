@@ -42,10 +42,10 @@ whose runs finished is read back from their ``summary.json``, not retrained.
 
 Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 
-* ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 256, 2 learning
-  rates, 1 seed, 9 families x 4 knob values: 144 runs, at most 800 updates of
-  batch 64 each, stopping at 0.99. The committed run is in
-  ``docs/results/recall_frontier/`` with its wall time (``runtime_s``).
+* ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, one learning
+  rate (1e-2), 1 seed, 9 families x 4 knob values: 72 runs of batch 32, at most
+  500 updates at T = 64 and 400 at T = 128, stopping at 0.99. The committed run
+  is in ``docs/results/recall_frontier/`` with its wall time (``runtime_s``).
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
@@ -205,7 +205,7 @@ SCALES: dict[str, Scale] = {
     "cpu": Scale(
         name="cpu",
         settings=((64, 4), (128, 8)),
-        steps=(500, 300),
+        steps=(500, 400),
         knobs=(
             ("mha", (16, 32, 48, 64)),
             ("gqa", (1, 2, 4, 8)),
@@ -218,7 +218,7 @@ SCALES: dict[str, Scale] = {
             ("hybrid", (16, 32, 48, 64)),
         ),
         vocab_size=64,
-        lrs=(3e-3,),
+        lrs=(1e-2,),
         batch_size=32,
     ),
     "zoology": Scale(

@@ -4,9 +4,12 @@ bytes``, and the seed statistics, table and plot on hand-made numbers."""
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import jax
@@ -17,6 +20,7 @@ from flax import nnx
 
 from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
+from train import compare
 from train.compare import run_comparison
 from train.compare_report import (
     aggregate,
@@ -350,3 +354,22 @@ def scratch_variant():
     yield
     VARIANTS.remove("test_window_global")
     VARIANTS.remove("test_short")
+
+
+def _death_signal() -> int:
+    """In a worker: the signal Linux sends it when its parent dies (prctl PR_GET_PDEATHSIG)."""
+    import ctypes
+
+    value = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(compare.PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+    return value.value
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+def test_workers_die_with_their_parent():
+    # A comparison killed by SIGTERM or SIGKILL must not leave its workers training on.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        1, mp_context=context, initializer=compare.worker_init, initargs=(context.Value("i", 0),)
+    ) as pool:
+        assert pool.submit(_death_signal).result() == signal.SIGKILL
