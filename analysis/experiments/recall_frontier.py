@@ -49,11 +49,11 @@ Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
-  families over wider knobs: 9 x 4 x 4 x 4 = 576 runs. ``ZOOLOGY_COST`` holds
-  what ``--dry-run --scale zoology`` measures of it: XLA's FLOP count of each
-  point's update (forward + backward) times its updates, summed over the runs,
-  and the time that takes on one H100/H200-class GPU at the utilization we
-  assume there (stated with the numbers).
+  families over wider knobs: 9 x 4 x 4 x 4 = 576 runs.
+  ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
+  update (forward + backward) times its updates, and the total over the runs;
+  the expected time on one H100/H200-class GPU is that total over the rate
+  the GPU sustains on these small models (not yet measured: no device was lent).
 * ``quick``: two runs of a few updates (the tests).
 
 ``--dry-run`` builds every run's config and model (shapes only) and prints
