@@ -281,3 +281,12 @@ def test_recall_frontier_pareto_and_reach():
     with unittest.mock.patch.object(recall_frontier, "FAMILIES", families):
         assert recall_frontier.reach(rows, "a").startswith("100 (width 2)")
         assert recall_frontier.reach(rows, "b", level=0.99) == "not reached at 100"
+
+
+def test_recall_frontier_bad_input_names_the_argument(tmp_path, capsys):
+    assert recall_frontier.main(["--only", "mha,nope", "--dry-run"]) == 2
+    assert "only: expected family names" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="jobs: expected an int >= 1"):
+        recall_frontier.run(recall_frontier.SCALES["quick"], tmp_path, jobs=0)
+    with pytest.raises(ValueError, match="steps: expected one cap per setting"):
+        dataclasses.replace(recall_frontier.SCALES["quick"], steps=(1, 2))
