@@ -38,12 +38,13 @@ beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
 ``errors`` (the input checks and their one ``ValueError`` format), ``merge``
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
-``cache`` (cache sizes and slots), ``dispatch`` (``attention(impl=...)``) and
+``cache`` (cache sizes and slots), ``paged`` (a paged KV cache: a page pool,
+block tables, their allocator), ``dispatch`` (``attention(impl=...)``) and
 ``registry`` (the named registries feature maps, and the models' layer kinds,
 presets and variants, are added to).
 """
 
-from attn import errors, linear, masks, pallas, registry, ring, scores, softmax
+from attn import errors, linear, masks, paged, pallas, registry, ring, scores, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.dispatch import IMPLS, attention
@@ -65,9 +66,10 @@ from attn.linear import (
 )
 from attn.masks import Mask
 from attn.merge import merge_attention
+from attn.paged import PageTable, paged_decode_attention
 from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
-from attn.softmax import blockwise_attention, dot_product_attention
+from attn.softmax import blockwise_attention, decode_attention, dot_product_attention
 
 __all__ = [
     "DELTA_FORMS",
@@ -77,9 +79,11 @@ __all__ = [
     "LATENT_FORMS",
     "LinearState",
     "Mask",
+    "PageTable",
     "apply_rope",
     "attention",
     "blockwise_attention",
+    "decode_attention",
     "delta_rule",
     "delta_rule_step",
     "dot_product_attention",
@@ -97,6 +101,8 @@ __all__ = [
     "linear_state_bytes",
     "masks",
     "merge_attention",
+    "paged",
+    "paged_decode_attention",
     "pallas",
     "register_feature_map",
     "registry",

@@ -11,7 +11,7 @@ from flax import nnx
 
 from attn.errors import fail
 from models.cache import DecodeCache, full_cache_slots
-from models.inputs import check_lengths, check_tokens
+from models.inputs import check_lengths, check_tokens, pad_prompts
 
 
 def generate(
@@ -35,7 +35,9 @@ def generate(
     Args:
       model: a ``Decoder`` (or ``EncoderDecoder`` with ``cache`` from its
         ``init_cache(..., src=...)``).
-      prompt: ``[B,T]`` ints, right-padded where rows differ in length.
+      prompt: ``[B,T]`` ints, right-padded where rows differ in length; or a
+        list of B 1-D prompts of any lengths (padded here, ``prompt_lengths``
+        then taken from them).
       max_new_tokens: how many tokens to generate (>= 1).
       temperature: 0 is greedy (argmax); otherwise sample from
         ``softmax(logits / temperature)``.
@@ -51,6 +53,10 @@ def generate(
     Returns:
       ``[B, max_new_tokens]`` int32 tokens.
     """
+    if isinstance(prompt, list | tuple):
+        if prompt_lengths is not None:
+            fail("prompt_lengths", "None with a list of prompts (their lengths)", "lengths")
+        prompt, prompt_lengths = pad_prompts(prompt)
     prompt = check_tokens(prompt, "prompt", vocab=model.config.vocab_size)
     B, T = prompt.shape
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral):

@@ -9,6 +9,7 @@ where they are known (not under a trace).
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from attn import errors, masks
 from attn.errors import concrete, fail
@@ -31,6 +32,26 @@ def check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
     if value is not None and ((value < 0).any() or (value >= vocab).any()):
         fail(name, f"token ids in [0, {vocab})", f"ids from {value.min()} to {value.max()}")
     return tokens
+
+
+def pad_prompts(prompts, name: str = "prompt"):
+    """A list of 1-D token sequences as ``(tokens [B,T] int32 right-padded with 0, lengths [B])``.
+
+    T is the longest prompt; row b's real tokens are its first ``lengths[b]``.
+    """
+    rows = []
+    for i, p in enumerate(prompts):
+        p = np.asarray(p)
+        if p.ndim != 1 or p.size == 0 or not np.issubdtype(p.dtype, np.integer):
+            fail(f"{name}[{i}]", "a non-empty 1-D sequence of token ids", f"{p.dtype} {p.shape}")
+        rows.append(p)
+    if not rows:
+        fail(name, "at least one prompt", "an empty list")
+    T = max(len(p) for p in rows)
+    tokens = np.zeros((len(rows), T), np.int32)
+    for b, p in enumerate(rows):
+        tokens[b, : len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in rows], jnp.int32)
 
 
 def check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int = 0):

@@ -156,6 +156,20 @@ def test_generate_greedy_with_rows_of_different_lengths():
         np.testing.assert_array_equal(out[b], predicted)
 
 
+def test_generate_takes_a_list_of_prompts_of_different_lengths():
+    """The same as the padded prompt with its lengths (same shapes: the same compile)."""
+    model = model_for(KINDS["hybrid"])
+    prompt = np.asarray(tokens(7, (B, 5)))
+    padded = models.generate(model, prompt, 6, prompt_lengths=jnp.array([5, 2]))
+    listed = models.generate(model, [prompt[0].tolist(), prompt[1, :2]], 6)
+    np.testing.assert_array_equal(listed, padded)
+    refused = {"prompt: expected at least one prompt": [],
+               r"prompt\[1\]: expected a non-empty 1-D": [[1, 2], []]}  # fmt: skip
+    for match, bad in refused.items():
+        with pytest.raises(ValueError, match=match):
+            models.generate(model, bad, 2)
+
+
 def test_generate_sampling_top_k_and_eos():
     # Same shapes as the test above: options are traced, so this reuses its compile.
     model = model_for(KINDS["hybrid"])

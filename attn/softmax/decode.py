@@ -1,0 +1,165 @@
+"""Decode attention: a few queries per row over a cache of rows with their own lengths.
+
+One decode step attends one query (or a few: speculative or chunked decoding)
+of each row over that row's cached keys. The cache is ``[B,S,K,H]`` with row b
+holding ``lengths[b]`` valid keys in slots ``0..lengths[b]-1``; the rest is
+whatever a longer row needs the room for. Done as ordinary attention, the
+step is one matrix-vector product per row over all S keys, which keeps a
+single core (or a single accelerator block) busy however many there are.
+
+Split-K (flash-decoding; Dao et al., "Flash-Decoding for long-context
+inference", 2023) cuts the keys into ``num_splits`` chunks, computes each
+chunk's attention and log-sum-exp independently (they are separate rows of
+one batched computation, so XLA can hand them to different cores) and merges
+the partials with ``attn.merge.merge_partials``: softmax over a union of
+disjoint key sets is the lse-weighted mix of the softmax over each.
+
+Every part of the call contract (``attn.softmax.call``) carries over: masks on
+absolute positions, GQA without repeating K/V, learned sink logits (merged as
+one more partial: a logit with no value), the soft-cap and score modifiers
+(whose per-key arrays are cut like the keys).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from attn import errors, scores
+from attn.errors import fail
+from attn.merge import merge_partials
+from attn.softmax.call import check_static
+from attn.softmax.dense import dot_product_attention
+
+__all__ = ["decode_attention", "default_splits"]
+
+# Keys per split below which splitting only adds merge work (the auto choice).
+MIN_SPLIT_KEYS = 1024
+MAX_SPLITS = 16
+
+
+def default_splits(S: int) -> int:
+    """The split count ``num_splits=None`` chooses for S cached keys: one per
+    ``MIN_SPLIT_KEYS`` keys, at most ``MAX_SPLITS``."""
+    return int(min(max(S // MIN_SPLIT_KEYS, 1), MAX_SPLITS))
+
+
+def decode_attention(
+    q,
+    k,
+    v,
+    *,
+    lengths,
+    num_splits: int | None = None,
+    mask=None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    score_mod=None,
+    sink_logits=None,
+    q_positions=None,
+    kv_positions=None,
+    kv_valid=None,
+    return_lse: bool = False,
+):
+    """Attention of T query tokens per row over the ``lengths[b]`` valid keys of a cache.
+
+    Equal to ``dot_product_attention`` over each row's valid keys (the ones in
+    slots ``< lengths[b]``), with the keys cut into ``num_splits`` chunks
+    computed independently and merged by their log-sum-exps.
+
+    Args:
+      q: ``[B,T,N,H]`` queries (T small: 1 for a decode step).
+      k: ``[B,S,K,H]`` cached keys, ``N % K == 0``.
+      v: ``[B,S,K,E]`` cached values.
+      lengths: ``[B]`` ints in ``[0, S]``: valid slots per row (checked when concrete).
+      num_splits: chunks of keys, a positive int (need not divide S); None:
+        ``default_splits(S)``.
+      mask, scale, softcap, score_mod, sink_logits: as ``dot_product_attention``.
+      q_positions: ``[B,T]`` or ``[T]`` ints; default the last T valid
+        positions of each row, ``lengths[b] - T + t``.
+      kv_positions: ``[B,S]`` or ``[S]`` ints (a ring buffer's slots hold other
+        positions); default ``arange(S)``.
+      kv_valid: ``[B,S]`` bools, or None: which slots below ``lengths`` hold a
+        key (a paged cache's freed pages do not).
+      return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
+
+    Returns:
+      ``out [B,T,N,E]`` in q's dtype (zeros for a row that sees no key), and
+      the lse if asked.
+    """
+    q, k, v = errors.as_arrays(q, k, v)
+    d = errors.qkv_dims(q, k, v)
+    mask, scale, softcap = check_static(mask, scale, softcap)
+    scores.check_type(score_mod)
+    lengths = _check_lengths(lengths, d.B, d.S)
+    P = default_splits(d.S) if num_splits is None else errors.positive_int(num_splits, "num_splits")
+    P = min(P, d.S)
+    if q_positions is None:
+        q_positions = lengths[:, None] - d.T + jnp.arange(d.T, dtype=jnp.int32)
+    q_positions = errors.positions(q_positions, "q_positions", d.B, d.T)
+    kv_positions = errors.positions(kv_positions, "kv_positions", d.B, d.S)
+    if sink_logits is not None:
+        sink_logits = jnp.asarray(sink_logits)
+        if sink_logits.shape != (d.N,):
+            fail("sink_logits", f"shape ({d.N},), one logit per query head", sink_logits.shape)
+    score_mod = scores.check_score_mod(score_mod, d)
+    valid = jnp.arange(d.S)[None, :] < lengths[:, None]
+    if kv_valid is not None:
+        kv_valid = jnp.asarray(kv_valid)
+        if kv_valid.shape != (d.B, d.S) or kv_valid.dtype != jnp.bool_:
+            fail("kv_valid", f"bools of shape ({d.B}, {d.S})", f"{kv_valid.dtype} {kv_valid.shape}")
+        valid &= kv_valid
+    return _decode(
+        q, k, v, valid, q_positions, kv_positions, sink_logits, score_mod,
+        splits=P, mask=mask, scale=scale, softcap=softcap, return_lse=bool(return_lse),
+    )  # fmt: skip
+
+
+def _check_lengths(lengths, B: int, S: int):
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        fail("lengths", f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
+    value = errors.concrete(lengths)
+    if value is not None and (value.min() < 0 or value.max() > S):
+        fail("lengths", f"lengths in [0, {S}] (the cache's slots)", f"{value.min()}..{value.max()}")
+    return lengths.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "mask", "scale", "softcap", "return_lse"))
+def _decode(q, k, v, valid, q_pos, kv_pos, sink, score_mod, *, splits, mask, scale, softcap,
+            return_lse):  # fmt: skip
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    C = -(-S // splits)  # keys per split; the last split is padded with invalid slots
+    valid = valid.astype(jnp.int32)  # [B,S]: segment 1, or 0 (padding: no key)
+
+    def cut(x):  # [B,S,...] -> [P*B, C, ...], split-major
+        x = jnp.pad(x, [(0, 0), (0, splits * C - S)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, splits, C, *x.shape[2:])
+        return jnp.swapaxes(x, 0, 1).reshape(splits * B, C, *x.shape[3:])
+
+    def tile(x):  # [B,...] -> [P*B, ...]: the queries' side, the same in every split
+        return jnp.broadcast_to(x[None], (splits, *x.shape)).reshape(splits * B, *x.shape[1:])
+
+    structure, leaves = scores.split(score_mod)
+    if structure is not None:
+        by_role = {"head": lambda x: x, "q": tile, "k": cut}
+        leaves = [by_role[role](x) for role, x in zip(structure.roles, leaves, strict=True)]
+        score_mod = structure.rebuild(leaves)
+    out, lse = dot_product_attention(
+        tile(q), cut(k), cut(v),
+        mask=mask, scale=scale, softcap=softcap, score_mod=score_mod,
+        q_positions=tile(q_pos), kv_positions=cut(kv_pos),
+        q_segment_ids=jnp.ones((splits * B, T), jnp.int32), kv_segment_ids=cut(valid),
+        return_lse=True,
+    )  # fmt: skip
+    outs = out.reshape(splits, B, T, N, -1)
+    lses = lse.reshape(splits, B, T, N)
+    if sink is not None:  # one more partial: the sink's logit, no value
+        outs = jnp.concatenate([outs, jnp.zeros_like(outs[:1])])
+        sink_lse = jnp.broadcast_to(sink.astype(jnp.float32), (1, B, T, N))
+        lses = jnp.concatenate([lses, sink_lse])
+    out, lse = merge_partials(outs, lses)
+    return (out, lse) if return_lse else out

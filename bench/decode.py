@@ -1,0 +1,357 @@
+"""Benchmark: one decode step against context length and batch, and a ragged batch's memory.
+
+For contexts S from 1K to 64K and batches B from 1 to 64 (every row holding
+S keys; B x S capped by ``max_tokens``) it times one decode step (one query
+per row, GQA: ``heads`` query heads over ``kv_heads``) of:
+
+* ``xla``: ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``,
+* ``unsplit``: ``attn.decode_attention(num_splits=1)``,
+* ``split``: ``attn.decode_attention`` at its default split count
+  (``attn.softmax.default_splits``) and at the best of ``splits``,
+* ``paged``: ``attn.paged_decode_attention`` over pages of ``page_size`` in a
+  shuffled order (default splits),
+
+as decode tokens/s (B over the step's time) and the rate the step reads the
+cache at (K and V bytes over the time; decode is bound by it). Timing: jitted,
+compiled first, the best of ``repeats`` runs; the whole run is one process
+using every core (XLA's thread pool).
+
+Memory: a ragged batch whose lengths run 1K .. 32K (``ragged_lengths``) in a
+contiguous cache costs ``B x max_len`` tokens; in a paged cache the pages in
+use. Both are given per valid token, beside the step time of each.
+
+Targets (on the 2-core CPU): split-K at 64K, batch 1, at least 1.5x the
+unsplit step's tokens/s; the ragged batch's pages at most 1.2x the bytes of
+its valid tokens.
+
+    python bench/decode.py                  # bench/results/decode-<platform>.{json,md,png}
+    python bench/decode.py --quick          # S = 1K, 4K; B = 1, 4 ("-quick" files)
+    python bench/decode.py --dtype bfloat16 # on a GPU
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform as platform_lib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/decode.py`
+    sys.path.insert(0, str(ROOT))
+
+from bench._report import write_report  # noqa: E402
+
+IMPLS = ("xla", "unsplit", "split", "split_best", "paged")
+LABELS = {
+    "xla": "jax.nn (lengths)",
+    "unsplit": "decode, 1 split",
+    "split": "decode, default splits",
+    "split_best": "decode, best splits",
+    "paged": "paged, default splits",
+}
+TARGET_SPLIT = 1.5
+TARGET_MEMORY = 1.2
+MATMUL_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class Config:
+    """Benchmark settings (flags: --quick, --dtype, ...)."""
+
+    quick: bool = False
+    contexts: tuple[int, ...] = (1024, 4096, 16384, 65536)
+    batches: tuple[int, ...] = (1, 4, 16, 64)
+    max_tokens: int = 2**20  # B x S per configuration, at most
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    dtype: str = "float32"
+    page_size: int = 16
+    splits: tuple[int, ...] = (2, 4, 8, 16, 32)
+    ragged_lengths: tuple[int, ...] = (1024, 2048, 3000, 5000, 8192, 12000, 20000, 32768)
+    repeats: int = 10
+    out_dir: str = "bench/results"
+
+    def __post_init__(self):
+        if not self.contexts or not self.batches or not self.splits or min(self.splits) < 1:
+            raise ValueError("--contexts/--batches/--splits: expected non-empty positive sizes")
+
+
+def _best(fn, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _matmul_rate(dtype) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (MATMUL_SIZE, MATMUL_SIZE), dtype)
+    return 2 * MATMUL_SIZE**3 / _best(jax.jit(jnp.dot), (a, a), 5)
+
+
+def _cache(cfg: Config, B: int, S: int, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    dtype = jnp.dtype(cfg.dtype)
+    q = jax.random.normal(keys[0], (B, 1, cfg.heads, cfg.head_dim), dtype)
+    k = jax.random.normal(keys[1], (B, S, cfg.kv_heads, cfg.head_dim), dtype)
+    v = jax.random.normal(keys[2], (B, S, cfg.kv_heads, cfg.head_dim), dtype)
+    return q, k, v
+
+
+def _paged(cfg: Config, k, v, lengths):
+    """The contiguous cache ``k, v`` copied into a pool of shuffled pages."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import attn
+
+    B, S = k.shape[:2]
+    page = cfg.page_size
+    per_row = -(-S // page)
+    table = attn.PageTable(B * per_row + 1, page, B, per_row)
+    order = np.random.default_rng(0).permutation(B)  # rows take pages interleaved
+    for n in range(1, per_row + 1):
+        for b in order:
+            table.grow(int(b), int(min(n * page, lengths[b])))
+    tables = jnp.asarray(table.tables)
+    pad = per_row * page - S
+
+    def pool(x):
+        x = jnp.pad(x, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(B, per_row, page, *x.shape[2:])
+        out = jnp.zeros((table.num_pages, page, *x.shape[3:]), x.dtype)
+        # Entries past a row's length hold no page: their writes are dropped.
+        return out.at[jnp.where(tables >= 0, tables, table.num_pages)].set(x, mode="drop")
+
+    return pool(k), pool(v), tables, table
+
+
+def _steps(cfg: Config, S: int):
+    import functools
+
+    import jax
+
+    import attn
+
+    best = [s for s in cfg.splits if s <= S]
+    fns = {
+        "xla": jax.jit(
+            lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n)
+        ),
+        "unsplit": jax.jit(functools.partial(_decode, splits=1)),
+        "split": jax.jit(functools.partial(_decode, splits=None)),
+    }
+    split_fns = {s: jax.jit(functools.partial(_decode, splits=s)) for s in best}
+    paged = jax.jit(lambda q, pk, pv, t, n: attn.paged_decode_attention(q, pk, pv, t, n))
+    return fns, split_fns, paged
+
+
+def _decode(q, k, v, n, splits):
+    import attn
+
+    return attn.decode_attention(q, k, v, lengths=n, num_splits=splits)
+
+
+def sweep(cfg: Config) -> list[dict]:
+    import jax.numpy as jnp
+
+    rows = []
+    item = jnp.dtype(cfg.dtype).itemsize
+    for S in cfg.contexts:
+        fns, split_fns, paged = _steps(cfg, S)
+        for B in cfg.batches:
+            if cfg.max_tokens < B * S:
+                continue
+            q, k, v = _cache(cfg, B, S)
+            n = jnp.full((B,), S, jnp.int32)
+            times = {name: _best(fn, (q, k, v, n), cfg.repeats) for name, fn in fns.items()}
+            by_split = {s: _best(fn, (q, k, v, n), cfg.repeats) for s, fn in split_fns.items()}
+            best = min(by_split, key=by_split.get)
+            times["split_best"] = by_split[best]
+            pk, pv, tables, _ = _paged(cfg, k, v, n)
+            times["paged"] = _best(paged, (q, pk, pv, tables, n), cfg.repeats)
+            del pk, pv
+            read = 2 * B * S * cfg.kv_heads * cfg.head_dim * item
+            by_split = {str(s): t for s, t in by_split.items()}  # JSON's keys
+            row = {"S": S, "B": B, "best_splits": best, "by_splits": by_split,
+                   "default_splits": _default_splits(S), "seconds": times,
+                   "tokens_per_s": {i: B / t for i, t in times.items()},
+                   "read_gb_per_s": {i: read / t / 1e9 for i, t in times.items()}}  # fmt: skip
+            rows.append(row)
+            print(_progress(row), flush=True)
+    return rows
+
+
+def _default_splits(S: int) -> int:
+    from attn.softmax import default_splits
+
+    return default_splits(S)
+
+
+def ragged(cfg: Config) -> dict:
+    """A batch of ``ragged_lengths``: the bytes each cache holds, and a step's time."""
+    import jax.numpy as jnp
+
+    lengths = list(cfg.ragged_lengths)
+    B, S = len(lengths), max(lengths)
+    q, k, v = _cache(cfg, B, S, seed=1)
+    n = jnp.asarray(lengths, jnp.int32)
+    fns, _, paged = _steps(cfg, S)
+    pk, pv, tables, table = _paged(cfg, k, v, n)
+    per_token = 2 * cfg.kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    valid = sum(lengths) * per_token
+    paged_bytes = table.bytes_in_use(
+        num_kv_heads=cfg.kv_heads, head_dim=cfg.head_dim, dtype=cfg.dtype
+    )
+    return {
+        "lengths": lengths,
+        "valid_bytes": valid,
+        "contiguous_bytes": B * S * per_token,
+        "paged_bytes": paged_bytes,
+        "seconds": {
+            "split": _best(fns["split"], (q, k, v, n), cfg.repeats),
+            "paged": _best(paged, (q, pk, pv, tables, n), cfg.repeats),
+        },
+    }
+
+
+def _progress(row: dict) -> str:
+    cells = ", ".join(f"{i} {row['tokens_per_s'][i]:,.0f}" for i in IMPLS)
+    return f"S={row['S']:>6} B={row['B']:>3}: tokens/s {cells} (best splits {row['best_splits']})"
+
+
+def targets(result: dict) -> list[dict]:
+    out = []
+    top = [r for r in result["rows"] if r["B"] == 1 and r["S"] == max(result["config"]["contexts"])]
+    if top:
+        r = top[0]
+        ratio = r["seconds"]["unsplit"] / r["seconds"]["split"]
+        name = f"split-K at S={r['S']}, B=1 (default splits) vs unsplit"
+        out.append({"target": name, "value": ratio, "goal": TARGET_SPLIT,
+                    "met": ratio >= TARGET_SPLIT})  # fmt: skip
+    g = result["ragged"]
+    ratio = g["paged_bytes"] / g["valid_bytes"]
+    out.append({"target": "ragged batch: paged bytes / valid tokens' bytes", "value": ratio,
+                "goal": TARGET_MEMORY, "met": ratio <= TARGET_MEMORY})  # fmt: skip
+    return out
+
+
+def markdown(result: dict) -> str:
+    c, env = result["config"], result["env"]
+    lines = [
+        f"# One decode step on {result['platform']} ({env['machine']}, {env['cpu_count']} cores)",
+        "",
+        f"`python bench/decode.py`, jax {env['jax']}, {c['dtype']}, {c['heads']} query heads over "
+        f"{c['kv_heads']} kv heads of {c['head_dim']}, one query per row, every row holding S "
+        f"keys; best of {c['repeats']} runs, one process on every core. Matmul: "
+        f"{result['matmul_gflops']:.0f} GFLOP/s ({MATMUL_SIZE}^2). Load average "
+        f"{env['load_average_at_start'][0]:.2f} at the start, {env['load_average_at_end'][0]:.2f} "
+        "at the end.",
+        "",
+        "Decode tokens/s (and GB/s of K/V read):",
+        "",
+        "| S | B | " + " | ".join(LABELS[i] for i in IMPLS) + " | best splits | split / unsplit |",
+        "|---|---|" + "---|" * (len(IMPLS) + 2),
+    ]
+    for r in result["rows"]:
+        cells = [f"{r['tokens_per_s'][i]:,.0f} ({r['read_gb_per_s'][i]:.1f})" for i in IMPLS]
+        ratio = r["seconds"]["unsplit"] / r["seconds"]["split"]
+        lines.append(f"| {r['S']:,} | {r['B']} | " + " | ".join(cells)
+                     + f" | {r['best_splits']} | {ratio:.2f}x |")  # fmt: skip
+    g = result["ragged"]
+    MiB = 2**20
+    lines += [
+        "",
+        f"Ragged batch of {len(g['lengths'])} rows, lengths {g['lengths']} (pages of "
+        f"{c['page_size']}):",
+        "",
+        "| cache | MiB | per valid token | step ms |",
+        "|---|---|---|---|",
+        f"| contiguous (B x max_len) | {g['contiguous_bytes'] / MiB:,.1f} | "
+        f"{g['contiguous_bytes'] / g['valid_bytes']:.2f}x | {g['seconds']['split'] * 1e3:.2f} |",
+        f"| paged (pages in use) | {g['paged_bytes'] / MiB:,.1f} | "
+        f"{g['paged_bytes'] / g['valid_bytes']:.3f}x | {g['seconds']['paged'] * 1e3:.2f} |",
+        "",
+        "Targets:",
+        "",
+    ]
+    for t in result["targets"]:
+        lines.append(f"- {t['target']}: {t['value']:.3f} (goal {t['goal']}): "
+                     + ("met" if t["met"] else "NOT met"))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["B"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.5), squeeze=False)
+    for ax, B in zip(axes[0], batches, strict=True):
+        rows = [r for r in result["rows"] if r["B"] == B]
+        for i in IMPLS:
+            ax.plot([r["S"] for r in rows], [r["tokens_per_s"][i] for r in rows], "o-",
+                    label=LABELS[i])  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="context S", title=f"batch {B}")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("decode tokens/s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(cfg: Config) -> dict:
+    from importlib.metadata import version
+
+    import jax
+
+    if cfg.quick:
+        cfg = dataclasses.replace(cfg, contexts=(1024, 4096), batches=(1, 4), repeats=3,
+                                  ragged_lengths=(100, 1000, 3000))  # fmt: skip
+    platform = jax.default_backend()
+    started = time.perf_counter()
+    env = {
+        "jax": version("jax"),
+        "cpu_count": os.cpu_count(),
+        "machine": platform_lib.machine(),
+        "load_average_at_start": os.getloadavg(),
+    }
+    rate = _matmul_rate(cfg.dtype)
+    rows = sweep(cfg)
+    result = {
+        "platform": platform,
+        "config": dataclasses.asdict(cfg),
+        "env": env,
+        "matmul_gflops": rate / 1e9,
+        "rows": rows,
+        "ragged": ragged(cfg),
+    }
+    env["load_average_at_end"] = os.getloadavg()
+    result["targets"] = targets(result)
+    result["wall_seconds"] = time.perf_counter() - started
+    name = f"decode-{platform}" + ("" if cfg.dtype == "float32" else f"-{cfg.dtype}")
+    write_report(result, cfg.out_dir, name + ("-quick" if cfg.quick else ""), markdown, plot)
+    return result
+
+
+if __name__ == "__main__":
+    import tyro
+
+    main(tyro.cli(Config))

@@ -1,0 +1,136 @@
+"""The paged KV cache: its allocator, and paged decoding == contiguous decoding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+from attn import masks, paged
+from tests.util import normal, rel_err
+
+PAGE, PAGES, ROWS, M = 4, 24, 3, 8  # a row holds at most M * PAGE = 32 tokens
+N, K, H = 4, 2, 8
+
+
+def test_pages_are_taken_as_rows_grow_and_returned_when_they_finish():
+    table = attn.PageTable(6, PAGE, 2, 5)
+    table.grow(0, 5)  # two pages
+    table.grow(1, 4)  # one page: exactly full
+    assert table.pages_in_use == 3
+    table.grow(1, 5)  # one more
+    assert table.tables[:, :3].tolist() == [[0, 1, -1], [2, 3, -1]]  # the lowest free first
+    with pytest.raises(paged.PoolExhausted, match="needs 3 more pages, the pool has 2 free"):
+        table.grow(0, 17)
+    assert table.lengths[0] == 5 and table.pages_in_use == 4  # nothing was taken
+    table.release(0)
+    assert table.pages_in_use == 2 and table.lengths[0] == 0
+    assert (table.tables[0] == -1).all()
+    held = table.tables[table.tables >= 0]
+    assert len(set(held.tolist())) == len(held)
+
+
+def test_a_window_frees_the_pages_behind_it_but_not_the_pinned_ones():
+    table = attn.PageTable(10, PAGE, 1, 8)
+    table.grow(0, 30)  # pages 0..7 of the row
+    table.drop_before(0, 21, pinned=2)  # positions < 21 are out: row pages 1..4 end before
+    assert (table.tables[0, 1:5] == -1).all()
+    assert table.tables[0, 0] >= 0 and (table.tables[0, 5:] >= 0).all()
+    assert table.pages_in_use == 4
+
+
+def test_bad_tables_are_refused_when_concrete():
+    q = normal(0, (2, 1, N, H))
+    pool = normal(1, (PAGES, PAGE, K, H))
+    tables = np.array([[0, 1, -1], [2, 3, -1]], np.int32)
+    lengths = np.array([5, 8])
+    for bad, match in [
+        ([[0, 99, -1], [2, 3, -1]], "block_tables: expected page ids in \\[0, 24\\) or -1"),
+        ([[0, 1, -1], [1, 3, -1]], "block_tables: expected each page in one place, got page 1"),
+        ([[0, 1, -1], [2, 2, -1]], "page 2 twice"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            attn.paged_decode_attention(q, pool, pool, np.array(bad, np.int32), lengths)
+    with pytest.raises(ValueError, match="lengths: expected lengths in \\[0, 12\\]"):
+        attn.paged_decode_attention(q, pool, pool, tables, np.array([5, 13]))
+    with pytest.raises(ValueError, match="block_tables: expected a \\[2, M\\] array"):
+        attn.paged_decode_attention(q, pool, pool, tables[0], lengths)
+    # A page past a row's length is not read, so a stale id there is no error.
+    stale = np.array([[0, 1, 1], [2, 3, -1]], np.int32)
+    attn.paged_decode_attention(q, pool, pool, stale, lengths)
+
+
+def contiguous_reference(cache_k, cache_v, q, lengths, mask, **kw):
+    return attn.decode_attention(q, cache_k, cache_v, lengths=lengths, mask=mask, **kw)
+
+
+@jax.jit
+def _write(pool_k, pool_v, tables, positions, k, v):
+    return paged.write(pool_k, pool_v, tables, positions, k, v)
+
+
+MASKS = {
+    "causal": (masks.causal(), None, 0),
+    "streaming": (masks.causal() & (masks.sliding_window(6) | masks.initial_tokens(2)), 6, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_paged_decoding_equals_contiguous_over_120_steps_with_rows_joining_and_leaving(name):
+    """Three rows decode 120 steps; a row that reaches its planned length finishes and a
+    new one joins in its place. Every step writes each active row's token into both
+    caches and attends from it; the window's pages behind it are freed as it moves."""
+    mask, window, pinned = MASKS[name]
+    rng = np.random.default_rng(0)
+    table = attn.PageTable(PAGES, PAGE, ROWS, M)
+    pool_k = jnp.zeros((PAGES, PAGE, K, H))
+    pool_v = jnp.zeros((PAGES, PAGE, K, H))
+    cache_k = np.zeros((ROWS, M * PAGE, K, H), np.float32)
+    cache_v = np.zeros_like(cache_k)
+    planned = rng.integers(1, M * PAGE + 1, ROWS)
+    sink = np.array([0.3, -0.5, 1.0, 0.0], np.float32)
+    finished = checked = 0
+    for step in range(120):
+        for b in range(ROWS):  # a finished row leaves, a new one joins
+            if table.lengths[b] == planned[b]:
+                table.release(b)
+                cache_k[b] = cache_v[b] = 0.0
+                planned[b] = rng.integers(1, M * PAGE + 1)
+                finished += 1
+        pos = table.lengths.copy()
+        for b in range(ROWS):
+            table.grow(b, int(pos[b]) + 1)
+        k, v = normal((step, 0), (ROWS, 1, K, H)), normal((step, 1), (ROWS, 1, K, H))
+        cache_k[np.arange(ROWS), pos], cache_v[np.arange(ROWS), pos] = k[:, 0], v[:, 0]
+        tables, lengths = table.arrays()
+        pool_k, pool_v = _write(pool_k, pool_v, tables, pos[:, None], k, v)
+        q = normal((step, 2), (ROWS, 1, N, H))
+        kw = dict(mask=mask, sink_logits=sink, softcap=4.0, num_splits=3)
+        got = attn.paged_decode_attention(q, pool_k, pool_v, tables, lengths, **kw)
+        want = contiguous_reference(cache_k, cache_v, q, lengths, **kw)
+        assert rel_err(got, want) < 2e-6, step
+        checked += 1
+        if window is not None:
+            for b in range(ROWS):
+                table.drop_before(b, int(pos[b]) - window + 2, pinned)
+    assert checked == 120 and finished >= 5
+    if window is not None:  # the window keeps at most a few pages per row
+        assert table.pages_in_use <= ROWS * (pages_for_window(window, pinned) + 1)
+
+
+def pages_for_window(window, pinned):
+    return paged.pages_for(window, PAGE) + paged.pages_for(pinned, PAGE) + 1
+
+
+def test_memory_is_the_valid_tokens_rounded_up_to_a_page_per_row():
+    lengths = [1024, 4000, 16000, 32000]
+    table = attn.PageTable(3400, 16, len(lengths), 32000 // 16)
+    for b, n in enumerate(lengths):
+        table.grow(b, n)
+    used = table.bytes_in_use(num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16)
+    valid = attn.kv_cache_bytes(
+        num_layers=1, num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16, num_tokens=sum(lengths)
+    )
+    assert used == valid  # every length is a multiple of 16
+    table.grow(0, 1025)
+    assert table.bytes_in_use(num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16) < 1.01 * valid

@@ -1,0 +1,52 @@
+"""bench/decode.py end to end at tiny sizes: what it measures, and its report.
+
+Timings are never asserted; the run checks that every implementation is timed
+and that the memory and targets are computed from what it measured.
+"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_a_tiny_run_writes_the_report(bench, tmp_path):
+    cfg = bench.Config(contexts=(40, 96), batches=(1, 3), max_tokens=200, splits=(2, 3),
+                       ragged_lengths=(5, 17, 40), page_size=8, repeats=1,
+                       out_dir=str(tmp_path))  # fmt: skip
+    result = bench.main(cfg)
+    shapes = [(r["S"], r["B"]) for r in result["rows"]]
+    assert shapes == [(40, 1), (40, 3), (96, 1)]  # 96 x 3 is over max_tokens
+    for row in result["rows"]:
+        assert set(row["seconds"]) == set(bench.IMPLS)
+        assert all(t > 0 for t in row["seconds"].values())
+        assert row["best_splits"] in (2, 3)
+    g = result["ragged"]
+    per_token = 2 * cfg.kv_heads * cfg.head_dim * 4
+    assert g["valid_bytes"] == 62 * per_token and g["contiguous_bytes"] == 3 * 40 * per_token
+    assert g["paged_bytes"] == (1 + 3 + 5) * 8 * per_token  # pages of 8 per row
+    names = [t["target"] for t in result["targets"]]
+    assert names[0].startswith("split-K at S=96, B=1") and len(names) == 2
+    saved = json.loads((tmp_path / "decode-cpu.json").read_text())
+    assert saved["rows"] == result["rows"]
+    assert "| 96 | 1 |" in (tmp_path / "decode-cpu.md").read_text()
+    assert (tmp_path / "decode-cpu.png").stat().st_size > 0
+
+
+def test_bad_sizes_are_refused(bench):
+    with pytest.raises(ValueError, match="--contexts/--batches/--splits"):
+        bench.Config(splits=())
