@@ -38,7 +38,8 @@ beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
 ``errors`` (the input checks and their one ``ValueError`` format), ``merge``
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
-``cache`` (cache sizes and slots), ``paged`` (a paged KV cache: a page pool,
+``cache`` (cache sizes and slots), ``decode`` (split-K decode attention over
+rows of their own lengths), ``paged`` (a paged KV cache: a page pool,
 block tables, their allocator), ``dispatch`` (``attention(impl=...)``) and
 ``registry`` (the named registries feature maps, and the models' layer kinds,
 presets and variants, are added to).
@@ -47,6 +48,7 @@ presets and variants, are added to).
 from attn import errors, linear, masks, paged, pallas, registry, ring, scores, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
+from attn.decode import decode_attention
 from attn.dispatch import IMPLS, attention
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
@@ -69,7 +71,7 @@ from attn.merge import merge_attention
 from attn.paged import PageTable, paged_decode_attention
 from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
-from attn.softmax import blockwise_attention, decode_attention, dot_product_attention
+from attn.softmax import blockwise_attention, dot_product_attention
 
 __all__ = [
     "DELTA_FORMS",

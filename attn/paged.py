@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import errors
+from attn.decode import decode_attention
 from attn.errors import fail
-from attn.softmax.decode import decode_attention
 
 __all__ = [
     "PageTable",

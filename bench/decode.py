@@ -7,7 +7,7 @@ per row, GQA: ``heads`` query heads over ``kv_heads``) of:
 * ``xla``: ``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``,
 * ``unsplit``: ``attn.decode_attention(num_splits=1)``,
 * ``split``: ``attn.decode_attention`` at its default split count
-  (``attn.softmax.default_splits``) and at the best of ``splits``,
+  (``attn.decode.default_splits``) and at the best of ``splits``,
 * ``paged``: ``attn.paged_decode_attention`` over pages of ``page_size`` in a
   shuffled order (default splits),
 
@@ -197,7 +197,7 @@ def sweep(cfg: Config) -> list[dict]:
 
 
 def _default_splits(S: int) -> int:
-    from attn.softmax import default_splits
+    from attn.decode import default_splits
 
     return default_splits(S)
 

@@ -10,9 +10,7 @@ Modules, in the order a reader needs them:
   masks' block classification (shared with ``attn.ring`` and ``attn.pallas``);
 * ``tiles``: the tile layout of the blockwise kernels;
 * ``kernels``: the online-softmax forward and the FlashAttention-2 backward;
-* ``blockwise``: ``blockwise_attention`` and ``count_blocks``;
-* ``decode``: ``decode_attention``, a few queries per row over a cache of
-  rows with their own lengths, split-K (flash-decoding).
+* ``blockwise``: ``blockwise_attention`` and ``count_blocks``.
 
 Ring attention (``attn.ring``) and the Pallas kernels (``attn.pallas``) build
 on the same contract and schedule.
@@ -25,7 +23,6 @@ from attn.softmax.blockwise import (
     blockwise_attention,
     count_blocks,
 )
-from attn.softmax.decode import decode_attention, default_splits
 from attn.softmax.dense import dot_product_attention
 
 __all__ = [
@@ -34,7 +31,5 @@ __all__ = [
     "BlockCounts",
     "blockwise_attention",
     "count_blocks",
-    "decode_attention",
-    "default_splits",
     "dot_product_attention",
 ]

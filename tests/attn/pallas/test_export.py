@@ -111,6 +111,21 @@ def test_attention_dispatch_takes_the_platform_through():
     assert text.count(TRITON) == 1
 
 
+def test_split_k_decode_lowers_to_triton_for_cuda():
+    """One query per row over a 64K cache in 16 splits: one Triton kernel over the splits."""
+    B, S, N, K, H = 2, 65536, 8, 2, 128
+
+    def decode(q, k, v, lengths):
+        return attn.decode_attention(q, k, v, lengths=lengths, num_splits=16, mask=STREAMING,
+                                     impl="pallas", platform="gpu")  # fmt: skip
+
+    shapes = [(B, 1, N, H), (B, S, K, H), (B, S, K, H), (B,)]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.int32]
+    text = export(decode, "cuda", shapes, dtypes, (TRITON,)).mlir_module()
+    assert text.count(TRITON) == 1
+    assert 'name = "attn_flash_forward"' in text
+
+
 SPLASH_CASES = [
     (2, 128, 1024, masks.causal(), jnp.bfloat16, False, None),
     (2, 128, 1024, masks.sliding_window(256), jnp.bfloat16, True, None),

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from attn import errors, scores
 from attn.errors import fail
 from attn.merge import merge_partials
+from attn.pallas import flash_attention
 from attn.softmax.call import check_static
 from attn.softmax.dense import dot_product_attention
 
@@ -38,6 +39,7 @@ __all__ = ["decode_attention", "default_splits"]
 # Keys per split below which splitting only adds merge work (the auto choice).
 MIN_SPLIT_KEYS = 1024
 MAX_SPLITS = 16
+IMPLS = ("xla", "pallas")
 
 
 def default_splits(S: int) -> int:
@@ -62,6 +64,8 @@ def decode_attention(
     kv_positions=None,
     kv_valid=None,
     return_lse: bool = False,
+    impl: str = "xla",
+    platform: str | None = None,
 ):
     """Attention of T query tokens per row over the ``lengths[b]`` valid keys of a cache.
 
@@ -84,6 +88,11 @@ def decode_attention(
       kv_valid: ``[B,S]`` bools, or None: which slots below ``lengths`` hold a
         key (a paged cache's freed pages do not).
       return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
+      impl: what computes each split: ``"xla"`` (``dot_product_attention``) or
+        ``"pallas"`` (``attn.pallas.flash_attention``: its grid runs over the
+        splits as batch rows; interpret mode on a CPU).
+      platform: with ``"pallas"``, the platform its kernel is lowered for (as
+        ``flash_attention``'s: ``jax.export`` for an accelerator from a CPU).
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype (zeros for a row that sees no key), and
@@ -93,6 +102,8 @@ def decode_attention(
     d = errors.qkv_dims(q, k, v)
     mask, scale, softcap = check_static(mask, scale, softcap)
     scores.check_type(score_mod)
+    if impl not in IMPLS:
+        fail("impl", f"one of {IMPLS}", repr(impl))
     lengths = _check_lengths(lengths, d.B, d.S)
     P = default_splits(d.S) if num_splits is None else errors.positive_int(num_splits, "num_splits")
     P = min(P, d.S)
@@ -114,6 +125,7 @@ def decode_attention(
     return _decode(
         q, k, v, valid, q_positions, kv_positions, sink_logits, score_mod,
         splits=P, mask=mask, scale=scale, softcap=softcap, return_lse=bool(return_lse),
+        impl=impl, platform=platform,
     )  # fmt: skip
 
 
@@ -127,9 +139,12 @@ def _check_lengths(lengths, B: int, S: int):
     return lengths.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "mask", "scale", "softcap", "return_lse"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("splits", "mask", "scale", "softcap", "return_lse", "impl", "platform"),
+)
 def _decode(q, k, v, valid, q_pos, kv_pos, sink, score_mod, *, splits, mask, scale, softcap,
-            return_lse):  # fmt: skip
+            return_lse, impl, platform):  # fmt: skip
     B, T, N, _ = q.shape
     S = k.shape[1]
     C = -(-S // splits)  # keys per split; the last split is padded with invalid slots
@@ -148,7 +163,10 @@ def _decode(q, k, v, valid, q_pos, kv_pos, sink, score_mod, *, splits, mask, sca
         by_role = {"head": lambda x: x, "q": tile, "k": cut}
         leaves = [by_role[role](x) for role, x in zip(structure.roles, leaves, strict=True)]
         score_mod = structure.rebuild(leaves)
-    out, lse = dot_product_attention(
+    attention = dot_product_attention
+    if impl == "pallas":
+        attention = functools.partial(flash_attention, platform=platform)
+    out, lse = attention(
         tile(q), cut(k), cut(v),
         mask=mask, scale=scale, softcap=softcap, score_mod=score_mod,
         q_positions=tile(q_pos), kv_positions=cut(kv_pos),

@@ -85,9 +85,9 @@ def test_traced_lengths_and_the_default_split_count():
     out = jax.jit(lambda q, k, v, n: attn.decode_attention(q, k, v, lengths=n))(q, k, v, LENGTHS)
     want = np_attention(q, k, v, allowed(None, LENGTHS, 1))
     assert rel_err(out, want) < TOL
-    assert attn.softmax.default_splits(64 * 1024) == 16
-    assert attn.softmax.default_splits(3000) == 2
-    assert attn.softmax.default_splits(S) == 1
+    assert attn.decode.default_splits(64 * 1024) == 16
+    assert attn.decode.default_splits(3000) == 2
+    assert attn.decode.default_splits(S) == 1
 
 
 def test_bfloat16_inputs_keep_float32_statistics():
@@ -112,3 +112,16 @@ def test_bad_input_names_the_argument(kwargs, match):
     q, k, v = qkv(6, B=4, T=1, S=S, N=4, K=2)
     with pytest.raises(ValueError, match=match):
         attn.decode_attention(q, k, v, **kwargs)
+
+
+def test_pallas_splits_equal_the_xla_ones():
+    """The Pallas kernel (interpret mode here) computing every split: GQA, a window, sinks."""
+    q, k, v = qkv(7, B=4, T=1, S=S, N=4, K=2)
+    kw = dict(lengths=LENGTHS, num_splits=3, mask=MASKS["streaming"],
+              sink_logits=np.array([0.5, -1.0, 2.0, 0.0], np.float32), return_lse=True)  # fmt: skip
+    out, lse = attn.decode_attention(q, k, v, impl="pallas", **kw)
+    want, want_lse = attn.decode_attention(q, k, v, **kw)
+    assert rel_err(out, want) < TOL
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        attn.decode_attention(q, k, v, lengths=LENGTHS, impl="cudnn")
