@@ -32,6 +32,7 @@ its valid tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform as platform_lib
 import sys
@@ -140,9 +141,9 @@ def _paged(cfg: Config, k, v, lengths):
     return pool(k), pool(v), tables, table
 
 
+@functools.lru_cache(maxsize=8)
 def _steps(cfg: Config, S: int):
-    import functools
-
+    """The jitted steps for contexts of S (cached: the ragged batch reuses the sweep's)."""
     import jax
 
     import attn
