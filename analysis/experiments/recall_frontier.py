@@ -51,9 +51,16 @@ Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
   families over wider knobs: 9 x 4 x 4 x 4 = 576 runs.
   ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
-  update (forward + backward) times its updates, and the total over the runs;
-  the expected time on one H100/H200-class GPU is that total over the rate
-  the GPU sustains on these small models (not yet measured: no device was lent).
+  update (forward + backward, not the optimizer) times its updates, and the
+  total over the runs (3 minutes on one core): from 2.7e14 FLOP per run (GQA
+  with one kv head, T = 128) through a median of 7.3e14 to 1.3e16 (the hybrid
+  of width 512 at T = 512), 7.7e17 FLOP over the 576 runs. The scans of the
+  linear and delta-rule forms count their loop body once, so their runs are
+  undercounted. The 576 runs make 2.9 million updates. On one H100/H200-class
+  GPU, at an assumed 100 TFLOP/s sustained (a fifth of the TF32 peak; these
+  models are narrow) that is 2.1 hours of arithmetic, and at an assumed 2 ms
+  per update for dispatch and small kernels another 1.6 hours unless runs
+  share the GPU (``--jobs``): about 4 hours. No device was lent to measure it.
 * ``quick``: two runs of a few updates (the tests).
 
 ``--dry-run`` builds every run's config and model (shapes only) and prints
