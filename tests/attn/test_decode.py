@@ -10,6 +10,7 @@ from attn import masks, scores
 from tests.util import normal, np_attention, qkv, rel_err
 
 TOL = 2e-6
+H_DIM = 8  # tests.util.qkv's default head dim
 S = 20  # cache slots; the rows hold one key, 8 (across a split's end), all 20 and none
 LENGTHS = np.array([1, 8, 20, 0])
 
@@ -125,3 +126,31 @@ def test_pallas_splits_equal_the_xla_ones():
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
     with pytest.raises(ValueError, match="impl: expected one of"):
         attn.decode_attention(q, k, v, lengths=LENGTHS, impl="cudnn")
+
+
+def test_gradients_equal_one_dense_call_over_the_valid_keys():
+    """d/dq, dk, dv and the sinks' through the splits and the merge (the dense call's
+    own gradients are checked against float64 in test_dense.py)."""
+    q, k, v = qkv(8, B=4, T=1, S=S, N=4, K=2)
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])
+    valid = (np.arange(S)[None] < LENGTHS[:, None]).astype(np.int32)
+    q_pos = jnp.asarray(LENGTHS[:, None] - 1)
+    ct = normal(9, (4, 1, 4, H_DIM))
+
+    def split(q, k, v, sink):
+        out = attn.decode_attention(q, k, v, lengths=LENGTHS, num_splits=3, sink_logits=sink,
+                                    mask=masks.causal())  # fmt: skip
+        return jnp.sum(out * ct)
+
+    def dense(q, k, v, sink):
+        out = attn.dot_product_attention(
+            q, k, v, sink_logits=sink, mask=masks.causal(), q_positions=q_pos,
+            q_segment_ids=np.ones((4, 1), np.int32), kv_segment_ids=valid,
+        )  # fmt: skip
+        return jnp.sum(out * ct)
+
+    got = jax.grad(split, argnums=(0, 1, 2, 3))(q, k, v, sink)
+    want = jax.grad(dense, argnums=(0, 1, 2, 3))(q, k, v, sink)
+    for g, w in zip(got, want, strict=True):
+        assert rel_err(g, w) < 1e-5
+    assert np.all(np.asarray(got[1])[3] == 0.0)  # the empty row's keys get nothing

@@ -134,3 +134,34 @@ def test_memory_is_the_valid_tokens_rounded_up_to_a_page_per_row():
     assert used == valid  # every length is a multiple of 16
     table.grow(0, 1025)
     assert table.bytes_in_use(num_kv_heads=8, head_dim=128, dtype=jnp.bfloat16) < 1.01 * valid
+
+
+def test_gradients_through_the_pages_equal_the_contiguous_ones():
+    """d/dq and d/d(pool) of paged decoding: the pool's gradient is the contiguous
+    cache's, at each token's page and slot (and zero on pages no row holds)."""
+    table = attn.PageTable(PAGES, PAGE, 2, M)
+    table.grow(1, 9)  # row 1 first: the rows' pages interleave
+    table.grow(0, 6)
+    table.grow(1, 13)
+    tables, lengths = table.arrays()
+    pool = normal(3, (PAGES, PAGE, K, H))
+    q, ct = normal(4, (2, 1, N, H)), normal(5, (2, 1, N, H))
+    kw = dict(mask=masks.causal(), num_splits=2)
+
+    def paged_loss(q, pool):
+        return jnp.sum(attn.paged_decode_attention(q, pool, pool, tables, lengths, **kw) * ct)
+
+    def contiguous_loss(q, cache):
+        return jnp.sum(attn.decode_attention(q, cache, cache, lengths=lengths, **kw) * ct)
+
+    cache = paged.gather(pool, tables)
+    dq, dpool = jax.grad(paged_loss, argnums=(0, 1))(q, pool)
+    want_dq, dcache = jax.grad(contiguous_loss, argnums=(0, 1))(q, cache)
+    assert rel_err(dq, want_dq) < 1e-6
+    for b in range(2):
+        for p in range(int(lengths[b])):
+            page, slot = int(tables[b, p // PAGE]), p % PAGE
+            np.testing.assert_allclose(dpool[page, slot], dcache[b, p], rtol=1e-6, atol=1e-7)
+    held = np.asarray(tables)[np.asarray(tables) >= 0]
+    free = np.setdiff1d(np.arange(PAGES), held)
+    np.testing.assert_array_equal(np.asarray(dpool)[free], 0.0)
