@@ -199,16 +199,33 @@ def write(pool_k, pool_v, block_tables, positions, k, v, valid=None):
 
     Returns:
       ``(pool_k, pool_v)`` with the tokens stored.
+
+    Raises:
+      ValueError: a token's page is -1 (not allocated), when the values are
+        concrete. Under a trace such a token is dropped.
     """
     P, page = pool_k.shape[:2]
     positions = jnp.asarray(positions, jnp.int32)
     pages = jnp.take_along_axis(block_tables, positions // page, axis=1)  # [B,T]
+    _check_allocated(pages, valid)
     ok = pages >= 0 if valid is None else (pages >= 0) & valid
     # Tokens not written go to an index past the pool, which the scatter drops.
     pages, slots = jnp.where(ok, pages, P), positions % page
     pool_k = pool_k.at[pages, slots].set(k.astype(pool_k.dtype), mode="drop")
     pool_v = pool_v.at[pages, slots].set(v.astype(pool_v.dtype), mode="drop")
     return pool_k, pool_v
+
+
+def _check_allocated(pages, valid) -> None:
+    """Refuses, where the values are known, a token written to a page no row holds."""
+    held, ok = errors.concrete(pages), None if valid is None else errors.concrete(valid)
+    if held is None or (valid is not None and ok is None):
+        return
+    missing = (held < 0) if ok is None else (held < 0) & ok
+    if missing.any():
+        b, t = (int(i[0]) for i in np.nonzero(missing))
+        fail("block_tables", "a page for every token written (PageTable.grow first)",
+             f"none for row {b}'s token {t}")  # fmt: skip
 
 
 def gather(pool, block_tables):

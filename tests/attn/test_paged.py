@@ -55,6 +55,8 @@ def test_bad_tables_are_refused_when_concrete():
         attn.paged_decode_attention(q, pool, pool, tables, np.array([5, 13]))
     with pytest.raises(ValueError, match="block_tables: expected a \\[2, M\\] array"):
         attn.paged_decode_attention(q, pool, pool, tables[0], lengths)
+    with pytest.raises(ValueError, match="block_tables: expected a page for every token"):
+        paged.write(pool, pool, tables, np.array([[4], [8]]), q[:, :, :K], q[:, :, :K])
     # A page past a row's length is not read, so a stale id there is no error.
     stale = np.array([[0, 1, 1], [2, 3, -1]], np.int32)
     attn.paged_decode_attention(q, pool, pool, stale, lengths)
