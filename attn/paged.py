@@ -17,6 +17,8 @@ The pieces:
   ``release``, and ``drop_before`` (a sliding-window layer frees the pages that
   left its window, keeping the pages of pinned initial tokens);
 * ``write``: new tokens' keys and values into the pool (pure; jittable);
+  ``write_pages`` for any payload, and ``extend_pages``, what new tokens
+  attend to and the pools after them (a model's paged layer cache);
 * ``gather``: a row's pages as one contiguous ``[B, M * page_size, K, H]``
   view, and ``valid_slots``, which of its slots hold keys;
 * ``paged_decode_attention``: ``attn.decode_attention`` over the pages, the
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import errors
+from attn.cache import EMPTY
 from attn.decode import decode_attention
 from attn.errors import fail
 
@@ -40,11 +43,13 @@ __all__ = [
     "PageTable",
     "PoolExhausted",
     "check_block_tables",
+    "extend_pages",
     "gather",
     "paged_decode_attention",
     "pages_for",
     "valid_slots",
     "write",
+    "write_pages",
 ]
 
 UNUSED = -1  # a block-table entry that holds no page
@@ -204,16 +209,64 @@ def write(pool_k, pool_v, block_tables, positions, k, v, valid=None):
       ValueError: a token's page is -1 (not allocated), when the values are
         concrete. Under a trace such a token is dropped.
     """
-    P, page = pool_k.shape[:2]
+    return write_pages((pool_k, pool_v), block_tables, positions, (k, v), valid)
+
+
+def write_pages(pools: tuple, block_tables, positions, new: tuple, valid=None) -> tuple:
+    """``write`` for any payload: one pool ``[P, page_size, ...]`` per array ``[B, T, ...]``
+    of ``new`` (keys and values; an MLA layer's latents; FoX's gate sums)."""
+    P, page = pools[0].shape[:2]
     positions = jnp.asarray(positions, jnp.int32)
-    pages = jnp.take_along_axis(block_tables, positions // page, axis=1)  # [B,T]
+    index = positions // page
+    M = block_tables.shape[1]
+    pages = jnp.take_along_axis(block_tables, jnp.clip(index, 0, M - 1), axis=1)  # [B,T]
+    pages = jnp.where((index >= 0) & (index < M), pages, UNUSED)  # past the table: no page
     _check_allocated(pages, valid)
     ok = pages >= 0 if valid is None else (pages >= 0) & valid
     # Tokens not written go to an index past the pool, which the scatter drops.
     pages, slots = jnp.where(ok, pages, P), positions % page
-    pool_k = pool_k.at[pages, slots].set(k.astype(pool_k.dtype), mode="drop")
-    pool_v = pool_v.at[pages, slots].set(v.astype(pool_v.dtype), mode="drop")
-    return pool_k, pool_v
+    return tuple(
+        pool.at[pages, slots].set(x.astype(pool.dtype), mode="drop")
+        for pool, x in zip(pools, new, strict=True)
+    )
+
+
+def extend_pages(pools: tuple, block_tables, new: tuple, start, lengths=None):
+    """What T new tokens attend to, and the pools after storing them: the paged
+    counterpart of ``attn.cache.extend_slots``.
+
+    The new tokens see each row's held slots below ``start`` (its earlier
+    tokens, in position order) followed by themselves, so decoding (T = 1)
+    and a ragged prefill are one path.
+
+    Args:
+      pools: arrays ``[P, page_size, ...]``.
+      block_tables: ``[B, M]`` int32 page ids (-1: none); the pages of the new
+        tokens must be held.
+      new: arrays ``[B, T, ...]`` of the tokens at positions ``start[b] + t``.
+      start: ``[B]`` int32 position of ``new[:, 0]`` (the tokens each row holds).
+      lengths: ``[B]`` real new tokens per row (the rest is padding, not
+        stored), or None (all T).
+
+    Returns:
+      ``((visible arrays [B, M * page_size + T, ...], visible positions
+      [B, M * page_size + T]), pools)``; the visible positions are
+      ``attn.cache.EMPTY`` where there is no token.
+    """
+    B, T = new[0].shape[:2]
+    page = pools[0].shape[1]
+    start = jnp.asarray(start, jnp.int32)
+    positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]
+    real = None if lengths is None else jnp.arange(T)[None, :] < jnp.asarray(lengths)[:, None]
+    slots = jnp.arange(block_tables.shape[1] * page, dtype=jnp.int32)[None, :]
+    held = valid_slots(block_tables, page) & (slots < start[:, None])
+    visible = tuple(
+        jnp.concatenate([gather(pool, block_tables), x.astype(pool.dtype)], axis=1)
+        for pool, x in zip(pools, new, strict=True)
+    )
+    new_pos = positions if real is None else jnp.where(real, positions, EMPTY)
+    visible_pos = jnp.concatenate([jnp.where(held, slots, EMPTY), new_pos], axis=1)
+    return (visible, visible_pos), write_pages(pools, block_tables, positions, new, real)
 
 
 def _check_allocated(pages, valid) -> None:

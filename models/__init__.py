@@ -24,7 +24,8 @@ projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 ``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
 (``LinearAttention``), ``block.py`` (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the
 three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
-``config.py`` / ``patterns.py`` (presets) and ``generate.py``.
+``config.py`` / ``patterns.py`` (presets), ``generate.py`` and ``serving.py``
+(continuous batching over a paged cache: ``serve``).
 
 Extending without editing the package (``docs/extending.md``): ``register_kind``
 adds a layer kind (its module class, the config fields it reads, optionally a
@@ -41,7 +42,8 @@ Any layer may convolve its input with a short causal convolution
 Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
 ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
 linear-attention states, mixed freely across layers, and the short convolutions'
-last inputs.
+last inputs. Full caches may be paged (``init_cache(..., page_size=...)``):
+one pool of pages per layer, shared by the rows through block tables.
 """
 
 from models.block import MLP, Block, ShortConv
@@ -55,8 +57,11 @@ from models.cache import (
     bookkeeping_bytes,
     cache_bytes,
     cache_overflow,
+    clear_rows,
     latent_cache_bytes,
     linear_state_bytes,
+    paged_layer,
+    set_block_tables,
 )
 from models.config import (
     COMMON_FIELDS,
@@ -84,6 +89,7 @@ from models.patterns import (
     presets,
     register_preset,
 )
+from models.serving import serve
 from models.softmax import CrossAttention, SelfAttention
 from models.taps import (
     attention_modules,
@@ -135,6 +141,7 @@ __all__ = [
     "cache_bytes",
     "cache_overflow",
     "capture_weights",
+    "clear_rows",
     "depth_lambda_init",
     "describe",
     "generate",
@@ -143,9 +150,12 @@ __all__ = [
     "latent_cache_bytes",
     "linear_state_bytes",
     "packed_positions",
+    "paged_layer",
     "pattern",
     "presets",
     "register_kind",
     "register_preset",
+    "serve",
+    "set_block_tables",
     "set_head_gates",
 ]

@@ -31,6 +31,7 @@ layer and the lengths ``[B]``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import jax
@@ -45,6 +46,7 @@ from attn.cache import (  # noqa: F401  (EMPTY and the sizes are re-exported)
     linear_state_bytes,
 )
 from attn.linear import LinearState
+from attn.paged import UNUSED, extend_pages, pages_for
 
 
 @struct.dataclass
@@ -53,8 +55,16 @@ class SlotCache:
 
     Subclasses name their payload arrays ``[B,S,...]`` in ``PAYLOAD``.
 
+    A paged cache (``paged_layer``; ``Decoder.init_cache(..., page_size=...)``)
+    keeps each payload in a pool ``[P, page_size, ...]`` shared by the rows,
+    with ``tables`` mapping each row's positions to pages
+    (``attn.paged``); it stores no positions (``pos`` is None): position p of
+    a row is slot p of its pages.
+
     Attributes:
-      pos: ``[B,S]`` int32 absolute position of each slot's token, ``EMPTY`` if none.
+      pos: ``[B,S]`` int32 absolute position of each slot's token, ``EMPTY`` if
+        none; None for a paged cache.
+      tables: ``[B,M]`` int32 block tables of a paged cache (-1: no page), else None.
       pinned: slots ``[0, pinned)`` hold positions ``[0, pinned)`` forever (initial tokens);
         the other ``S - pinned`` are a ring buffer. Static.
       ring: True for a window layer's ring buffer, which never fills; False for
@@ -62,11 +72,23 @@ class SlotCache:
         ``cache_overflow``). Static.
     """
 
-    pos: jax.Array = struct.field(kw_only=True)
+    pos: jax.Array | None = struct.field(kw_only=True)
+    tables: jax.Array | None = struct.field(default=None, kw_only=True)
     pinned: int = struct.field(pytree_node=False, default=0, kw_only=True)
     ring: bool = struct.field(pytree_node=False, default=False, kw_only=True)
 
     PAYLOAD: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def paged(self) -> bool:
+        return self.tables is not None
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row can hold: S slots, or M pages of ``page_size``."""
+        if self.paged:
+            return self.tables.shape[1] * getattr(self, self.PAYLOAD[0]).shape[1]
+        return self.pos.shape[1]
 
     def extend(self, new: tuple, start, lengths=None):
         """Stores T new tokens' payload ``[B,T,...]`` at positions ``start[b] + t``.
@@ -78,10 +100,14 @@ class SlotCache:
 
         Returns:
           ``(visible, visible_pos, cache)``: the payload arrays ``[B,S',...]`` and
-          positions ``[B,S']`` the new tokens attend to (``attn.cache.extend_slots``),
-          and the updated cache.
+          positions ``[B,S']`` the new tokens attend to (``attn.cache.extend_slots``,
+          or ``attn.paged.extend_pages`` for a paged cache), and the updated cache.
         """
         old = tuple(getattr(self, name) for name in self.PAYLOAD)
+        if self.paged:
+            (visible, visible_pos), stored = extend_pages(old, self.tables, new, start, lengths)
+            cache = self.replace(**dict(zip(self.PAYLOAD, stored, strict=True)))
+            return visible, visible_pos, cache
         (visible, visible_pos), (stored, pos) = extend_slots(
             old, self.pos, new, start, lengths, pinned=self.pinned
         )
@@ -175,13 +201,13 @@ class DecodeCache:
 
 
 def full_cache_slots(cache: DecodeCache) -> int | None:
-    """Slots of the smallest full (non-ring) layer cache: the positions it can hold, or None."""
-    sizes = [
-        layer.pos.shape[1]
-        for layer in cache.layers
-        if isinstance(layer, SlotCache) and not layer.ring
-    ]
+    """Positions the smallest full (non-ring) layer cache can hold per row, or None."""
+    sizes = [layer.capacity for layer in _slot_layers(cache) if not layer.ring]
     return min(sizes) if sizes else None
+
+
+def _slot_layers(cache: DecodeCache) -> list[SlotCache]:
+    return [layer for layer in cache.layers if isinstance(layer, SlotCache)]
 
 
 def cache_overflow(cache: DecodeCache, count):
@@ -191,6 +217,8 @@ def cache_overflow(cache: DecodeCache, count):
     would cycle through the slots and silently turn full attention into a
     window of S, so it is an error: with concrete lengths this raises; under a
     trace it returns the rows that overflow, whose logits the caller makes NaN.
+    A paged layer overflows where a new token's page is not held (the block
+    table was not grown for it), which would drop the token.
 
     Args:
       cache: the ``DecodeCache`` before the new tokens.
@@ -206,16 +234,109 @@ def cache_overflow(cache: DecodeCache, count):
     if room is None:
         return None
     end = cache.lengths + count  # [B] one past the last new position
+    over = end > room
+    for layer in _slot_layers(cache):
+        if layer.paged:
+            over = over | _missing_pages(layer, cache.lengths, end)
     try:
-        value = np.asarray(end)
+        value, missing = np.asarray(end), np.asarray(over)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return end > room
+        return over
     if (value > room).any():
         raise ValueError(
             f"cache: expected room for positions up to {int(value.max()) - 1}, got a full cache "
             f"of {room} slots (positions 0..{room - 1}); make it with a larger max_len"
         )
-    return end > room
+    if missing.any():
+        b = int(np.nonzero(missing)[0][0])
+        raise ValueError(
+            f"cache: expected pages for row {b}'s positions {int(np.asarray(cache.lengths)[b])}.."
+            f"{int(value[b]) - 1} in its block table (attn.PageTable.grow, then "
+            "models.set_block_tables), got a table without them"
+        )
+    return over
+
+
+def _missing_pages(layer: SlotCache, start, end):
+    """``[B]`` bool: rows whose positions ``[start, end)`` reach a page the table lacks."""
+    page = getattr(layer, layer.PAYLOAD[0]).shape[1]
+    m = jnp.arange(layer.tables.shape[1])[None, :]
+    needed = (m >= (start // page)[:, None]) & (m * page < end[:, None])  # [B,M]
+    return jnp.any(needed & (layer.tables < 0), axis=1)
+
+
+# ----------------------------------------------------------------------------
+# Paged caches and rows that come and go
+
+
+def paged_layer(layer: SlotCache, num_pages: int, page_size: int) -> SlotCache:
+    """The paged form of a full layer cache (it may be a ``jax.eval_shape`` of one).
+
+    Each payload ``[B,S,...]`` becomes a zero pool ``[num_pages, page_size, ...]``
+    and every row an empty block table of ``ceil(S / page_size)`` entries; the
+    layer's other per-row arrays (FoX's gate totals) are zeros as in a new cache.
+    """
+    if not isinstance(layer, SlotCache) or layer.ring:
+        raise ValueError(f"layer: expected a full SlotCache, got {type(layer).__name__}")
+    B, S = layer.pos.shape
+    fields = {}
+    for f in dataclasses.fields(layer):
+        x = getattr(layer, f.name)
+        if f.name in layer.PAYLOAD:
+            fields[f.name] = jnp.zeros((num_pages, page_size, *x.shape[2:]), x.dtype)
+        elif f.metadata.get("pytree_node", True) and f.name not in ("pos", "tables"):
+            fields[f.name] = jnp.zeros(x.shape, x.dtype)
+    tables = jnp.full((B, pages_for(S, page_size)), UNUSED, jnp.int32)
+    return layer.replace(pos=None, tables=tables, **fields)
+
+
+def set_block_tables(cache: DecodeCache, tables) -> DecodeCache:
+    """The cache with every paged layer reading ``tables`` ``[B,M]`` (a host
+    ``attn.PageTable``'s, after it grew or released rows)."""
+    tables = jnp.asarray(tables, jnp.int32)
+
+    def put(layer):
+        if not isinstance(layer, SlotCache) or not layer.paged:
+            return layer
+        if tables.shape != layer.tables.shape:
+            raise ValueError(
+                f"tables: expected block tables of shape {layer.tables.shape}, got {tables.shape}"
+            )
+        return layer.replace(tables=tables)
+
+    return cache.replace(layers=tuple(put(layer) for layer in cache.layers))
+
+
+def clear_rows(cache: DecodeCache, empty: DecodeCache, rows) -> DecodeCache:
+    """The cache with ``rows`` as they are in ``empty`` (a new cache of the same
+    model and shape): a finished row's slot, cleared for the next sequence.
+
+    Per-row arrays (stored positions, states, convolution inputs, lengths, block
+    tables) take ``empty``'s values at the rows; a paged layer's pools, shared by
+    every row, are left as they are (the rows' pages return through the host's
+    ``attn.PageTable.release``).
+
+    Args:
+      cache, empty: ``DecodeCache``s of equal structure.
+      rows: ``[B]`` bools, True for the rows to clear.
+    """
+    rows = jnp.asarray(rows, bool)
+    B = rows.shape[0]
+
+    def pick(old, new):
+        keep = rows.reshape((B,) + (1,) * (old.ndim - 1))
+        return jnp.where(keep, new, old)
+
+    def layer_rows(old, new):
+        if isinstance(old, SlotCache) and old.paged:
+            none = dict.fromkeys(old.PAYLOAD)  # the pools are not per row: set aside
+            cleared = jax.tree.map(pick, old.replace(**none), new.replace(**none))
+            return cleared.replace(**{name: getattr(old, name) for name in old.PAYLOAD})
+        return jax.tree.map(pick, old, new)
+
+    layers = tuple(layer_rows(o, n) for o, n in zip(cache.layers, empty.layers, strict=True))
+    conv = jax.tree.map(pick, cache.conv, empty.conv)
+    return cache.replace(layers=layers, conv=conv, lengths=pick(cache.lengths, empty.lengths))
 
 
 # ----------------------------------------------------------------------------
@@ -254,13 +375,14 @@ def cache_bytes(cache: DecodeCache) -> int:
 
 
 def bookkeeping_bytes(cache: DecodeCache) -> int:
-    """Bytes of a ``DecodeCache`` that are not payload: stored positions, segment ids, lengths."""
+    """Bytes of a ``DecodeCache`` that are not payload: stored positions, block tables,
+    segment ids, lengths."""
     if not isinstance(cache, DecodeCache):
         raise ValueError(f"cache: expected a DecodeCache, got {type(cache).__name__}")
     total = _nbytes(cache.lengths)
     for layer in (*cache.layers, *cache.cross):
-        extra = getattr(layer, "pos", None)
-        extra = getattr(layer, "segment_ids", extra)
-        if extra is not None:
-            total += _nbytes(extra)
+        for name in ("pos", "tables", "segment_ids"):
+            extra = getattr(layer, name, None)
+            if extra is not None:
+                total += _nbytes(extra)
     return total

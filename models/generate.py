@@ -121,7 +121,7 @@ def _check_room(cache, needed: int):
         )
 
 
-def _sample(logits, key, temperature, top_k):
+def sample(logits, key, temperature, top_k):
     """Tokens ``[B]`` from float32 logits ``[B,V]``: argmax if ``temperature == 0``, else a
     sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
     greedy = jnp.argmax(logits, axis=-1)
@@ -144,13 +144,13 @@ def _generate(
         cache = model.init_cache(B, T + max_new_tokens)
     logits, cache = model.prefill(prompt, cache, lengths)
     last = logits[jnp.arange(B), lengths - 1]  # each row's next-token logits
-    first = _sample(last, jax.random.fold_in(key, 0), temperature, top_k)
+    first = sample(last, jax.random.fold_in(key, 0), temperature, top_k)
     done = first == eos_id
 
     def step(carry, i):
         token, cache, done = carry
         logits, cache = model.decode_step(token, cache)
-        nxt = _sample(logits, jax.random.fold_in(key, i), temperature, top_k)
+        nxt = sample(logits, jax.random.fold_in(key, i), temperature, top_k)
         nxt = jnp.where(done, eos_id, nxt)  # finished rows repeat EOS
         return (nxt, cache, done | (nxt == eos_id)), nxt
 

@@ -28,10 +28,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from attn import errors
 from attn.errors import fail
+from attn.paged import pages_for
 from models import inputs
 from models.block import Block
-from models.cache import DecodeCache, cache_overflow
+from models.cache import DecodeCache, SlotCache, cache_overflow, paged_layer
 from models.config import AttentionConfig, ModelConfig
 from models.heads import Dense, rows
 from models.mesh import explicit_spec
@@ -128,17 +130,35 @@ class _LM(nnx.Module):
 
     # Decoding (causal stacks) ------------------------------------------------
 
-    def _empty_cache(self, batch: int, max_len: int, cross: tuple = ()) -> DecodeCache:
+    def _empty_cache(
+        self, batch: int, max_len: int, cross: tuple = (), page_size=None, num_pages=None
+    ) -> DecodeCache:
         for name, x in (("batch", batch), ("max_len", max_len)):
             if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
                 fail(name, "a positive int", repr(x))
         conv = tuple(b.init_conv_state(batch) for b in self.blocks)
+        if page_size is None and num_pages is not None:
+            fail("page_size", "a positive int with num_pages", None)
+        if page_size is not None:
+            page_size = errors.positive_int(page_size, "page_size")
+            full = batch * pages_for(max_len, page_size)  # every row at max_len
+            num_pages = full if num_pages is None else errors.positive_int(num_pages, "num_pages")
         return DecodeCache(
-            layers=tuple(b.attn.init_cache(batch, max_len) for b in self.blocks),
+            layers=tuple(self._layer_cache(b, batch, max_len, page_size, num_pages) for b in self.blocks),
             lengths=jnp.zeros((batch,), jnp.int32),
             cross=cross,
             conv=conv if any(c is not None for c in conv) else (),
         )
+
+    @staticmethod
+    def _layer_cache(block, batch: int, max_len: int, page_size, num_pages):
+        """A block's empty layer cache; with ``page_size``, a full one is paged
+        (built from its shapes, so the contiguous cache is never allocated)."""
+        if page_size is not None:
+            shape = jax.eval_shape(lambda: block.attn.init_cache(batch, max_len))
+            if isinstance(shape, SlotCache) and not shape.ring:
+                return paged_layer(shape, num_pages, page_size)
+        return block.attn.init_cache(batch, max_len)
 
     def prefill(self, tokens, cache: DecodeCache, lengths=None):
         """Runs a prompt (or a further chunk of one) through the model into the cache.
@@ -254,7 +274,9 @@ class Decoder(_LM):
         )
         return self._logits(x)
 
-    def init_cache(self, batch: int, max_len: int) -> DecodeCache:
+    def init_cache(
+        self, batch: int, max_len: int, *, page_size: int | None = None, num_pages: int | None = None
+    ) -> DecodeCache:
         """An empty ``DecodeCache`` for ``batch`` rows of up to ``max_len`` tokens.
 
         Full caches hold ``max_len`` slots, one per position: going past them
@@ -262,8 +284,24 @@ class Decoder(_LM):
         layers hold ``initial_tokens + window`` slots whatever ``max_len``; linear
         layers a constant state. A layer with a short convolution also keeps its
         last W-1 inputs ``[B,W-1,D]`` (``DecodeCache.conv``).
+
+        With ``page_size``, the full caches are paged (``attn.paged``): one pool
+        of ``num_pages`` pages of ``page_size`` tokens per layer payload, shared
+        by the rows, and per-row block tables of ``ceil(max_len / page_size)``
+        entries, all empty. Pages are allocated on the host by an
+        ``attn.PageTable(num_pages, page_size, batch, ...)`` and handed over with
+        ``models.set_block_tables``; ``models.serve`` does both. Windows keep their
+        ring buffers (``initial_tokens + window`` slots already hold exactly
+        what they read) and recurrent layers their states.
+
+        Args:
+          batch: B, the rows (sequences decoded at once).
+          max_len: the most tokens a row holds (prompt + generated).
+          page_size: tokens per page, or None (contiguous caches).
+          num_pages: pages in each pool; default enough for every row at
+            ``max_len`` (``batch * ceil(max_len / page_size)``).
         """
-        return self._empty_cache(batch, max_len)
+        return self._empty_cache(batch, max_len, page_size=page_size, num_pages=num_pages)
 
 
 class Encoder(_LM):

@@ -1,0 +1,261 @@
+"""Continuous batching: requests of any length decoded together in a fixed batch of rows.
+
+A serving loop keeps ``batch`` rows busy: a request takes a free row, its
+prompt is prefilled while the other rows wait (their length that step is 0,
+so their caches do not change), then every busy row decodes one token per
+step; a row whose request is done (``max_new_tokens``, or ``eos_id``) is
+cleared and the next request takes it, between two steps. Rows are at their
+own positions throughout (the cache keeps a length per row).
+
+With ``page_size`` the full layer caches are paged (``attn.paged``): a row
+takes a page when it grows past its last one and returns its pages when it
+finishes, so the memory in use follows the tokens held, not ``batch x
+max_len``. A request is admitted when the pool can hold all the pages it will
+need (its prompt plus its new tokens), so a running row never waits for a page.
+Window layers keep their ring buffers and recurrent layers their states
+(``Decoder.init_cache``); both are cleared with the row.
+
+Everything on the device is two jitted programs (a prefill of ``[batch, T]``,
+T the longest prompt, and a one-token step), compiled once per run; the
+bookkeeping (which request holds which row, the page table) is on the host.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from attn import errors
+from attn.errors import fail
+from attn.paged import PageTable, pages_for
+from models.cache import clear_rows, set_block_tables
+from models.generate import NO_EOS, sample
+from models.inputs import pad_prompts
+
+__all__ = ["serve"]
+
+
+def serve(
+    model,
+    prompts,
+    max_new_tokens,
+    *,
+    batch: int,
+    max_len: int | None = None,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    key=None,
+    eos_id: int | None = None,
+    return_logits: bool = False,
+):
+    """Generates a continuation of each prompt, ``batch`` requests at a time.
+
+    Args:
+      model: a ``Decoder``.
+      prompts: a list of R 1-D token sequences of any lengths.
+      max_new_tokens: tokens to generate per request: an int, or one int per prompt.
+      batch: rows decoded at once (requests beyond them wait for a free row).
+      max_len: the most tokens a row holds; default the longest request
+        (prompt + new tokens).
+      page_size: tokens per page of a paged cache, or None (contiguous caches).
+      num_pages: pages per pool (paged only); default enough for ``batch`` rows
+        of ``max_len``. A request needing more pages than the pool has is a
+        ``ValueError``.
+      temperature, top_k, key: as ``models.generate``; row b's t-th token is
+        drawn with ``fold_in(fold_in(key, request), t)``, so a request's tokens do
+        not depend on which others ran beside it.
+      eos_id: a request ends after emitting it (the token is kept).
+      return_logits: also return each request's float32 logits ``[n, V]``, the
+        distribution each of its n tokens was drawn from.
+
+    Returns:
+      One int32 array of new tokens per prompt (in the prompts' order); with
+      ``return_logits``, ``(tokens, logits)``.
+    """
+    tokens, lengths = pad_prompts(prompts, "prompts")
+    lengths = np.asarray(lengths)
+    R, T = tokens.shape
+    new = _per_request(max_new_tokens, R)
+    batch = errors.positive_int(batch, "batch")
+    V = model.config.vocab_size
+    tokens = _check_vocab(tokens, V)
+    temperature, top_k, eos_id = _check_sampling(temperature, top_k, key, eos_id, V)
+    fed = lengths + new - 1  # positions a request writes (its last token is not fed back)
+    longest = int((lengths + new).max())
+    max_len = longest if max_len is None else errors.positive_int(max_len, "max_len")
+    if max_len < fed.max():
+        fail("max_len", f"at least {int(fed.max())} (the longest prompt + new tokens - 1)", max_len)
+    cache = model.init_cache(batch, max_len, page_size=page_size, num_pages=num_pages)
+    table = None
+    if page_size is not None:
+        M = pages_for(max_len, page_size)
+        table = PageTable(num_pages or batch * M, page_size, batch, M)
+        need = max(pages_for(n, page_size) for n in fed)
+        if need > table.num_pages:
+            fail("num_pages", f"at least {need} (the largest request's pages)", table.num_pages)
+    graphdef, state = nnx.split(model)
+    run = _Run(graphdef, state, cache, table, batch, max_len, page_size, num_pages)
+    options = (jax.random.PRNGKey(0) if key is None else key, temperature, top_k, eos_id)
+    out_tokens, out_logits = run.loop(tokens, lengths, new, options)
+    if return_logits:
+        return out_tokens, out_logits
+    return out_tokens
+
+
+def _per_request(max_new_tokens, R: int) -> np.ndarray:
+    counts = max_new_tokens
+    if isinstance(counts, numbers.Integral) and not isinstance(counts, bool):
+        counts = [counts] * R
+    counts = list(counts) if isinstance(counts, list | tuple) else None
+    if (
+        counts is None
+        or len(counts) != R
+        or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in counts)
+    ):
+        fail("max_new_tokens", f"a positive int or {R} of them", repr(max_new_tokens))
+    return np.asarray(counts, np.int64)
+
+
+def _check_vocab(tokens, V: int):
+    if int(tokens.min()) < 0 or int(tokens.max()) >= V:
+        fail("prompts", f"token ids in [0, {V})", f"{int(tokens.min())}..{int(tokens.max())}")
+    return tokens
+
+
+def _check_sampling(temperature, top_k, key, eos_id, V: int):
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        fail("temperature", "a number >= 0", repr(temperature))
+    if not temperature >= 0:
+        fail("temperature", "a number >= 0", repr(temperature))
+    if temperature > 0 and key is None:
+        fail("key", "a jax.random key when temperature > 0", None)
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
+    ):
+        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
+    if eos_id is not None and (
+        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
+    ):
+        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
+    return float(temperature), V if top_k is None else int(top_k), NO_EOS if eos_id is None else eos_id
+
+
+class _Run:
+    """One serving run's host state: which request holds each row, the page table, the cache."""
+
+    def __init__(self, graphdef, state, cache, table, batch, max_len, page_size, num_pages):
+        self.graphdef, self.state, self.cache, self.table = graphdef, state, cache, table
+        self.batch = batch
+        self.empty = functools.partial(
+            _clear, graphdef, max_len=max_len, page_size=page_size, num_pages=num_pages
+        )
+        self.request = [None] * batch  # the request each row holds, or None
+        self.length = np.zeros(batch, np.int64)  # tokens each row holds
+        self.reserved = np.zeros(batch, np.int64)  # pages each row's request will need
+
+    def loop(self, tokens, lengths, new, options):
+        key, temperature, top_k, eos_id = options
+        R, T = tokens.shape
+        waiting = collections.deque(range(R))
+        out_tokens = [[] for _ in range(R)]
+        out_logits = [[] for _ in range(R)]
+        last = np.zeros(self.batch, np.int32)  # each row's newest token, fed next step
+        sampling = (jnp.float32(temperature), jnp.int32(top_k))
+        while waiting or any(r is not None for r in self.request):
+            busy = np.array([r is not None for r in self.request])
+            joining = self._admit(waiting, lengths, new)
+            if joining.any():  # joining rows prefill their prompts, the others decode
+                self.cache = self.empty(self.state, self.cache, jnp.asarray(joining))
+                chunk = np.zeros((self.batch, T), np.int32)
+                chunk[:, 0] = last
+                for b in np.nonzero(joining)[0]:
+                    chunk[b] = tokens[self.request[b]]
+                count = np.where(joining, lengths[self.request_ids()], busy).astype(np.int32)
+            else:
+                chunk, count = last[:, None], busy.astype(np.int32)
+            logits = self._step(chunk, count, key, sampling, out_tokens, last)
+            for b, r in enumerate(self.request):
+                if r is None:
+                    continue
+                out_logits[r].append(logits[b])
+                if len(out_tokens[r]) == new[r] or out_tokens[r][-1] == eos_id:
+                    self._finish(b)
+        tokens_out = [np.asarray(t, np.int32) for t in out_tokens]
+        return tokens_out, [np.stack(x) for x in out_logits]
+
+    def request_ids(self) -> np.ndarray:
+        """``[batch]`` the request each row holds (0 for a free row)."""
+        return np.array([0 if r is None else r for r in self.request])
+
+    def _admit(self, waiting, lengths, new) -> np.ndarray:
+        """Gives free rows to waiting requests, in order, while the pool can hold them."""
+        joining = np.zeros(self.batch, bool)
+        for b in range(self.batch):
+            if not waiting or self.request[b] is not None:
+                continue
+            r = waiting[0]
+            pages = 0
+            if self.table is not None:
+                pages = pages_for(lengths[r] + new[r] - 1, self.table.page_size)
+                if self.reserved.sum() + pages > self.table.num_pages:
+                    break  # first come, first served: later requests wait too
+            waiting.popleft()
+            self.request[b], self.reserved[b], joining[b] = r, pages, True
+        return joining
+
+    def _finish(self, b: int) -> None:
+        self.request[b], self.reserved[b], self.length[b] = None, 0, 0
+        if self.table is not None:
+            self.table.release(b)
+
+    def _step(self, chunk, count, key, sampling, out_tokens, last):
+        """Runs ``count[b]`` tokens of ``chunk`` per row; samples each busy row's next token.
+
+        Returns ``[batch, V]`` each row's logits at its last token (meaningless
+        for a row that ran none).
+        """
+        self.length += count
+        if self.table is not None:
+            for b in np.nonzero(count)[0]:
+                self.table.grow(int(b), int(self.length[b]))
+            self.cache = set_block_tables(self.cache, self.table.tables)
+        keys = np.zeros((self.batch, 2), np.uint32)  # (request, token index) per row
+        for b, r in enumerate(self.request):
+            if r is not None:
+                keys[b] = (r, len(out_tokens[r]))
+        logits, nxt, self.cache = _prefill_and_sample(
+            self.graphdef, self.state, jnp.asarray(chunk), self.cache, jnp.asarray(count),
+            key, jnp.asarray(keys), *sampling,
+        )  # fmt: skip
+        logits, nxt = np.asarray(logits), np.asarray(nxt)
+        for b in np.nonzero(count)[0]:
+            out_tokens[self.request[b]].append(int(nxt[b]))
+            last[b] = nxt[b]
+        return logits
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _prefill_and_sample(graphdef, state, chunk, cache, count, key, keys, temperature, top_k):
+    """Prefills ``count[b]`` tokens per row; each row's logits at its last one and a sample."""
+    logits, cache = nnx.merge(graphdef, state).prefill(chunk, cache, count)
+    B = chunk.shape[0]
+    last = logits[jnp.arange(B), jnp.maximum(count - 1, 0)]  # [B,V]
+    row_keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(key, k[0]), k[1]))(keys)
+    nxt = jax.vmap(lambda x, k: sample(x[None], k, temperature, top_k)[0])(last, row_keys)
+    return last, nxt, cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "page_size", "num_pages"))
+def _clear(graphdef, state, cache, rows, *, max_len, page_size, num_pages):
+    """``clear_rows`` against a new cache built inside the program (its zeros cost nothing)."""
+    empty = nnx.merge(graphdef, state).init_cache(cache.lengths.shape[0], max_len, page_size=page_size,
+                             num_pages=num_pages)  # fmt: skip
+    return clear_rows(cache, empty, rows)
