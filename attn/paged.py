@@ -253,7 +253,7 @@ def extend_pages(pools: tuple, block_tables, new: tuple, start, lengths=None):
       [B, M * page_size + T]), pools)``; the visible positions are
       ``attn.cache.EMPTY`` where there is no token.
     """
-    B, T = new[0].shape[:2]
+    T = new[0].shape[1]
     page = pools[0].shape[1]
     start = jnp.asarray(start, jnp.int32)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B,T]

@@ -82,7 +82,7 @@ def serve(
     """
     tokens, lengths = pad_prompts(prompts, "prompts")
     lengths = np.asarray(lengths)
-    R, T = tokens.shape
+    R = tokens.shape[0]
     new = _per_request(max_new_tokens, R)
     batch = errors.positive_int(batch, "batch")
     V = model.config.vocab_size
@@ -145,7 +145,11 @@ def _check_sampling(temperature, top_k, key, eos_id, V: int):
         isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
     ):
         fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
-    return float(temperature), V if top_k is None else int(top_k), NO_EOS if eos_id is None else eos_id
+    return (
+        float(temperature),
+        V if top_k is None else int(top_k),
+        NO_EOS if eos_id is None else eos_id,
+    )
 
 
 class _Run:
@@ -256,6 +260,6 @@ def _prefill_and_sample(graphdef, state, chunk, cache, count, key, keys, tempera
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "page_size", "num_pages"))
 def _clear(graphdef, state, cache, rows, *, max_len, page_size, num_pages):
     """``clear_rows`` against a new cache built inside the program (its zeros cost nothing)."""
-    empty = nnx.merge(graphdef, state).init_cache(cache.lengths.shape[0], max_len, page_size=page_size,
-                             num_pages=num_pages)  # fmt: skip
+    model, B = nnx.merge(graphdef, state), cache.lengths.shape[0]
+    empty = model.init_cache(B, max_len, page_size=page_size, num_pages=num_pages)
     return clear_rows(cache, empty, rows)

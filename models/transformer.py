@@ -144,7 +144,9 @@ class _LM(nnx.Module):
             full = batch * pages_for(max_len, page_size)  # every row at max_len
             num_pages = full if num_pages is None else errors.positive_int(num_pages, "num_pages")
         return DecodeCache(
-            layers=tuple(self._layer_cache(b, batch, max_len, page_size, num_pages) for b in self.blocks),
+            layers=tuple(
+                self._layer_cache(b, batch, max_len, page_size, num_pages) for b in self.blocks
+            ),
             lengths=jnp.zeros((batch,), jnp.int32),
             cross=cross,
             conv=conv if any(c is not None for c in conv) else (),
@@ -275,7 +277,12 @@ class Decoder(_LM):
         return self._logits(x)
 
     def init_cache(
-        self, batch: int, max_len: int, *, page_size: int | None = None, num_pages: int | None = None
+        self,
+        batch: int,
+        max_len: int,
+        *,
+        page_size: int | None = None,
+        num_pages: int | None = None,
     ) -> DecodeCache:
         """An empty ``DecodeCache`` for ``batch`` rows of up to ``max_len`` tokens.
 
