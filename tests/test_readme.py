@@ -31,3 +31,10 @@ def test_readme_example_runs_and_a_decode_step_is_the_last_row(capsys):
     assert out.shape == (2, 128, 8, 64)
     np.testing.assert_allclose(last, out[:, -1:], rtol=1e-5, atol=1e-5)
     assert capsys.readouterr().out.strip() == "131072"
+
+
+def test_readme_decoding_example_serves_what_generate_gives():
+    (example,) = [b for b in python_blocks(README.read_text()) if "models.serve(" in b]
+    scope: dict = {}
+    exec(compile(example, str(README), "exec"), scope)  # it asserts the two agree
+    assert [len(s) for s in scope["served"]] == [8, 8, 8]

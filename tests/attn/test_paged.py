@@ -167,3 +167,58 @@ def test_gradients_through_the_pages_equal_the_contiguous_ones():
     held = np.asarray(tables)[np.asarray(tables) >= 0]
     free = np.setdiff1d(np.arange(PAGES), held)
     np.testing.assert_array_equal(np.asarray(dpool)[free], 0.0)
+
+
+def test_extend_pages_gives_what_extend_slots_gives_a_full_cache():
+    """A ragged prefill chunk into rows already holding tokens: the keys each new token
+    sees (by position) and the attention over them, forward and gradients to q and the
+    new keys and values, equal a full contiguous cache's; the pools then hold the real
+    new tokens at their pages and slots (padding is not stored)."""
+    T, start, count = 5, np.array([6, 0]), np.array([5, 3])
+    table = attn.PageTable(PAGES, PAGE, 2, M)
+    table.grow(1, 3)  # row 1 first: the rows' pages interleave
+    table.grow(0, 11)
+    tables = jnp.asarray(table.tables)
+    old_k, old_v = normal(6, (2, M * PAGE, K, H)), normal(7, (2, M * PAGE, K, H))
+    old_pos = np.where(np.arange(M * PAGE)[None] < start[:, None], np.arange(M * PAGE), -1)
+    pools = tuple(
+        paged.write_pages((jnp.zeros((PAGES, PAGE, K, H)),), tables,
+                          np.arange(M * PAGE)[None].repeat(2, 0), (x,), old_pos >= 0)[0]
+        for x in (old_k, old_v)
+    )  # fmt: skip
+    q, new_k, new_v = normal(8, (2, T, N, H)), normal(9, (2, T, K, H)), normal(10, (2, T, K, H))
+    ct = normal(11, (2, T, N, H))
+    positions = jnp.asarray(start[:, None] + np.arange(T))
+    kw = dict(mask=masks.causal(), q_positions=positions, q_segment_ids=jnp.ones((2, T), int))
+
+    def attend(q, visible, visible_pos):
+        seg = (visible_pos >= 0).astype(jnp.int32)
+        out = attn.dot_product_attention(q, *visible, kv_positions=visible_pos,
+                                         kv_segment_ids=seg, **kw)  # fmt: skip
+        return jnp.sum(out * ct)
+
+    def paged_loss(q, new_k, new_v):
+        (visible, pos), _ = paged.extend_pages(pools, tables, (new_k, new_v), start, count)
+        return attend(q, visible, pos)
+
+    def contiguous_loss(q, new_k, new_v):
+        (visible, pos), _ = attn.cache.extend_slots(
+            (old_k, old_v), jnp.asarray(old_pos, jnp.int32), (new_k, new_v), start, count
+        )
+        return attend(q, visible, pos)
+
+    got = jax.value_and_grad(paged_loss, argnums=(0, 1, 2))(q, new_k, new_v)
+    want = jax.value_and_grad(contiguous_loss, argnums=(0, 1, 2))(q, new_k, new_v)
+    assert rel_err(got[0], want[0]) < 1e-6
+    for g, w in zip(got[1], want[1], strict=True):
+        assert rel_err(g, w) < 1e-6
+    _, (pool_k, pool_v) = paged.extend_pages(pools, tables, (new_k, new_v), start, count)
+    for b in range(2):
+        for t in range(T):
+            p = start[b] + t
+            page, slot = int(tables[b, p // PAGE]), p % PAGE
+            if t < count[b]:
+                np.testing.assert_array_equal(pool_k[page, slot], new_k[b, t])
+                np.testing.assert_array_equal(pool_v[page, slot], new_v[b, t])
+            elif page >= 0:  # a padding token's slot keeps what it had
+                np.testing.assert_array_equal(pool_k[page, slot], pools[0][page, slot])

@@ -1,0 +1,194 @@
+"""Paged caches and continuous batching: every request's logits are a forward pass's.
+
+``models.serve`` runs more requests than rows: rows finish and new ones join
+between steps, a joining row's prompt is prefilled in the same call in which
+the other rows decode, and (paged) a request waits until the pool can hold
+its pages. Whatever the schedule, request r's logits must equal one
+teacher-forced forward pass over its prompt and tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import attn
+import models
+from tests.models.common import VOCAB, forward, model_for, tokens
+from tests.util import rel_err
+
+RTOL = 1e-4  # composed float32 functions
+
+# Every layer kind and every form of cache in one stack: full caches (GQA with soft-cap,
+# sinks and a convolution; MLA latents; FoX with its gate sums; T5 buckets), ring buffers
+# (streaming with pinned tokens; Diff over a window), a linear state and the delta rule's
+# (Gated DeltaNet in chunks, KDA step by step).
+EVERY_KIND = (
+    "gqa_softcap_sink_logits_conv", "mla_conv", "fox", "t5_gqa", "streaming_conv",
+    "diff_window_gqa", "linear_decay_gated_conv", "gated_deltanet_grouped", "kda_recurrent_conv",
+)  # fmt: skip
+PROMPTS = (1, 6, 3, 9, 2, 5, 4, 7, 3)  # prompt lengths of the requests
+NEW = (60, 18, 45, 12, 40, 24, 50, 15, 40)  # tokens generated per request
+BATCH, PAGE = 3, 4
+
+
+def _requests(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, n) for n in PROMPTS]
+
+
+def _check_against_forward(model, prompts, out, logits):
+    """Row r of a padded batch of ``prompt + tokens[:-1]``: one forward pass for all."""
+    seqs = [np.concatenate([p, o[:-1]]) for p, o in zip(prompts, out, strict=True)]
+    batch = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for r, s in enumerate(seqs):
+        batch[r, : len(s)] = s
+    full = forward(model, jnp.asarray(batch))
+    for r, p in enumerate(prompts):
+        want = full[r, len(p) - 1 : len(p) - 1 + len(out[r])]
+        assert logits[r].shape == want.shape
+        assert rel_err(logits[r], want) <= RTOL, (r, rel_err(logits[r], want))
+        np.testing.assert_array_equal(out[r], np.argmax(want, axis=-1))  # greedy
+
+
+def test_serving_every_layer_kind_paged_and_contiguous_equals_forward_passes():
+    """Nine requests through three rows, over 100 steps; a paged pool of 20 pages of 4
+    (a row may need 15) so requests also wait for pages, and a contiguous cache."""
+    model = model_for(EVERY_KIND)
+    prompts = _requests()
+    steps = -(-(sum(NEW)) // BATCH)
+    assert steps >= 100
+    paged = models.serve(model, prompts, list(NEW), batch=BATCH, page_size=PAGE, num_pages=20,
+                         return_logits=True)  # fmt: skip
+    _check_against_forward(model, prompts, *paged)
+    contiguous = models.serve(model, prompts, list(NEW), batch=BATCH, return_logits=True)
+    for a, b in zip(paged[0], contiguous[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+SMALL = ("mha", "fox", "window")
+
+
+def test_sampling_does_not_depend_on_which_requests_share_the_batch():
+    model = model_for(SMALL)
+    prompts = _requests(1)[:4]
+    kw = dict(temperature=1.0, top_k=8, key=jax.random.PRNGKey(3))
+    one = models.serve(model, prompts, 6, batch=1, **kw)
+    three = models.serve(model, prompts, 6, batch=3, page_size=PAGE, **kw)
+    for a, b in zip(one, three, strict=True):
+        np.testing.assert_array_equal(a, b)
+    greedy = models.serve(model, prompts, 6, batch=3)
+    assert any((a != b).any() for a, b in zip(one, greedy, strict=True))
+
+
+def test_a_request_ends_at_eos_and_its_row_goes_to_the_next():
+    model = model_for(SMALL)
+    prompts = _requests(2)[:4]
+    free = models.serve(model, prompts, 8, batch=2)
+    eos = int(free[0][2])
+    out, logits = models.serve(model, prompts, 8, batch=2, eos_id=eos, page_size=PAGE,
+                               num_pages=6, return_logits=True)  # fmt: skip
+    for r, tokens_r in enumerate(free):
+        hits = np.nonzero(tokens_r == eos)[0]
+        n = hits[0] + 1 if hits.size else 8
+        np.testing.assert_array_equal(out[r], tokens_r[:n])  # the EOS is kept
+        assert logits[r].shape == (n, VOCAB)
+    _check_against_forward(model, prompts, out, logits)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=[2, 3, 4]), "max_new_tokens"),
+        (dict(batch=0), "batch"),
+        (dict(prompts=[[1, 2], []]), "prompts\\[1\\]"),
+        (dict(prompts=[[1, VOCAB]]), "prompts"),
+        (dict(max_len=4), "max_len"),
+        (dict(page_size=4, num_pages=1), "num_pages"),
+        (dict(temperature=0.5), "key"),
+        (dict(top_k=0), "top_k"),
+        (dict(eos_id=VOCAB), "eos_id"),
+    ],
+)
+def test_serve_errors(kwargs, field):
+    args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=3, batch=2) | kwargs
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        models.serve(model_for(SMALL), args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+# ----------------------------------------------------------------------------
+# The paged cache's pieces
+
+
+def _paged_cache(model, batch=2, max_len=16, num_pages=9):
+    return model.init_cache(batch, max_len, page_size=PAGE, num_pages=num_pages)
+
+
+def test_a_paged_cache_pages_the_full_layers_only():
+    model = model_for(SMALL)
+    cache = _paged_cache(model)
+    mha, fox, window = cache.layers
+    assert mha.paged and mha.pos is None and mha.k.shape[:2] == (9, PAGE)
+    assert fox.paged and fox.c.shape[:2] == (9, PAGE) and fox.total.shape[0] == 2
+    assert not window.paged and window.ring  # its ring buffer already holds only the window
+    assert mha.tables.shape == (2, 4) and (np.asarray(mha.tables) == -1).all()
+    assert models.cache.full_cache_slots(cache) == 16
+    contiguous = model.init_cache(2, 16)
+    per_token = 2 * (2 * 4 * 8 * 4) + 4 * 4  # mha's and fox's K/V (4 heads of 8), fox's sums
+    more = models.cache_bytes(cache) - models.cache_bytes(contiguous)
+    assert more == (9 * PAGE - 2 * 16) * per_token  # 36 pooled tokens against 2 rows of 16
+    # Positions [B,S] of the two full layers give way to their tables [B,M].
+    assert (
+        models.bookkeeping_bytes(contiguous) - models.bookkeeping_bytes(cache)
+        == 2 * (2 * 16 - 2 * 4) * 4
+    )
+
+
+def test_a_token_without_a_page_is_refused_or_nan():
+    model = model_for(SMALL)
+    cache = _paged_cache(model)
+    table = attn.PageTable(9, PAGE, 2, 4)
+    table.grow(0, 4)
+    table.grow(1, 3)
+    cache = models.set_block_tables(cache, table.tables)
+    prompt = tokens(4, (2, 5))
+    with pytest.raises(ValueError, match=r"cache: expected pages for row 0's positions 0\.\.4"):
+        model.prefill(prompt, cache)
+    _, cache = model.prefill(prompt, cache, jnp.asarray([4, 3]))  # no error
+    logits, _ = jax.jit(lambda c: model.decode_step(jnp.asarray([1, 2]), c))(cache)
+    assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()  # row 0 has no page 1
+    with pytest.raises(ValueError, match="tables: expected block tables of shape \\(2, 4\\)"):
+        models.set_block_tables(cache, table.tables[:, :3])
+
+
+def test_clear_rows_empties_a_row_and_leaves_the_others():
+    """A cleared row decodes as a new sequence; the other row goes on undisturbed."""
+    model = model_for(SMALL)
+    seq = tokens(5, (2, 8))
+    full = forward(model, seq)
+    table = attn.PageTable(9, PAGE, 2, 4)
+    for b in range(2):
+        table.grow(b, 5)
+    cache = models.set_block_tables(_paged_cache(model), table.tables)
+    _, cache = model.prefill(tokens(6, (2, 5)), cache)  # row 0 is replaced below
+    table.release(0)
+    cache = models.clear_rows(cache, _paged_cache(model), jnp.asarray([True, False]))
+    np.testing.assert_array_equal(cache.lengths, [0, 5])
+    table.grow(0, 3)
+    table.grow(1, 6)
+    cache = models.set_block_tables(cache, table.tables)
+    chunk = jnp.asarray([np.asarray(seq[0, :3]).tolist(), [int(seq[1, 0]), 0, 0]])
+    logits, cache = model.prefill(chunk, cache, jnp.asarray([3, 1]))
+    assert rel_err(logits[0], full[0, :3]) <= RTOL
+    row1 = jnp.concatenate([tokens(6, (2, 5))[1], seq[1, :1]])[None]  # its 5 tokens, then one
+    assert rel_err(logits[1, 0], forward(model, row1)[0, 5]) <= RTOL
+
+
+def test_paged_layer_refuses_a_ring_buffer():
+    model = model_for(SMALL)
+    ring = model.init_cache(2, 16).layers[2]
+    with pytest.raises(ValueError, match="layer: expected a full SlotCache"):
+        models.paged_layer(ring, 4, PAGE)
