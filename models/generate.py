@@ -7,10 +7,12 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from attn.errors import fail
-from models.cache import DecodeCache, full_cache_slots
+from attn.errors import fail, positive_int
+from attn.paged import PageTable, pages_for
+from models.cache import DecodeCache, cache_overflow, full_cache_slots, set_block_tables
 from models.inputs import check_lengths, check_tokens, pad_prompts
 
 
@@ -25,6 +27,7 @@ def generate(
     eos_id: int | None = None,
     prompt_lengths=None,
     cache: DecodeCache | None = None,
+    page_size: int | None = None,
 ):
     """Generates ``max_new_tokens`` tokens per row after a prompt.
 
@@ -48,7 +51,12 @@ def generate(
       cache: an empty ``DecodeCache`` to use; default ``model.init_cache(B, T +
         max_new_tokens)``. Its full (non-window) layer caches must hold the
         ``T + max_new_tokens - 1`` positions that are fed back (the last token
-        generated is not); a smaller one is a ``ValueError``.
+        generated is not); a smaller one is a ``ValueError``, and so is a paged
+        one whose block tables lack a page for one of those positions of a row.
+      page_size: instead of ``cache``, a paged cache (``Decoder.init_cache``)
+        whose pool holds exactly the pages each row needs, ``prompt_lengths[b]
+        + max_new_tokens - 1`` tokens rounded up to a page: a ragged batch
+        pays for its tokens, not ``B x (T + max_new_tokens)``.
 
     Returns:
       ``[B, max_new_tokens]`` int32 tokens.
@@ -85,8 +93,14 @@ def generate(
         lengths = jnp.full((B,), T, jnp.int32)
     if cache is None and hasattr(model, "encoder_blocks"):
         fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
+    if page_size is not None:
+        if cache is not None:
+            fail("page_size", "None when a cache is given", page_size)
+        cache = _paged_cache(model, lengths + int(max_new_tokens) - 1, T + int(max_new_tokens),
+                             page_size)  # fmt: skip
     if cache is not None:
         _check_room(cache, T + int(max_new_tokens) - 1)
+        cache_overflow(cache, lengths + int(max_new_tokens) - 1)  # each row's pages, if paged
     key = jax.random.PRNGKey(0) if key is None else key
     graphdef, state = nnx.split(model)
     # Only shapes are static: sampling options are traced, so greedy, sampled
@@ -106,6 +120,18 @@ def generate(
 
 
 NO_EOS = -1  # never a token id
+
+
+def _paged_cache(model, fed, max_len: int, page_size) -> DecodeCache:
+    """An empty paged cache whose rows hold the pages for ``fed[b]`` tokens, and no more."""
+    page_size = positive_int(page_size, "page_size")
+    fed = np.asarray(fed)
+    table = PageTable(max(int(sum(pages_for(n, page_size) for n in fed)), 1), page_size,
+                      len(fed), pages_for(max_len, page_size))  # fmt: skip
+    for b, n in enumerate(fed):
+        table.grow(b, int(n))
+    cache = model.init_cache(len(fed), max_len, page_size=page_size, num_pages=table.num_pages)
+    return set_block_tables(cache, table.tables)
 
 
 def _check_room(cache, needed: int):

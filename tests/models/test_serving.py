@@ -9,6 +9,8 @@ teacher-forced forward pass over its prompt and tokens.
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -192,3 +194,24 @@ def test_paged_layer_refuses_a_ring_buffer():
     ring = model.init_cache(2, 16).layers[2]
     with pytest.raises(ValueError, match="layer: expected a full SlotCache"):
         models.paged_layer(ring, 4, PAGE)
+
+
+def test_generate_on_pages_sized_to_each_row():
+    """A ragged batch on a paged cache: the same tokens as on the contiguous cache, with
+    a pool of exactly the rows' pages; a cache whose tables lack one is refused."""
+    model = model_for(SMALL)
+    prompts = _requests(3)[:3]  # 1, 6 and 3 tokens
+    want = models.generate(model, prompts, 5)
+    np.testing.assert_array_equal(models.generate(model, prompts, 5, page_size=PAGE), want)
+    fed = [len(p) + 5 - 1 for p in prompts]
+    cache = importlib.import_module("models.generate")._paged_cache(model, fed, 11, PAGE)
+    assert cache.layers[0].k.shape[0] == sum(-(-n // PAGE) for n in fed)  # 2 + 3 + 2 pages
+    short = attn.PageTable(8, PAGE, 3, 3)
+    for b, n in enumerate(fed):
+        short.grow(b, n - 2 * (b == 1))  # row 1 (10 tokens) lacks the page of its last two
+    cache = models.set_block_tables(model.init_cache(3, 11, page_size=PAGE, num_pages=8),
+                                    short.tables)  # fmt: skip
+    with pytest.raises(ValueError, match=r"cache: expected pages for row 1's positions 0\.\.9"):
+        models.generate(model, prompts, 5, cache=cache)
+    with pytest.raises(ValueError, match="page_size: expected None when a cache is given"):
+        models.generate(model, prompts, 5, cache=cache, page_size=PAGE)
