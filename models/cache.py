@@ -84,11 +84,14 @@ class SlotCache:
         return self.tables is not None
 
     @property
+    def page_size(self) -> int | None:
+        """Tokens per page of a paged cache (the pools' second axis), else None."""
+        return getattr(self, self.PAYLOAD[0]).shape[1] if self.paged else None
+
+    @property
     def capacity(self) -> int:
         """Positions a row can hold: S slots, or M pages of ``page_size``."""
-        if self.paged:
-            return self.tables.shape[1] * getattr(self, self.PAYLOAD[0]).shape[1]
-        return self.pos.shape[1]
+        return self.tables.shape[1] * self.page_size if self.paged else self.pos.shape[1]
 
     def extend(self, new: tuple, start, lengths=None):
         """Stores T new tokens' payload ``[B,T,...]`` at positions ``start[b] + t``.
@@ -259,9 +262,9 @@ def cache_overflow(cache: DecodeCache, count):
 
 def _missing_pages(layer: SlotCache, start, end):
     """``[B]`` bool: rows whose positions ``[start, end)`` reach a page the table lacks."""
-    page = getattr(layer, layer.PAYLOAD[0]).shape[1]
+    page, (start, end) = layer.page_size, (start[:, None], end[:, None])
     m = jnp.arange(layer.tables.shape[1])[None, :]
-    needed = (m >= (start // page)[:, None]) & (m * page < end[:, None])  # [B,M]
+    needed = (end > start) & ((m + 1) * page > start) & (m * page < end)  # [B,M]
     return jnp.any(needed & (layer.tables < 0), axis=1)
 
 

@@ -71,23 +71,8 @@ def generate(
         fail("max_new_tokens", "a positive int", repr(max_new_tokens))
     if max_new_tokens < 1:
         fail("max_new_tokens", "a positive int", repr(max_new_tokens))
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not temperature >= 0
-    ):
-        fail("temperature", "a number >= 0", repr(temperature))
     V = model.config.vocab_size
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
-    ):
-        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
-    if temperature > 0 and key is None:
-        fail("key", "a jax.random key when temperature > 0", None)
-    if eos_id is not None and (
-        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
-    ):
-        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
+    check_sampling(temperature, top_k, key, eos_id, V)
     lengths = check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
@@ -120,6 +105,26 @@ def generate(
 
 
 NO_EOS = -1  # never a token id
+
+
+def check_sampling(temperature, top_k, key, eos_id, V: int) -> None:
+    """The sampling options of ``generate`` and ``serve``, checked against a vocabulary of V."""
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, numbers.Real)
+        or not temperature >= 0
+    ):
+        fail("temperature", "a number >= 0", repr(temperature))
+    if top_k is not None and (
+        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
+    ):
+        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
+    if temperature > 0 and key is None:
+        fail("key", "a jax.random key when temperature > 0", None)
+    if eos_id is not None and (
+        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
+    ):
+        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
 
 
 def _paged_cache(model, fed, max_len: int, page_size) -> DecodeCache:

@@ -35,8 +35,9 @@ from attn import errors
 from attn.errors import fail
 from attn.paged import PageTable, pages_for
 from models.cache import clear_rows, set_block_tables
-from models.generate import NO_EOS, sample
-from models.inputs import pad_prompts
+from models.generate import NO_EOS, check_sampling, sample
+from models.inputs import check_tokens, pad_prompts
+from models.transformer import Decoder
 
 __all__ = ["serve"]
 
@@ -80,14 +81,15 @@ def serve(
       One int32 array of new tokens per prompt (in the prompts' order); with
       ``return_logits``, ``(tokens, logits)``.
     """
+    if not isinstance(model, Decoder):
+        fail("model", "a Decoder", type(model).__name__)
+    V = model.config.vocab_size
     tokens, lengths = pad_prompts(prompts, "prompts")
-    lengths = np.asarray(lengths)
+    tokens, lengths = check_tokens(tokens, "prompts", vocab=V), np.asarray(lengths)
     R = tokens.shape[0]
     new = _per_request(max_new_tokens, R)
     batch = errors.positive_int(batch, "batch")
-    V = model.config.vocab_size
-    tokens = _check_vocab(tokens, V)
-    temperature, top_k, eos_id = _check_sampling(temperature, top_k, key, eos_id, V)
+    check_sampling(temperature, top_k, key, eos_id, V)
     fed = lengths + new - 1  # positions a request writes (its last token is not fed back)
     longest = int((lengths + new).max())
     max_len = longest if max_len is None else errors.positive_int(max_len, "max_len")
@@ -103,7 +105,12 @@ def serve(
             fail("num_pages", f"at least {need} (the largest request's pages)", table.num_pages)
     graphdef, state = nnx.split(model)
     run = _Run(graphdef, state, cache, table, batch, max_len, page_size, num_pages)
-    options = (jax.random.PRNGKey(0) if key is None else key, temperature, top_k, eos_id)
+    options = (
+        jax.random.PRNGKey(0) if key is None else key,
+        float(temperature),
+        V if top_k is None else int(top_k),
+        NO_EOS if eos_id is None else int(eos_id),
+    )
     out_tokens, out_logits = run.loop(tokens, lengths, new, options)
     if return_logits:
         return out_tokens, out_logits
@@ -122,34 +129,6 @@ def _per_request(max_new_tokens, R: int) -> np.ndarray:
     ):
         fail("max_new_tokens", f"a positive int or {R} of them", repr(max_new_tokens))
     return np.asarray(counts, np.int64)
-
-
-def _check_vocab(tokens, V: int):
-    if int(tokens.min()) < 0 or int(tokens.max()) >= V:
-        fail("prompts", f"token ids in [0, {V})", f"{int(tokens.min())}..{int(tokens.max())}")
-    return tokens
-
-
-def _check_sampling(temperature, top_k, key, eos_id, V: int):
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        fail("temperature", "a number >= 0", repr(temperature))
-    if not temperature >= 0:
-        fail("temperature", "a number >= 0", repr(temperature))
-    if temperature > 0 and key is None:
-        fail("key", "a jax.random key when temperature > 0", None)
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
-    ):
-        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
-    if eos_id is not None and (
-        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
-    ):
-        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
-    return (
-        float(temperature),
-        V if top_k is None else int(top_k),
-        NO_EOS if eos_id is None else eos_id,
-    )
 
 
 class _Run:

@@ -11,6 +11,7 @@ say which metric a task reports. ``train.compare`` runs the comparison and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -248,8 +249,12 @@ def run_config(config: CompareConfig, variant: str, lr: float, seed: int) -> Tra
     )
 
 
+@functools.lru_cache(maxsize=512)
 def _abstract_model(model_config: ModelConfig) -> Decoder:
-    """The model with shapes instead of arrays: sizes without initializing anything."""
+    """The model with shapes instead of arrays: sizes without initializing anything.
+
+    Cached by config (frozen, hashable): tracing the model's construction is what a
+    size costs, and a grid asks ``param_count`` and ``cache_sizes`` of each config."""
     return nnx.eval_shape(lambda: Decoder(model_config, rngs=nnx.Rngs(0)))
 
 

@@ -34,6 +34,8 @@ def test_a_tiny_run_writes_the_report(bench, tmp_path):
     for row in result["rows"]:
         assert set(row["seconds"]) == set(bench.IMPLS)
         assert all(t > 0 for t in row["seconds"].values())
+        assert set(row["cores_busy"]) == set(bench.IMPLS)
+        assert all(c > 0 for c in row["cores_busy"].values())
         assert row["best_splits"] == 2 and row["default_splits"] == 1
     g = result["ragged"]
     per_token = 2 * cfg.kv_heads * cfg.head_dim * 4
@@ -41,6 +43,10 @@ def test_a_tiny_run_writes_the_report(bench, tmp_path):
     assert g["paged_bytes"] == (1 + 3 + 5) * 8 * per_token  # pages of 8 per row
     names = [t["target"] for t in result["targets"]]
     assert names[0].startswith("split-K at S=96, B=1") and len(names) == 2
+    top = result["rows"][-1]
+    assert (
+        result["targets"][0]["ceiling"] == result["env"]["cpu_count"] / top["cores_busy"]["unsplit"]
+    )
     saved = json.loads((tmp_path / "decode-cpu.json").read_text())
     assert saved["rows"] == result["rows"]
     assert "| 96 | 1 |" in (tmp_path / "decode-cpu.md").read_text()

@@ -73,25 +73,32 @@ def test_serving_every_layer_kind_paged_and_contiguous_equals_forward_passes():
 SMALL = ("mha", "fox", "window")
 
 
+# The small tests share one program per cache: two rows of 20 slots, prompts of up to 9
+# tokens, contiguous or in 6 pages of 4 (fewer than the 10 two rows of 20 would need).
+ROWS = dict(batch=2, max_len=20)
+PAGED = dict(page_size=PAGE, num_pages=6)
+
+
 def test_sampling_does_not_depend_on_which_requests_share_the_batch():
+    """Requests 1 and 3 stop early in the second run, so the others share the batch with
+    different requests at different steps: each request's tokens stay the same."""
     model = model_for(SMALL)
     prompts = _requests(1)[:4]
-    kw = dict(temperature=1.0, top_k=8, key=jax.random.PRNGKey(3))
-    one = models.serve(model, prompts, 6, batch=1, **kw)
-    three = models.serve(model, prompts, 6, batch=3, page_size=PAGE, **kw)
-    for a, b in zip(one, three, strict=True):
-        np.testing.assert_array_equal(a, b)
-    greedy = models.serve(model, prompts, 6, batch=3)
-    assert any((a != b).any() for a, b in zip(one, greedy, strict=True))
+    kw = dict(temperature=1.0, top_k=8, key=jax.random.PRNGKey(3), **ROWS)
+    full = models.serve(model, prompts, 6, **kw)
+    early = models.serve(model, prompts, [6, 2, 6, 2], **kw, **PAGED)
+    for a, b in zip(full, early, strict=True):
+        np.testing.assert_array_equal(b, a[: len(b)])
+    greedy = models.serve(model, prompts, 6, **ROWS)
+    assert any((a != b).any() for a, b in zip(full, greedy, strict=True))
 
 
 def test_a_request_ends_at_eos_and_its_row_goes_to_the_next():
     model = model_for(SMALL)
     prompts = _requests(2)[:4]
-    free = models.serve(model, prompts, 8, batch=2)
+    free = models.serve(model, prompts, 8, **ROWS)
     eos = int(free[0][2])
-    out, logits = models.serve(model, prompts, 8, batch=2, eos_id=eos, page_size=PAGE,
-                               num_pages=6, return_logits=True)  # fmt: skip
+    out, logits = models.serve(model, prompts, 8, eos_id=eos, return_logits=True, **ROWS, **PAGED)
     for r, tokens_r in enumerate(free):
         hits = np.nonzero(tokens_r == eos)[0]
         n = hits[0] + 1 if hits.size else 8
@@ -119,6 +126,11 @@ def test_serve_errors(kwargs, field):
     args = dict(prompts=[[1, 2, 3], [4]], max_new_tokens=3, batch=2) | kwargs
     with pytest.raises(ValueError, match=f"^{field}: expected"):
         models.serve(model_for(SMALL), args.pop("prompts"), args.pop("max_new_tokens"), **args)
+
+
+def test_serve_takes_a_decoder_only():
+    with pytest.raises(ValueError, match=r"^model: expected a Decoder, got Encoder"):
+        models.serve(model_for(("mha",), cls=models.Encoder), [[1, 2]], 2, batch=1)
 
 
 # ----------------------------------------------------------------------------
