@@ -323,8 +323,10 @@ def clear_rows(cache: DecodeCache, empty: DecodeCache, rows) -> DecodeCache:
       cache, empty: ``DecodeCache``s of equal structure.
       rows: ``[B]`` bools, True for the rows to clear.
     """
-    rows = jnp.asarray(rows, bool)
-    B = rows.shape[0]
+    B = cache.lengths.shape[0]
+    rows = jnp.asarray(rows)
+    if rows.shape != (B,) or rows.dtype != jnp.bool_:
+        raise ValueError(f"rows: expected bools of shape ({B},), got {rows.dtype} {rows.shape}")
 
     def pick(old, new):
         keep = rows.reshape((B,) + (1,) * (old.ndim - 1))

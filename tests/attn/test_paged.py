@@ -222,3 +222,5 @@ def test_extend_pages_gives_what_extend_slots_gives_a_full_cache():
                 np.testing.assert_array_equal(pool_v[page, slot], new_v[b, t])
             elif page >= 0:  # a padding token's slot keeps what it had
                 np.testing.assert_array_equal(pool_k[page, slot], pools[0][page, slot])
+    with pytest.raises(ValueError, match="block_tables: expected a page for every token"):
+        paged.extend_pages(pools, tables, (new_k, new_v), start, np.array([5, 5]))  # row 1: 5

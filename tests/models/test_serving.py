@@ -191,6 +191,8 @@ def test_clear_rows_empties_a_row_and_leaves_the_others():
     table.release(0)
     cache = models.clear_rows(cache, _paged_cache(model), jnp.asarray([True, False]))
     np.testing.assert_array_equal(cache.lengths, [0, 5])
+    with pytest.raises(ValueError, match=r"rows: expected bools of shape \(2,\), got int32"):
+        models.clear_rows(cache, cache, jnp.asarray([1, 0]))
     table.grow(0, 3)
     table.grow(1, 6)
     cache = models.set_block_tables(cache, table.tables)
