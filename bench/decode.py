@@ -10,6 +10,11 @@ per row, GQA: ``heads`` query heads over ``kv_heads``) of:
   (``attn.decode.default_splits``) and at the best of ``splits``,
 * ``paged``: ``attn.paged_decode_attention`` over pages of ``page_size`` in a
   shuffled order (default splits),
+* with ``--pallas`` (the default on a GPU): ``pallas``, ``attn.decode_attention``
+  at its default splits with ``impl="pallas"``, and ``pallas_peer``, JAX's own
+  Pallas split-K kernel (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``,
+  as many splits, where its shape rules allow); on a CPU both run in interpret
+  mode, which checks the path, not the speed,
 
 as decode tokens/s (B over the step's time) and the rate the step reads the
 cache at (K and V bytes over the time; decode is bound by it), and how many
@@ -50,12 +55,15 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/de
 from bench._report import write_report  # noqa: E402
 
 IMPLS = ("xla", "unsplit", "split", "split_best", "paged")
+PALLAS_IMPLS = ("pallas", "pallas_peer")
 LABELS = {
     "xla": "jax.nn (lengths)",
     "unsplit": "decode, 1 split",
     "split": "decode, default splits",
     "split_best": "decode, best splits",
     "paged": "paged, default splits",
+    "pallas": "decode, Pallas kernel",
+    "pallas_peer": "Pallas ops gqa (peer)",
 }
 TARGET_SPLIT = 1.5
 TARGET_MEMORY = 1.2
@@ -79,6 +87,7 @@ class Config:
     ragged_lengths: tuple[int, ...] = (1024, 2048, 3000, 5000, 8192, 12000, 20000, 32768)
     repeats: int = 10
     out_dir: str = "bench/results"
+    pallas: bool | None = None  # the Pallas kernels too; None: on a GPU only
 
     def __post_init__(self):
         if not self.contexts or not self.batches or not self.splits or min(self.splits) < 1:
@@ -163,13 +172,48 @@ def _steps(cfg: Config, S: int):
     }
     split_fns = {s: jax.jit(functools.partial(_decode, splits=s)) for s in best}
     paged = jax.jit(lambda q, pk, pv, t, n: attn.paged_decode_attention(q, pk, pv, t, n))
+    if _with_pallas(cfg):
+        fns["pallas"] = jax.jit(functools.partial(_decode, splits=None, impl="pallas"))
+        peer = _peer(S)
+        if peer is not None:
+            fns["pallas_peer"] = jax.jit(peer)
     return fns, split_fns, paged
 
 
-def _decode(q, k, v, n, splits):
+def _with_pallas(cfg: Config) -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu" if cfg.pallas is None else cfg.pallas
+
+
+def _decode(q, k, v, n, splits, impl="xla"):
     import attn
 
-    return attn.decode_attention(q, k, v, lengths=n, num_splits=splits)
+    return attn.decode_attention(q, k, v, lengths=n, num_splits=splits, impl=impl)
+
+
+PEER_BLOCK_K = 128  # the peer kernel's default key block
+
+
+def _peer(S: int):
+    """JAX's Pallas split-K decode at our default split count, or None where its rules
+    (S divisible by the splits, at least 16 keys a split, blocks dividing a split) fail."""
+    import jax
+    from jax.experimental.pallas.ops.gpu import decode_attention as peer
+
+    splits = _default_splits(S)
+    chunk = S // splits
+    block_k = min(PEER_BLOCK_K, chunk)
+    if S % splits or chunk < 16 or chunk % block_k:
+        return None
+    interpret = jax.default_backend() != "gpu"
+
+    def step(q, k, v, n):
+        out = peer.gqa(q[:, 0], k, v, kv_seq_len=n, k_splits=splits, block_k=block_k,
+                       interpret=interpret)  # fmt: skip
+        return out[:, None]
+
+    return step
 
 
 def sweep(cfg: Config) -> list[dict]:
@@ -190,6 +234,8 @@ def sweep(cfg: Config) -> list[dict]:
             timed["split_best"] = by_split[best]
             pk, pv, tables, _ = _paged(cfg, k, v, n)
             timed["paged"] = _best(paged, (q, pk, pv, tables, n), cfg.repeats)
+            want = fns["unsplit"](q, k, v, n)
+            errors = {name: _rel_err(fn(q, k, v, n), want) for name, fn in fns.items()}
             times = {name: t for name, (t, _) in timed.items()}
             cores = {name: c for name, (_, c) in timed.items()}
             by_split = {s: t for s, (t, _) in by_split.items()}
@@ -198,11 +244,19 @@ def sweep(cfg: Config) -> list[dict]:
             by_split = {str(s): t for s, t in by_split.items()}  # JSON's keys
             row = {"S": S, "B": B, "best_splits": best, "by_splits": by_split,
                    "default_splits": _default_splits(S), "seconds": times, "cores_busy": cores,
+                   "rel_err_vs_unsplit": errors,
                    "tokens_per_s": {i: B / t for i, t in times.items()},
                    "read_gb_per_s": {i: read / t / 1e9 for i, t in times.items()}}  # fmt: skip
             rows.append(row)
             print(_progress(row), flush=True)
     return rows
+
+
+def _rel_err(a, b) -> float:
+    import numpy as np
+
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _default_splits(S: int) -> int:
@@ -238,8 +292,14 @@ def ragged(cfg: Config) -> dict:
     }
 
 
+def _impls(rows: list[dict]) -> list[str]:
+    """The implementations measured, in ``IMPLS + PALLAS_IMPLS`` order."""
+    seen = {i for r in rows for i in r["seconds"]}
+    return [i for i in IMPLS + PALLAS_IMPLS if i in seen]
+
+
 def _progress(row: dict) -> str:
-    cells = ", ".join(f"{i} {row['tokens_per_s'][i]:,.0f}" for i in IMPLS)
+    cells = ", ".join(f"{i} {t:,.0f}" for i, t in row["tokens_per_s"].items())
     return f"S={row['S']:>6} B={row['B']:>3}: tokens/s {cells} (best splits {row['best_splits']})"
 
 
@@ -262,6 +322,7 @@ def targets(result: dict) -> list[dict]:
 
 def markdown(result: dict) -> str:
     c, env = result["config"], result["env"]
+    impls = _impls(result["rows"])
     lines = [
         f"# One decode step on {result['platform']} ({env['machine']}, {env['cpu_count']} cores)",
         "",
@@ -275,16 +336,25 @@ def markdown(result: dict) -> str:
         "Decode tokens/s (and GB/s of K/V read):",
         "",
         "| S | B | "
-        + " | ".join(LABELS[i] for i in IMPLS)
+        + " | ".join(LABELS[i] for i in impls)
         + " | best splits | split / unsplit | cores busy, 1 / default splits |",
-        "|---|---|" + "---|" * (len(IMPLS) + 3),
+        "|---|---|" + "---|" * (len(impls) + 3),
     ]
     for r in result["rows"]:
-        cells = [f"{r['tokens_per_s'][i]:,.0f} ({r['read_gb_per_s'][i]:.1f})" for i in IMPLS]
+        cells = [
+            f"{r['tokens_per_s'][i]:,.0f} ({r['read_gb_per_s'][i]:.1f})"
+            if i in r["seconds"]
+            else "-"
+            for i in impls
+        ]
         ratio = r["seconds"]["unsplit"] / r["seconds"]["split"]
         busy = f"{r['cores_busy']['unsplit']:.2f} / {r['cores_busy']['split']:.2f}"
         lines.append(f"| {r['S']:,} | {r['B']} | " + " | ".join(cells)
                      + f" | {r['best_splits']} | {ratio:.2f}x | {busy} |")  # fmt: skip
+    worst = {i: max(r["rel_err_vs_unsplit"].get(i, 0.0) for r in result["rows"]) for i in impls
+             if any(i in r["rel_err_vs_unsplit"] for r in result["rows"])}  # fmt: skip
+    lines += ["", "Largest relative error against the unsplit step: "
+              + ", ".join(f"{LABELS[i]} {e:.1e}" for i, e in worst.items()) + "."]  # fmt: skip
     g = result["ragged"]
     MiB = 2**20
     lines += [
@@ -305,7 +375,7 @@ def markdown(result: dict) -> str:
     for t in result["targets"]:
         lines.append(f"- {t['target']}: {t['value']:.3f} (goal {t['goal']}): "
                      + ("met" if t["met"] else "NOT met"))  # fmt: skip
-        if "ceiling" in t and result["platform"] == "cpu":
+        if "ceiling" in t and result["platform"] == "cpu" and t["ceiling"] >= 1:
             lines[-1] += (f"; the unsplit step already keeps the cores busy, so splits run side"
                           f" by side could gain at most {t['ceiling']:.2f}x")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -321,8 +391,9 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(4 * len(batches), 3.5), squeeze=False)
     for ax, B in zip(axes[0], batches, strict=True):
         rows = [r for r in result["rows"] if r["B"] == B]
-        for i in IMPLS:
-            ax.plot([r["S"] for r in rows], [r["tokens_per_s"][i] for r in rows], "o-",
+        for i in _impls(result["rows"]):
+            have = [r for r in rows if i in r["tokens_per_s"]]
+            ax.plot([r["S"] for r in have], [r["tokens_per_s"][i] for r in have], "o-",
                     label=LABELS[i])  # fmt: skip
         ax.set(xscale="log", yscale="log", xlabel="context S", title=f"batch {B}")
         ax.grid(alpha=0.3)

@@ -27,14 +27,16 @@ def bench():
 def test_a_tiny_run_writes_the_report(bench, tmp_path):
     cfg = bench.Config(contexts=(40, 96), batches=(1, 3), max_tokens=200, splits=(2,),
                        ragged_lengths=(5, 17, 40), page_size=8, repeats=1,
-                       out_dir=str(tmp_path))  # fmt: skip
+                       out_dir=str(tmp_path), pallas=True)  # fmt: skip
     result = bench.main(cfg)
     shapes = [(r["S"], r["B"]) for r in result["rows"]]
     assert shapes == [(40, 1), (40, 3), (96, 1)]  # 96 x 3 is over max_tokens
     for row in result["rows"]:
-        assert set(row["seconds"]) == set(bench.IMPLS)
+        # The Pallas kernels in interpret mode: ours, and JAX's own as the peer.
+        assert set(row["seconds"]) == set(bench.IMPLS + bench.PALLAS_IMPLS)
         assert all(t > 0 for t in row["seconds"].values())
-        assert set(row["cores_busy"]) == set(bench.IMPLS)
+        assert set(row["cores_busy"]) == set(row["seconds"])
+        assert max(row["rel_err_vs_unsplit"].values()) < 1e-5
         assert all(c > 0 for c in row["cores_busy"].values())
         assert row["best_splits"] == 2 and row["default_splits"] == 1
     g = result["ragged"]
@@ -49,7 +51,8 @@ def test_a_tiny_run_writes_the_report(bench, tmp_path):
     )
     saved = json.loads((tmp_path / "decode-cpu.json").read_text())
     assert saved["rows"] == result["rows"]
-    assert "| 96 | 1 |" in (tmp_path / "decode-cpu.md").read_text()
+    report = (tmp_path / "decode-cpu.md").read_text()
+    assert "| 96 | 1 |" in report and "Pallas ops gqa (peer)" in report
     assert (tmp_path / "decode-cpu.png").stat().st_size > 0
 
 
