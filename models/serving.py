@@ -137,7 +137,7 @@ class _Run:
     def __init__(self, graphdef, state, cache, table, batch, max_len, page_size, num_pages):
         self.graphdef, self.state, self.cache, self.table = graphdef, state, cache, table
         self.batch = batch
-        self.empty = functools.partial(
+        self.clear = functools.partial(
             _clear, graphdef, max_len=max_len, page_size=page_size, num_pages=num_pages
         )
         self.request = [None] * batch  # the request each row holds, or None
@@ -145,6 +145,8 @@ class _Run:
         self.reserved = np.zeros(batch, np.int64)  # pages each row's request will need
 
     def loop(self, tokens, lengths, new, options):
+        """Serves every request: ``tokens [R,T]`` padded prompts of ``lengths [R]``, ``new [R]``
+        tokens each; returns their tokens and logits (lists of R arrays)."""
         key, temperature, top_k, eos_id = options
         R, T = tokens.shape
         waiting = collections.deque(range(R))
@@ -156,12 +158,12 @@ class _Run:
             busy = np.array([r is not None for r in self.request])
             joining = self._admit(waiting, lengths, new)
             if joining.any():  # joining rows prefill their prompts, the others decode
-                self.cache = self.empty(self.state, self.cache, jnp.asarray(joining))
+                self.cache = self.clear(self.state, self.cache, jnp.asarray(joining))
                 chunk = np.zeros((self.batch, T), np.int32)
                 chunk[:, 0] = last
                 for b in np.nonzero(joining)[0]:
                     chunk[b] = tokens[self.request[b]]
-                count = np.where(joining, lengths[self.request_ids()], busy).astype(np.int32)
+                count = np.where(joining, lengths[self._request_ids()], busy).astype(np.int32)
             else:
                 chunk, count = last[:, None], busy.astype(np.int32)
             logits = self._step(chunk, count, key, sampling, out_tokens, last)
@@ -174,7 +176,7 @@ class _Run:
         tokens_out = [np.asarray(t, np.int32) for t in out_tokens]
         return tokens_out, [np.stack(x) for x in out_logits]
 
-    def request_ids(self) -> np.ndarray:
+    def _request_ids(self) -> np.ndarray:
         """``[batch]`` the request each row holds (0 for a free row)."""
         return np.array([0 if r is None else r for r in self.request])
 
