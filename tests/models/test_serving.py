@@ -229,3 +229,16 @@ def test_generate_on_pages_sized_to_each_row():
         models.generate(model, prompts, 5, cache=cache)
     with pytest.raises(ValueError, match="page_size: expected None when a cache is given"):
         models.generate(model, prompts, 5, cache=cache, page_size=PAGE)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_pages=4), "page_size: expected a positive int with num_pages"),
+        (dict(page_size=0), "page_size: expected a positive int, got 0"),
+        (dict(page_size=4, num_pages=0), "num_pages: expected a positive int, got 0"),
+    ],
+)
+def test_init_cache_refuses_bad_pages(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        model_for(SMALL).init_cache(2, 16, **kwargs)
