@@ -3,10 +3,11 @@
 Each fault is applied to a workdir of the tiny config trained by ``python -m
 train`` in a subprocess (checkpoints every 5 steps, the last 2 kept), and the
 run that survives it is compared array by array with an uninterrupted run of
-the same command: SIGKILL at random moments (inside checkpoint writes too), a
-flipped byte, a truncated or deleted file of the newest checkpoint, a broken
-``config.json``. A second process on a busy workdir, unwritable folders and
-a full disk are refused in one line.
+the same command: SIGKILL at random moments (inside checkpoint writes too),
+flipped bytes, truncated data files or a deleted part of the newest checkpoint,
+an array that reads but differs from what was saved, a broken ``config.json``.
+A second process on a busy workdir, unwritable folders and a full disk are
+refused in one line.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -96,11 +98,17 @@ def assert_same_run(workdir, reference):
     assert strip(records) == strip(want_records)  # none lost, none twice
 
 
-def newest_data_file(workdir, step) -> Path:
-    files = [
-        p for p in (Path(workdir) / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()
-    ]
-    return max(files, key=lambda p: p.stat().st_size)
+def data_files(workdir, step) -> list[Path]:
+    """The array data files of checkpoint ``step`` (OCDBT's ``d/`` folders).
+
+    All of them, not one: how the arrays split into files varies from run to run,
+    and a file can hold bytes that the finished checkpoint no longer references
+    (damaging only those leaves a checkpoint that still reads and verifies).
+    """
+    state = Path(workdir) / "checkpoints" / str(step) / "state"
+    files = sorted(p for p in state.rglob("*") if p.is_file() and p.parent.name == "d")
+    assert files, f"no data files under {state}"
+    return files
 
 
 def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, env, reference):
@@ -132,17 +140,17 @@ def test_sigkill_at_random_moments_resumes_bit_identically(tmp_path, env, refere
     assert_same_run(workdir, reference)
 
 
-def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
+def test_flipped_bytes_are_caught_and_the_run_resumes_from_the_intact_step(
     tmp_path, env, reference, stopped_at_20
 ):
     workdir = stopped_at_20(tmp_path / "flipped")
-    path = newest_data_file(workdir, 20)
-    data = bytearray(path.read_bytes())
-    # One byte in each tenth of the file: a single byte can land in slack that no
-    # array reads (then nothing is wrong to catch); ten spread out always hit data.
-    for i in range(1, 11):
-        data[i * len(data) // 11] ^= 0xFF
-    path.write_bytes(bytes(data))
+    for path in data_files(workdir, 20):
+        data = bytearray(path.read_bytes())
+        # One byte in each tenth of the file: a single byte can land in slack that no
+        # array reads (then nothing is wrong to catch); ten spread out always hit data.
+        for i in range(1, 11):
+            data[i * len(data) // 11] ^= 0xFF
+        path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpoint, match=r"^checkpoint 20 \("):
         train.load_run(workdir, step=20)  # exactly that step: refused, never loaded
     done = run(workdir, env)
@@ -154,6 +162,21 @@ def test_a_flipped_byte_is_caught_and_the_run_resumes_from_the_intact_step(
     assert (workdir / "corrupt").is_dir()
 
 
+def test_an_array_that_reads_but_differs_from_what_was_saved_is_refused(tmp_path, stopped_at_20):
+    """The fingerprints recorded at save time are compared with the arrays read back."""
+    workdir = stopped_at_20(tmp_path / "differs")
+    record = workdir / "checkpoints" / "20" / "meta" / "metadata"
+    meta = json.loads(record.read_text())
+    name = sorted(meta["fingerprints"])[1]
+    meta["fingerprints"][name][1] ^= 1
+    record.write_text(json.dumps(meta))
+    want = (
+        rf"^checkpoint 20 \(.*\): array {re.escape(name)} differs from what was saved \(1 in all\)$"
+    )
+    with pytest.raises(CorruptCheckpoint, match=want):
+        train.load_run(workdir, step=20)
+
+
 @pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "delete_state", "bad_meta_json"])
 def test_a_broken_newest_checkpoint_falls_back_in_one_line(
     tmp_path, env, reference, fault, stopped_at_20
@@ -161,8 +184,8 @@ def test_a_broken_newest_checkpoint_falls_back_in_one_line(
     workdir = stopped_at_20(tmp_path / fault)
     step_dir = workdir / "checkpoints" / "20"
     if fault == "truncate":
-        path = newest_data_file(workdir, 20)
-        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+        for path in data_files(workdir, 20):
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
     elif fault == "delete_state":
         shutil.rmtree(step_dir / "state")
     elif fault == "delete_metadata":
