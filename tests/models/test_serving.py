@@ -55,9 +55,10 @@ def _check_against_forward(model, prompts, out, logits):
         np.testing.assert_array_equal(out[r], np.argmax(want, axis=-1))  # greedy
 
 
-def test_serving_every_layer_kind_paged_and_contiguous_equals_forward_passes():
-    """Nine requests through three rows, over 100 steps; a paged pool of 20 pages of 4
-    (a row may need 15) so requests also wait for pages, and a contiguous cache."""
+def test_serving_every_layer_kind_on_pages_equals_forward_passes():
+    """Nine requests through three rows, over 100 steps, in a pool of 20 pages of 4 (a row
+    may need 15), so requests also wait for pages. (Contiguous caches under the same
+    schedule: the smaller tests below, whose rows also join and leave.)"""
     model = model_for(EVERY_KIND)
     prompts = _requests()
     steps = -(-(sum(NEW)) // BATCH)
@@ -65,9 +66,6 @@ def test_serving_every_layer_kind_paged_and_contiguous_equals_forward_passes():
     paged = models.serve(model, prompts, list(NEW), batch=BATCH, page_size=PAGE, num_pages=20,
                          return_logits=True)  # fmt: skip
     _check_against_forward(model, prompts, *paged)
-    contiguous = models.serve(model, prompts, list(NEW), batch=BATCH, return_logits=True)
-    for a, b in zip(paged[0], contiguous[0], strict=True):
-        np.testing.assert_array_equal(a, b)
 
 
 SMALL = ("mha", "fox", "window")

@@ -91,32 +91,32 @@ def test_help_lists_the_fields_with_or_without_a_config():
     assert "band" not in listed
 
 
-def test_pattern_refusals_and_plugin_flags_through_the_command_lines(tmp_path):
+def test_pattern_refusals_and_plugin_flags_through_the_command_lines(tmp_path, capsys, monkeypatch):
     """One line, exit 2, naming what is wrong: an encoder preset in a decoder, a missing
-    plugin in each command line; a plugin file loads in analysis.claims."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    plugin in each command line; a plugin file loads in analysis.claims (in a process of
+    its own: importing it here would register it in every later test)."""
+    import analysis.claims
+    import analysis.experiments.induction_heads
+    import train.compare
 
-    def run(*argv):
-        return subprocess.run(
-            [sys.executable, "-m", *argv], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-
-    done = run("train", "--config", TINY_CONFIG, "--workdir", "w", "--model.pattern", "band,band")
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
-    assert "'band', a bidirectional (encoder) layer" in done.stderr and "valid here" in done.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["--config", TINY_CONFIG, "--workdir", "w", "--model.pattern", "band,band"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "'band', a bidirectional (encoder) layer" in err and "valid here" in err
     assert not (tmp_path / "w").exists()  # refused before anything is written
-    for argv in (
-        ("train.compare", "--plugin", "no_such_plugin"),
-        ("analysis.experiments.induction_heads", "--plugin", "no_such_plugin"),
-        ("analysis.claims", "--plugin", "no_such_plugin"),
-    ):
-        done = run(*argv)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1, (argv, done.stderr)
+    for command in (train.compare, analysis.experiments.induction_heads, analysis.claims):
+        assert command.main(["--plugin", "no_such_plugin"]) == 2, command.__name__
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1, (command.__name__, lines)
         assert lines[0].startswith("error: --plugin: ") and "'no_such_plugin'" in lines[0]
     plugin = tmp_path / "marker_plugin.py"
     plugin.write_text("import sys\nprint('marker plugin imported', file=sys.stderr)\n")
-    done = run("analysis.claims", "--plugin", str(plugin), "--only", "1", "--out", "claims")
+    done = subprocess.run(
+        [sys.executable, "-m", "analysis.claims", "--plugin", str(plugin), "--only", "1",
+         "--out", "claims"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert "marker plugin imported" in done.stderr
 

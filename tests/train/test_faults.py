@@ -31,6 +31,7 @@ from flax import nnx
 
 import train
 from train import workdir as workdirs
+from train.__main__ import main as train_main
 from train.checkpoint import Checkpointer, CheckpointWriteError, CorruptCheckpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,8 +84,8 @@ def stopped_at_20(stopped_at_20_run):
     return lambda target: Path(shutil.copytree(stopped_at_20_run, target))
 
 
-def arrays(workdir) -> list[np.ndarray]:
-    model, _ = train.load_run(workdir)
+def arrays(workdir, step=None) -> list[np.ndarray]:
+    model, _ = train.load_run(workdir, step)
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
@@ -178,9 +179,11 @@ def test_an_array_that_reads_but_differs_from_what_was_saved_is_refused(tmp_path
 
 
 @pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "delete_state", "bad_meta_json"])
-def test_a_broken_newest_checkpoint_falls_back_in_one_line(
-    tmp_path, env, reference, fault, stopped_at_20
+def test_a_broken_newest_checkpoint_is_one_line_and_the_intact_one_loads(
+    tmp_path, capfd, fault, stopped_at_20, stopped_at_20_run
 ):
+    """Loaded in this process (the run resuming after such a fallback is the flipped-bytes
+    test's): one line for checkpoint 20, none of orbax's tracebacks, checkpoint 15 loaded."""
     workdir = stopped_at_20(tmp_path / fault)
     step_dir = workdir / "checkpoints" / "20"
     if fault == "truncate":
@@ -194,14 +197,22 @@ def test_a_broken_newest_checkpoint_falls_back_in_one_line(
             p.unlink()
     else:
         (step_dir / "meta" / "metadata").write_text('{"totals": ')
-    done = run(workdir, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stderr.splitlines() if "checkpoint 20" in line]
-    assert len(lines) == 1 and "Traceback" not in done.stderr
-    assert_same_run(workdir, reference)
+    capfd.readouterr()
+    got = arrays(workdir)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "checkpoint 20" in line]
+    assert len(lines) == 1 and "moved aside" in lines[0] and "Traceback" not in err, err
+    assert "resuming from checkpoint 15, the newest that reads and verifies" in err
+    assert not step_dir.exists() and (workdir / "corrupt").is_dir()
+    want = arrays(stopped_at_20_run, step=15)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want, strict=True))
 
 
-def test_broken_or_incomplete_config_json_is_one_line_naming_it(tmp_path, env):
+def test_broken_or_incomplete_config_json_is_one_line_naming_it(
+    tmp_path, env, capsys, monkeypatch, compilation_cache_dir
+):
+    """The refused commands run in this process (they stop before JAX computes anything)."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", compilation_cache_dir)  # as it has
     workdir = tmp_path / "config"
     done = run(workdir, env, stop_at=5)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -213,10 +224,9 @@ def test_broken_or_incomplete_config_json_is_one_line_naming_it(tmp_path, env):
         (json.dumps({k: v for k, v in data.items() if k != "seed"}), "missing seed"),
     ):
         record.write_text(text)
-        done = run(workdir, env)
-        lines = done.stderr.strip().splitlines()
-        assert done.returncode == 2 and len(lines) == 1, done.stderr
-        assert str(record) in lines[0] and expected in lines[0], lines[0]
+        assert train_main(command(workdir)[3:]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and str(record) in lines[0] and expected in lines[0], lines
         with pytest.raises(ValueError, match=str(record)):
             train.load_run(workdir)
     record.write_text(json.dumps(data))
