@@ -178,6 +178,10 @@ def test_an_array_that_reads_but_differs_from_what_was_saved_is_refused(tmp_path
         train.load_run(workdir, step=20)
 
 
+# A read that orbax abandoned can call into its closed event loop later than the fallback
+# waits for (at a garbage collection), which Python reports as unraisable; pytest turns that
+# into a warning of whichever test runs then. The runs of the flipped-bytes test show none.
+@pytest.mark.filterwarnings("ignore:Exception ignored in:pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("fault", ["truncate", "delete_metadata", "delete_state", "bad_meta_json"])
 def test_a_broken_newest_checkpoint_is_one_line_and_the_intact_one_loads(
     tmp_path, capfd, fault, stopped_at_20, stopped_at_20_run
