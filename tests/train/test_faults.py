@@ -3,9 +3,10 @@
 Each fault is applied to a workdir of the tiny config trained by ``python -m
 train`` in a subprocess (checkpoints every 5 steps, the last 2 kept), and the
 run that survives it is compared array by array with an uninterrupted run of
-the same command: SIGKILL at random moments (inside checkpoint writes too),
-flipped bytes, truncated data files or a deleted part of the newest checkpoint,
-an array that reads but differs from what was saved, a broken ``config.json``.
+the same command (a broken checkpoint's fallback also by a load in this
+process): SIGKILL at random moments (inside checkpoint writes too), flipped
+bytes, truncated data files or a deleted part of the newest checkpoint, an
+array that reads but differs from what was saved, a broken ``config.json``.
 A second process on a busy workdir, unwritable folders and a full disk are
 refused in one line.
 """
