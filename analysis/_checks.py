@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from attn.errors import fail  # the project's one ValueError("<arg>: expected ..., got ...")
+from attn.checks import fail  # the project's one ValueError("<arg>: expected ..., got ...")
 
 # A row of attention probabilities sums to 1; float32 captures (and linear
 # attention's ``+ eps`` in the normalizer) leave it off by far less than this.

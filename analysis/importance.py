@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from analysis import _checks
-from attn.errors import fail
+from attn.checks import fail
 
 ORDERS = ("importance", "random")
 

@@ -37,7 +37,7 @@ from typing import NamedTuple
 import numpy as np
 
 from analysis import _checks
-from attn.errors import fail
+from attn.checks import fail
 from attn.masks import Mask
 
 # Gu et al. (2024), "When attention sink emerges in language models", count a

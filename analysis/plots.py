@@ -15,7 +15,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from analysis import _checks
-from attn.errors import fail
+from attn.checks import fail
 
 # Token labels on the axes stay readable up to about this many positions.
 MAX_TICK_LABELS = 32

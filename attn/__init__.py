@@ -36,7 +36,7 @@ The families, each a package whose docstring lists its pieces:
 
 beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
-``errors`` (the input checks and their one ``ValueError`` format), ``merge``
+``checks`` (the input checks and their one ``ValueError`` format), ``merge``
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
 ``cache`` (cache sizes and slots), ``decode`` (split-K decode attention over
 rows of their own lengths), ``paged`` (a paged KV cache: a page pool,
@@ -45,16 +45,17 @@ block tables, their allocator), ``dispatch`` (``attention(impl=...)``) and
 presets and variants, are added to).
 """
 
-from attn import errors, linear, masks, paged, pallas, registry, ring, scores, softmax
+from attn import checks, linear, masks, paged, pallas, registry, ring, scores, softmax
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.decode import decode_attention
+from attn.deprecation import deprecated_names
 from attn.dispatch import IMPLS, attention
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
     DELTA_FORMS,
     FEATURE_MAPS,
-    FORMS,
+    LINEAR_FORMS,
     LinearState,
     delta_rule,
     delta_rule_step,
@@ -71,25 +72,26 @@ from attn.merge import merge_attention
 from attn.paged import PageTable, paged_decode_attention
 from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
-from attn.softmax import blockwise_attention, dot_product_attention
+from attn.softmax import CallArgs, blockwise_attention, dot_product_attention
 
 __all__ = [
     "DELTA_FORMS",
     "FEATURE_MAPS",
-    "FORMS",
     "IMPLS",
     "LATENT_FORMS",
+    "LINEAR_FORMS",
+    "CallArgs",
     "LinearState",
     "Mask",
     "PageTable",
     "apply_rope",
     "attention",
     "blockwise_attention",
+    "checks",
     "decode_attention",
     "delta_rule",
     "delta_rule_step",
     "dot_product_attention",
-    "errors",
     "favor_projection",
     "init_delta_state",
     "init_linear_state",
@@ -116,3 +118,13 @@ __all__ = [
     "short_conv_step",
     "softmax",
 ]
+
+
+# Deprecated names (removed in attnlab 0.2).
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "FORMS": ("attn.LINEAR_FORMS", lambda: LINEAR_FORMS),
+        "errors": ("attn.checks", lambda: checks),
+    },
+)

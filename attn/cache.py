@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn.errors import fail
+from attn.checks import fail
 
 
 def _count(x, name, minimum=1):

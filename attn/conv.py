@@ -43,8 +43,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
-from attn.errors import fail
+from attn import checks
+from attn.checks import fail
 from attn.masks import PADDING
 
 __all__ = ["short_conv", "short_conv_step"]
@@ -137,7 +137,7 @@ def short_conv(x, weight, bias=None, *, state=None, segment_ids=None):
         its start), to pass as ``state`` to the next chunk or step.
     """
     B, T, D, W = _check_args(x, weight, bias, state)
-    seg = errors.segment_ids(segment_ids, "segment_ids", B, T)
+    seg = checks.segment_ids(segment_ids, "segment_ids", B, T)
     past = jnp.zeros((B, W - 1, D), x.dtype) if state is None else jnp.asarray(state, x.dtype)
     w32 = jnp.asarray(weight, jnp.float32)
 
@@ -198,7 +198,7 @@ def short_conv_step(state, x_t, weight, bias=None, *, segment_id=None):
     if state is None:
         fail("state", "a [B,W-1,D] array (zeros at the start of a sequence)", "None")
     B = x_t.shape[0]
-    seg = errors.segment_ids(segment_id, "segment_id", B)
+    seg = checks.segment_ids(segment_id, "segment_id", B)
     seg = None if seg is None else seg[:, None]
     y, new_state = short_conv(x_t[:, None], weight, bias, state=state, segment_ids=seg)
     return y[:, 0], new_state

@@ -23,23 +23,26 @@ one more partial: a logit with no value), the soft-cap and score modifiers
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 
-from attn import errors, scores
-from attn.errors import fail
+from attn import checks, scores
+from attn.checks import fail
+from attn.deprecation import warn
 from attn.merge import merge_partials
-from attn.pallas import flash_attention
-from attn.softmax.call import check_static
-from attn.softmax.dense import dot_product_attention
+from attn.pallas import flash
+from attn.softmax import dense
+from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
 
 __all__ = ["decode_attention", "default_splits"]
 
 # Keys per split below which splitting only adds merge work (the auto choice).
 MIN_SPLIT_KEYS = 1024
 MAX_SPLITS = 16
-IMPLS = ("xla", "pallas")
+# What computes each split: the vocabulary of attn.attention's impl.
+IMPLS = ("dense", "pallas")
 
 
 def default_splits(S: int) -> int:
@@ -48,6 +51,7 @@ def default_splits(S: int) -> int:
     return int(min(max(S // MIN_SPLIT_KEYS, 1), MAX_SPLITS))
 
 
+@takes_call_args
 def decode_attention(
     q,
     k,
@@ -55,17 +59,11 @@ def decode_attention(
     *,
     lengths,
     num_splits: int | None = None,
-    mask=None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
     kv_valid=None,
     return_lse: bool = False,
-    impl: str = "xla",
+    impl: str = "dense",
     platform: str | None = None,
+    **call_args: Unpack[CallArgs],
 ):
     """Attention of T query tokens per row over the ``lengths[b]`` valid keys of a cache.
 
@@ -80,71 +78,68 @@ def decode_attention(
       lengths: ``[B]`` ints in ``[0, S]``: valid slots per row (checked when concrete).
       num_splits: chunks of keys, a positive int (need not divide S); None:
         ``default_splits(S)``.
-      mask, scale, softcap, score_mod, sink_logits: as ``dot_product_attention``.
-      q_positions: ``[B,T]`` or ``[T]`` ints; default the last T valid
-        positions of each row, ``lengths[b] - T + t``.
-      kv_positions: ``[B,S]`` or ``[S]`` ints (a ring buffer's slots hold other
-        positions); default ``arange(S)``.
       kv_valid: ``[B,S]`` bools, or None: which slots below ``lengths`` hold a
         key (a paged cache's freed pages do not).
       return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
-      impl: what computes each split: ``"xla"`` (``dot_product_attention``) or
+      impl: what computes each split: ``"dense"`` (``dot_product_attention``) or
         ``"pallas"`` (``attn.pallas.flash_attention``: its grid runs over the
-        splits as batch rows; interpret mode on a CPU).
+        splits as batch rows; interpret mode on a CPU). ``"xla"``, this
+        argument's old name for ``"dense"``, is deprecated (removed in attnlab
+        0.2): elsewhere ``"xla"`` is ``jax.nn.dot_product_attention``.
       platform: with ``"pallas"``, the platform its kernel is lowered for (as
         ``flash_attention``'s: ``jax.export`` for an accelerator from a CPU).
+      **call_args: the call (``attn.softmax.call.CallArgs``), as in
+        ``dot_product_attention``, without segment ids (``lengths`` and
+        ``kv_valid`` say which slots hold keys). ``q_positions`` default to the
+        last T valid positions of each row, ``lengths[b] - T + t``;
+        ``kv_positions`` (a ring buffer's slots hold other positions) to ``arange(S)``.
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype (zeros for a row that sees no key), and
       the lse if asked.
     """
-    q, k, v = errors.as_arrays(q, k, v)
-    d = errors.qkv_dims(q, k, v)
-    mask, scale, softcap = check_static(mask, scale, softcap)
-    scores.check_type(score_mod)
+    q, k, v = checks.as_arrays(q, k, v)
+    d = checks.qkv_dims(q, k, v)
+    if impl == "xla":
+        warn("decode_attention(impl='xla')", "impl='dense' ('xla' is jax.nn's everywhere else)")
+        impl = "dense"
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
+    for name in ("q_segment_ids", "kv_segment_ids"):
+        if call_args.get(name) is not None:
+            fail(name, "None for decode_attention (lengths and kv_valid say which slots hold keys)",
+                 "an array")  # fmt: skip
     lengths = _check_lengths(lengths, d.B, d.S)
-    P = default_splits(d.S) if num_splits is None else errors.positive_int(num_splits, "num_splits")
+    P = default_splits(d.S) if num_splits is None else checks.positive_int(num_splits, "num_splits")
     P = min(P, d.S)
+    q_positions = call_args.get("q_positions")
     if q_positions is None:
         q_positions = lengths[:, None] - d.T + jnp.arange(d.T, dtype=jnp.int32)
-    q_positions = errors.positions(q_positions, "q_positions", d.B, d.T)
-    kv_positions = errors.positions(kv_positions, "kv_positions", d.B, d.S)
-    if sink_logits is not None:
-        sink_logits = jnp.asarray(sink_logits)
-        if sink_logits.shape != (d.N,):
-            fail("sink_logits", f"shape ({d.N},), one logit per query head", sink_logits.shape)
-    score_mod = scores.check_score_mod(score_mod, d)
+    kv_positions = checks.positions(call_args.get("kv_positions"), "kv_positions", d.B, d.S)
+    call = check_call(q, k, v, **{**call_args, "q_positions": q_positions,
+                                  "kv_positions": kv_positions})  # fmt: skip
     valid = jnp.arange(d.S)[None, :] < lengths[:, None]
     if kv_valid is not None:
         kv_valid = jnp.asarray(kv_valid)
         if kv_valid.shape != (d.B, d.S) or kv_valid.dtype != jnp.bool_:
             fail("kv_valid", f"bools of shape ({d.B}, {d.S})", f"{kv_valid.dtype} {kv_valid.shape}")
         valid &= kv_valid
-    return _decode(
-        q, k, v, valid, q_positions, kv_positions, sink_logits, score_mod,
-        splits=P, mask=mask, scale=scale, softcap=softcap, return_lse=bool(return_lse),
-        impl=impl, platform=platform,
-    )  # fmt: skip
+    return _decode(call, q, k, v, valid, splits=P, return_lse=bool(return_lse), impl=impl,
+                   platform=platform)  # fmt: skip
 
 
 def _check_lengths(lengths, B: int, S: int):
     lengths = jnp.asarray(lengths)
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         fail("lengths", f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
-    value = errors.concrete(lengths)
+    value = checks.concrete(lengths)
     if value is not None and (value.min() < 0 or value.max() > S):
         fail("lengths", f"lengths in [0, {S}] (the cache's slots)", f"{value.min()}..{value.max()}")
     return lengths.astype(jnp.int32)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("splits", "mask", "scale", "softcap", "return_lse", "impl", "platform"),
-)
-def _decode(q, k, v, valid, q_pos, kv_pos, sink, score_mod, *, splits, mask, scale, softcap,
-            return_lse, impl, platform):  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("splits", "return_lse", "impl", "platform"))
+def _decode(call: Call, q, k, v, valid, *, splits, return_lse, impl, platform):
     B, T, N, _ = q.shape
     S = k.shape[1]
     C = -(-S // splits)  # keys per split; the last split is padded with invalid slots
@@ -158,26 +153,27 @@ def _decode(q, k, v, valid, q_pos, kv_pos, sink, score_mod, *, splits, mask, sca
     def tile(x):  # [B,...] -> [P*B, ...]: the queries' side, the same in every split
         return jnp.broadcast_to(x[None], (splits, *x.shape)).reshape(splits * B, *x.shape[1:])
 
-    structure, leaves = scores.split(score_mod)
+    structure, leaves = scores.split(call.score)
+    score_mod = None
     if structure is not None:
         by_role = {"head": lambda x: x, "q": tile, "k": cut}
         leaves = [by_role[role](x) for role, x in zip(structure.roles, leaves, strict=True)]
         score_mod = structure.rebuild(leaves)
-    attention = dot_product_attention
-    if impl == "pallas":
-        attention = functools.partial(flash_attention, platform=platform)
-    out, lse = attention(
+    parts = check_call(
         tile(q), cut(k), cut(v),
-        mask=mask, scale=scale, softcap=softcap, score_mod=score_mod,
-        q_positions=tile(q_pos), kv_positions=cut(kv_pos),
+        mask=call.mask, scale=call.scale, score_mod=score_mod,
+        q_positions=tile(call.q_positions), kv_positions=cut(call.kv_positions),
         q_segment_ids=jnp.ones((splits * B, T), jnp.int32), kv_segment_ids=cut(valid),
-        return_lse=True,
     )  # fmt: skip
+    if impl == "pallas":
+        out, lse = flash.attend(parts, tile(q), cut(k), cut(v), return_lse=True, platform=platform)
+    else:
+        out, lse = dense.attend(parts, tile(q), cut(k), cut(v), return_lse=True)
     outs = out.reshape(splits, B, T, N, -1)
     lses = lse.reshape(splits, B, T, N)
-    if sink is not None:  # one more partial: the sink's logit, no value
+    if call.sink_logits is not None:  # one more partial: the sink's logit, no value
         outs = jnp.concatenate([outs, jnp.zeros_like(outs[:1])])
-        sink_lse = jnp.broadcast_to(sink.astype(jnp.float32), (1, B, T, N))
+        sink_lse = jnp.broadcast_to(call.sink_logits.reshape(N), (1, B, T, N))
         lses = jnp.concatenate([lses, sink_lse])
     out, lse = merge_partials(outs, lses)
     return (out, lse) if return_lse else out

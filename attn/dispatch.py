@@ -6,15 +6,16 @@ It picks an implementation and never changes the math: every ``impl`` computes
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax
 import jax.numpy as jnp
 
 from attn import masks, scores
-from attn.errors import Dims, as_arrays, fail
-from attn.pallas import flash_attention, splash_attention, splash_reason
-from attn.softmax.blockwise import blockwise_attention
-from attn.softmax.call import Call, check_call, dims_or_none
-from attn.softmax.dense import dot_product_attention, modifier_bias
+from attn.checks import Dims, as_arrays, fail
+from attn.pallas import flash, splash
+from attn.softmax import blockwise, dense
+from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
@@ -24,36 +25,59 @@ IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 _CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
 _CUDNN_MAX_HEAD_DIM = 128
 
-# impl="auto" on CPU picks blockwise where it measured faster than dense (f32,
-# B=1, N=8, H=64, causal, forward and forward+backward, 2-core AVX-512 CPU):
-# - T = S: from 128 on (1.7x at 128, 5-7x at 1024-2048; about equal at 32-64);
-# - short query blocks over long keys once T*S >= 2**18 with T >= 32 (T=64,
-#   S=4096: 1.1-1.3x; T=32, S=32768: 1.2x), while dense stays faster below
-#   (T=32, S=4096: 1.1-1.3x; T=64, S=1024: 1.15x; T=16, S=1024: 1.3x) and for
-#   decoding (T=1: 1.2-2.3x at S = 1K-16K), where blockwise's re-layout of K/V
-#   into tiles on every call costs as much as the attention itself.
+# impl="auto" on CPU picks blockwise where it measured faster than dense
+# (bench/results/blockwise-tiles-cpu.md): T = S from 128 on, and short query
+# blocks over long keys once T*S >= 2**18; dense below, and for decoding.
 BLOCKWISE_MIN_T = 128
 BLOCKWISE_MIN_T_LONG_KEYS = 32
 BLOCKWISE_MIN_SCORES = 2**18
 
 
-def attention(q, k, v, *, impl: str = "auto", **kwargs):
+# The settings each implementation takes besides the call (performance only: never the math).
+OPTIONS = {
+    "blockwise": ("block_q", "block_k"),
+    "pallas": ("block_q", "block_k", "interpret", "platform"),
+    "splash": ("interpret", "platform"),
+}
+IMPLEMENTATIONS = {
+    "dense": dense.attend,
+    "blockwise": blockwise.attend,
+    "pallas": flash.attend,
+    "splash": splash.attend,
+}
+
+
+@takes_call_args
+def attention(
+    q,
+    k,
+    v,
+    *,
+    impl: str = "auto",
+    bias=None,
+    return_weights: bool = False,
+    return_lse: bool = False,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
+    platform: str | None = None,
+    **call_args: Unpack[CallArgs],
+):
     """Softmax attention through the implementation ``impl``.
 
     Args:
       q, k, v: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]`` as in ``dot_product_attention``.
       impl: ``"dense"`` (ours, materialized); ``"blockwise"`` (ours, FlashAttention:
         memory linear in T and S, skips masked blocks; no ``bias`` or
-        ``return_weights``, and accepts ``block_q``/``block_k``); ``"xla"`` or ``"cudnn"``
+        ``return_weights``); ``"xla"`` or ``"cudnn"``
         (``jax.nn.dot_product_attention``, only where its semantics equal ours:
         no learned sink logits, soft-cap, segment ids or explicit positions, and causal or
         window masks only with T == S, since jax.nn aligns them to the top-left
         corner while our default queries are the last T key positions);
         ``"pallas"`` (``attn.pallas.flash_attention``: our fused kernel for every
-        mask, interpret mode on a CPU; no ``bias`` or ``return_weights``; accepts
-        ``block_q``/``block_k``/``interpret``); ``"splash"`` (TPU splash attention
-        through ``attn.pallas.splash_attention``, where our mask maps, else a
-        ``ValueError`` naming why);
+        mask, interpret mode on a CPU; no ``bias`` or ``return_weights``); ``"splash"``
+        (TPU splash attention through ``attn.pallas.splash_attention``, where our
+        mask maps, else a ``ValueError`` naming why);
         ``"auto"`` picks the fastest correct one for the platform (on CPU:
         blockwise where it measured faster than dense, from T = 128 on; see
         ``BLOCKWISE_MIN_T``; on GPU: cuDNN where its semantics, dtype and head
@@ -63,7 +87,13 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
         implementation of ours; jax.nn and cuDNN take it only when it is
         additive (no soft-cap), as a materialized ``[B,N,T,S]`` bias, so auto
         sends it to pallas on a GPU.
-      **kwargs: the keyword arguments of ``attn.dot_product_attention``.
+      bias, return_weights, return_lse: as in ``attn.dot_product_attention``.
+      block_q, block_k: tile sizes of ``"blockwise"`` and ``"pallas"``;
+        interpret, platform: of ``"pallas"`` and ``"splash"``. None: each
+        implementation's default. Another implementation refuses them, except
+        under ``"auto"``, which passes on those its choice takes.
+      **call_args: the call (``attn.softmax.call.CallArgs``), as in
+        ``attn.dot_product_attention``.
 
     Returns:
       What ``attn.dot_product_attention`` returns for the same arguments.
@@ -71,15 +101,43 @@ def attention(q, k, v, *, impl: str = "auto", **kwargs):
     q, k, v = as_arrays(q, k, v)
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
-    if impl == "auto":
-        impl = _choose(q, k, v, kwargs)
-    if impl == "dense":
-        return dot_product_attention(q, k, v, **kwargs)
-    if impl == "blockwise":
-        return _blockwise(q, k, v, **kwargs)
-    if impl in ("pallas", "splash"):
-        return _pallas(q, k, v, impl, **kwargs)
-    return _jax_nn(q, k, v, impl, **kwargs)
+    call = check_call(q, k, v, **call_args)
+    given = dict(block_q=block_q, block_k=block_k, interpret=interpret, platform=platform)
+    given = {name: value for name, value in given.items() if value is not None}
+    chosen = _choose(call, q.dtype, bias, return_weights, return_lse) if impl == "auto" else impl
+    takes = OPTIONS.get(chosen, ())
+    for name, value in given.items():
+        if impl != "auto" and name not in takes:
+            fail(name, f"None for impl={impl!r} (a setting of {_takers(name)})", repr(value))
+    options = {name: value for name, value in given.items() if name in takes}
+    if chosen in ("xla", "cudnn"):
+        return _jax_nn(call, q, k, v, chosen, bias, return_weights, return_lse)
+    if chosen != "dense":
+        _fused_only(chosen, bias, return_weights)
+        return IMPLEMENTATIONS[chosen](call, q, k, v, return_lse=return_lse, **options)
+    return dense.attend(call, q, k, v, bias=bias, return_weights=return_weights,
+                        return_lse=return_lse)  # fmt: skip
+
+
+@takes_call_args
+def choose_impl(q, k, v, *, bias=None, return_weights=False, return_lse=False,
+                **call_args: Unpack[CallArgs]) -> str:  # fmt: skip
+    """The implementation ``attention(..., impl="auto")`` picks for these arguments."""
+    q, k, v = as_arrays(q, k, v)
+    call = check_call(q, k, v, **call_args)
+    return _choose(call, q.dtype, bias, return_weights, return_lse)
+
+
+def _takers(option: str) -> str:
+    return " and ".join(repr(impl) for impl, names in OPTIONS.items() if option in names)
+
+
+def _fused_only(impl: str, bias, return_weights) -> None:
+    """Refuses what only the materialized implementations compute."""
+    if bias is not None:
+        fail("bias", f"None for impl={impl!r} (use impl='dense' for a bias)", "an array")
+    if return_weights:
+        fail("return_weights", f"False for impl={impl!r} (it never forms the weights)", True)
 
 
 def _backend() -> str:
@@ -87,17 +145,13 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _choose(q, k, v, kwargs) -> str:
-    dims = dims_or_none(q, k, v)
-    if dims is None:  # not a call: the reference reports why
-        return "dense"
+def _choose(call: Call, dtype, bias, return_weights, return_lse) -> str:
     backend = _backend()
-    fused_ok = kwargs.get("bias") is None and not kwargs.get("return_weights")
+    fused_ok = bias is None and not return_weights
     if backend == "gpu":
-        jax_nn_ok = _jax_nn_reason(q, k, v, kwargs) is None
+        jax_nn_ok = _jax_nn_reason(call, return_weights, return_lse) is None
         # A modifier would be materialized for cuDNN: the fused kernel evaluates it per tile.
-        no_mod = kwargs.get("score_mod") is None
-        if jax_nn_ok and no_mod and _cudnn_fits(dims, q.dtype, kwargs):
+        if jax_nn_ok and call.score is None and _cudnn_fits(call.dims, dtype, bias):
             return "cudnn"
         if fused_ok:
             return "pallas"
@@ -105,15 +159,15 @@ def _choose(q, k, v, kwargs) -> str:
     if backend == "tpu" and fused_ok:
         # Our Pallas kernel's blocks do not meet Mosaic TPU's (8, 128) tiling: what
         # splash cannot run goes to blockwise, which XLA compiles for the TPU.
-        return "splash" if splash_reason(q, k, v, **kwargs) is None else "blockwise"
-    if backend == "cpu" and fused_ok and _blockwise_faster(dims):
+        return "splash" if splash.reason(call, return_lse=return_lse) is None else "blockwise"
+    if backend == "cpu" and fused_ok and _blockwise_faster(call.dims):
         return "blockwise"
     return "dense"
 
 
-def _cudnn_fits(dims: Dims, dtype, kwargs) -> bool:
+def _cudnn_fits(dims: Dims, dtype, bias) -> bool:
     """Inputs cuDNN's fused kernel takes: half precision, equal head dims 8k <= 128."""
-    if kwargs.get("bias") is not None and (dims.T % 2 or dims.S % 2):
+    if bias is not None and (dims.T % 2 or dims.S % 2):
         return False
     return (
         dtype in _CUDNN_DTYPES
@@ -131,38 +185,26 @@ def _blockwise_faster(dims: Dims) -> bool:
     return T >= BLOCKWISE_MIN_T_LONG_KEYS and T * S >= BLOCKWISE_MIN_SCORES
 
 
-def _blockwise(q, k, v, *, bias=None, return_weights=False, **kwargs):
-    if bias is not None:
-        fail("bias", "None for impl='blockwise' (use impl='dense' for a bias)", "an array")
-    if return_weights:
-        fail("return_weights", "False for impl='blockwise' (it never forms the weights)", True)
-    return blockwise_attention(q, k, v, **kwargs)
-
-
-def _pallas(q, k, v, impl, *, bias=None, return_weights=False, **kwargs):
-    if bias is not None:
-        fail("bias", f"None for impl={impl!r} (use impl='dense' for a bias)", "an array")
-    if return_weights:
-        fail("return_weights", f"False for impl={impl!r} (it never forms the weights)", True)
-    fn = flash_attention if impl == "pallas" else splash_attention
-    return fn(q, k, v, **kwargs)
-
-
-def _jax_nn_reason(q, k, v, kwargs) -> str | None:
+def _jax_nn_reason(call: Call, return_weights, return_lse) -> str | None:
     """Why ``jax.nn.dot_product_attention`` would compute another function, or None."""
-    for name in ("sink_logits", "softcap", "q_positions", "kv_positions"):
-        if kwargs.get(name) is not None:
+    if call.sink_logits is not None:
+        return "sink_logits (jax.nn has no equivalent)"
+    if call.softcap is not None:
+        return "softcap (jax.nn has no equivalent)"
+    q_positions, kv_positions, q_segment_ids, _ = call.given
+    for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
+        if x is not None:
             return f"{name} (jax.nn has no equivalent)"
-    if not scores.additive(kwargs.get("score_mod")):
+    if not scores.additive(call.score):
         return "a score_mod with a soft-cap (jax.nn takes additive biases only)"
-    if kwargs.get("q_segment_ids") is not None or kwargs.get("kv_segment_ids") is not None:
+    if q_segment_ids is not None:
         return "segment ids (jax.nn returns the mean of V on rows they fully mask)"
-    if kwargs.get("return_weights") or kwargs.get("return_lse"):
+    if return_weights or return_lse:
         return "return_weights/return_lse"
-    if _window_args(kwargs.get("mask")) is None:
-        return f"mask {kwargs.get('mask')!r} (jax.nn has full, causal and band masks only)"
-    causal, window = _window_args(kwargs.get("mask"))
-    if (causal or window is not None) and q.shape[1] != k.shape[1]:
+    if _window_args(call.mask) is None:
+        return f"mask {call.mask!r} (jax.nn has full, causal and band masks only)"
+    causal, window = _window_args(call.mask)
+    if (causal or window is not None) and call.dims.T != call.dims.S:
         return (
             "a causal or banded mask with T != S (jax.nn aligns it to the top-left corner; "
             "ours puts the T queries at the last T key positions)"
@@ -189,9 +231,8 @@ def _window_args(mask) -> tuple[bool, tuple[int, int] | None] | None:
     return None
 
 
-def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, score_mod=None, **rest):
-    c: Call = check_call(q, k, v, mask=mask, scale=scale, score_mod=score_mod, **_call_args(rest))
-    reason = _jax_nn_reason(q, k, v, dict(rest, mask=mask, score_mod=score_mod))
+def _jax_nn(call: Call, q, k, v, impl, bias, return_weights, return_lse):
+    reason = _jax_nn_reason(call, return_weights, return_lse)
     if reason is not None:
         fail("impl", f"an impl computing our semantics for {reason}", repr(impl))
     if impl == "cudnn":
@@ -199,28 +240,17 @@ def _jax_nn(q, k, v, impl, *, mask=None, bias=None, scale=None, score_mod=None, 
             fail("impl", "'cudnn' only on a GPU backend", f"backend {_backend()!r}")
         if q.dtype not in _CUDNN_DTYPES:
             fail("q", "bfloat16 or float16 inputs for impl='cudnn'", q.dtype)
-    is_causal, window = _window_args(c.mask)
-    if c.score is not None:  # additive (checked above): one [B,N,T,S] bias
-        extra = modifier_bias(c).astype(q.dtype)
+    is_causal, window = _window_args(call.mask)
+    if call.score is not None:  # additive (checked above): one [B,N,T,S] bias
+        extra = dense.modifier_bias(call).astype(q.dtype)
         bias = extra if bias is None else bias + extra
     return jax.nn.dot_product_attention(
         q,
         k,
         v,
         bias=bias,
-        scale=c.scale,
+        scale=call.scale,
         is_causal=is_causal,
         local_window_size=window,
         implementation=impl,
     )
-
-
-_CALL_ARGS = ("softcap", "sink_logits", "q_positions", "kv_positions")
-_CALL_ARGS += ("q_segment_ids", "kv_segment_ids")
-
-
-def _call_args(rest):
-    unknown = set(rest) - set(_CALL_ARGS) - {"return_weights", "return_lse"}
-    if unknown:
-        raise TypeError(f"attention() got unexpected keyword arguments {sorted(unknown)}")
-    return {key: rest[key] for key in _CALL_ARGS if key in rest}

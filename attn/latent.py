@@ -25,8 +25,8 @@ from __future__ import annotations
 import chex
 import jax.numpy as jnp
 
+from attn.checks import fail
 from attn.dispatch import attention
-from attn.errors import fail
 
 LATENT_FORMS = ("naive", "absorbed")
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.errors import fail, positive_int
+from attn.checks import fail, positive_int
 
 
 class BlockKind(enum.IntEnum):

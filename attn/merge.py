@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import chex
 import jax.numpy as jnp
 
-from attn.errors import fail
+from attn.checks import fail
 
 
 def merge_unnormalized(m_a, l_a, acc_a, m_b, l_b, acc_b):

@@ -34,10 +34,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
+from attn import checks
 from attn.cache import EMPTY
+from attn.checks import fail
 from attn.decode import decode_attention
-from attn.errors import fail
 
 __all__ = [
     "PageTable",
@@ -75,10 +75,10 @@ class PageTable:
     """
 
     def __init__(self, num_pages: int, page_size: int, batch: int, max_pages_per_row: int):
-        self.num_pages = errors.positive_int(num_pages, "num_pages")
-        self.page_size = errors.positive_int(page_size, "page_size")
-        batch = errors.positive_int(batch, "batch")
-        self.max_pages = errors.positive_int(max_pages_per_row, "max_pages_per_row")
+        self.num_pages = checks.positive_int(num_pages, "num_pages")
+        self.page_size = checks.positive_int(page_size, "page_size")
+        batch = checks.positive_int(batch, "batch")
+        self.max_pages = checks.positive_int(max_pages_per_row, "max_pages_per_row")
         self.tables = np.full((batch, self.max_pages), UNUSED, np.int32)
         self.lengths = np.zeros(batch, np.int32)
         self._free = list(range(self.num_pages - 1, -1, -1))  # a stack: page 0 first
@@ -160,7 +160,7 @@ def check_block_tables(block_tables, lengths, num_pages: int, page_size: int) ->
     ``UNUSED`` (a page freed behind a window), and no page may appear twice
     (two rows, or two places of one row, would overwrite each other).
     """
-    tables, lens = errors.concrete(block_tables), errors.concrete(lengths)
+    tables, lens = checks.concrete(block_tables), checks.concrete(lengths)
     if tables is None or lens is None:
         return
     M = tables.shape[1]
@@ -271,7 +271,7 @@ def extend_pages(pools: tuple, block_tables, new: tuple, start, lengths=None):
 
 def _check_allocated(pages, valid) -> None:
     """Refuses, where the values are known, a token written to a page no row holds."""
-    held, ok = errors.concrete(pages), None if valid is None else errors.concrete(valid)
+    held, ok = checks.concrete(pages), None if valid is None else checks.concrete(valid)
     if held is None or (valid is not None and ok is None):
         return
     missing = (held < 0) if ok is None else (held < 0) & ok
@@ -306,7 +306,7 @@ def paged_decode_attention(q, pool_k, pool_v, block_tables, lengths, **kwargs):
       kwargs: as ``attn.decode_attention`` (``num_splits``, ``mask``, ``softcap``,
         ``score_mod``, ``sink_logits``, ``q_positions``, ``return_lse``).
     """
-    q, pool_k, pool_v = errors.as_arrays(q, pool_k, pool_v)
+    q, pool_k, pool_v = checks.as_arrays(q, pool_k, pool_v)
     _check_pool(pool_k, "pool_k")
     _check_pool(pool_v, "pool_v")
     block_tables = _check_tables(block_tables, q.shape[0])

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
-from attn.errors import fail
+from attn.checks import fail
 
 __all__ = ["Registry", "defined_at"]
 

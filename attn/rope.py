@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from attn.errors import fail
+from attn.checks import fail
 
 LAYOUTS = ("half", "interleaved")
 

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.errors import Dims, fail, positive_int
+from attn.checks import Dims, fail, positive_int
 
 __all__ = [
     "ROLES",
@@ -401,6 +401,20 @@ class Structure(NamedTuple):
         """Inverse of ``by_role``: the leaves in leaf order."""
         its = {role: iter(groups[role]) for role in ROLES}
         return [next(its[role]) for role in self.roles]
+
+    def apply(self, s, q_pos, k_pos, views: dict[str, list]):
+        """The modifier on float32 logits ``s``, with ``views`` as its leaves.
+
+        How every implementation evaluates a modifier: it lays each leaf out
+        (by role, ``by_role``) as a view that broadcasts against its logits, a
+        head leaf keeping its trailing axes after the broadcast ones.
+
+        Args:
+          s: float32 scaled logits, any layout.
+          q_pos, k_pos: int32 positions broadcastable to ``s``.
+          views: role -> that role's leaves as views, in leaf order.
+        """
+        return self.rebuild(self.merge(views)).apply(s, q_pos, k_pos)
 
 
 def split(mod: ScoreMod | None) -> tuple[Structure | None, list]:

@@ -129,6 +129,8 @@ class Config:
     max_seconds: float = 45.0  # skip a run projected (from the previous T) to take longer
     memory_fraction: float = 0.6  # of available memory, for materialized [N,T,S] arrays
     out_dir: str = "bench/results"
+    lengths: tuple[int, ...] = ()  # the lengths to measure; () means the default table
+    matmul_size: int = MATMUL_SIZE  # n of the n x n matmul whose rate the times are set against
     scores: bool = False  # the score-modifier run instead (bench/_scores.py)
     baseline_root: str = ""  # --scores: an earlier checkout, timed beside today's (before/after)
 
@@ -415,11 +417,12 @@ def sweep(cfg: Config, lengths, platform: str) -> tuple[float, list[dict]]:
         repeats=cfg.repeats,
         dtype=cfg.dtype,
     )
-    print(f"{cfg.dtype} matmul rate ({MATMUL_SIZE}x{MATMUL_SIZE}, best of 5)...", flush=True)
-    mm = measure(dict(base, impl="matmul", T=MATMUL_SIZE, repeats=5), timeout=600)
+    n = cfg.matmul_size
+    print(f"{cfg.dtype} matmul rate ({n}x{n}, best of 5)...", flush=True)
+    mm = measure(dict(base, impl="matmul", T=n, repeats=5), timeout=600)
     if mm["status"] != "ok":
         raise RuntimeError(f"matmul rate: {mm['status']}")
-    matmul_rate = 2 * MATMUL_SIZE**3 / mm["seconds"]
+    matmul_rate = 2 * n**3 / mm["seconds"]
     print(f"  {matmul_rate / 1e9:.0f} GFLOP/s", flush=True)
     memory = mm.get("device_bytes_limit") or available_bytes()
 
@@ -551,6 +554,7 @@ def targets(result: dict) -> list[dict]:
 def markdown(result: dict) -> str:
     cfg, env, rows = result["config"], result["env"], result["rows"]
     impls = [i for i in cfg["impls"] if any(r["impl"] == i for r in rows)]
+    n = cfg.get("matmul_size", MATMUL_SIZE)
     lines = [
         f"# Softmax attention on {result['platform']} ({env['cpu_count']} CPU cores)",
         "",
@@ -560,7 +564,7 @@ def markdown(result: dict) -> str:
         "for forward + backward. Short runs: best of "
         f"{cfg['rounds']} interleaved rounds.",
         "",
-        f"{cfg['dtype']} matmul rate (jnp.dot {MATMUL_SIZE}x{MATMUL_SIZE}, best of 5): "
+        f"{cfg['dtype']} matmul rate (jnp.dot {n}x{n}, best of 5): "
         f"**{result['matmul_gflops']:.0f} GFLOP/s**. Load average at start / end: "
         f"{env['load_average_at_start'][0]:.2f} / {env['load_average_at_end'][0]:.2f} "
         f"(niceness {env['nice']}; other processes on a shared machine slow some runs).",
@@ -690,7 +694,8 @@ def main(cfg: Config) -> dict:
         spec = dict(impl="matmul", platform=platform, dtype=cfg.dtype, T=MATMUL_SIZE, repeats=5)
         rate = 2 * MATMUL_SIZE**3 / measure(spec, 600)["seconds"]
         return _scores.main(cfg, measure, rate, platform, write_report)
-    lengths = [T for T in (QUICK_LENGTHS if cfg.quick else LENGTHS) if cfg.max_len >= T]
+    table = cfg.lengths or (QUICK_LENGTHS if cfg.quick else LENGTHS)
+    lengths = [T for T in table if cfg.max_len >= T]
     impls = cfg.impls or PLATFORM_IMPLS.get(platform, PLATFORM_IMPLS["gpu"])
     cfg = dataclasses.replace(cfg, impls=tuple(impls), platform=platform)
     if cfg.quick:

@@ -186,7 +186,7 @@ def _with_pallas(cfg: Config) -> bool:
     return jax.default_backend() == "gpu" if cfg.pallas is None else cfg.pallas
 
 
-def _decode(q, k, v, n, splits, impl="xla"):
+def _decode(q, k, v, n, splits, impl="dense"):
     import attn
 
     return attn.decode_attention(q, k, v, lengths=n, num_splits=splits, impl=impl)

@@ -101,6 +101,7 @@ class Config:
     out_dir: str = "bench/results"
     name: str | None = None  # default: "<family>-cpu"
     family: str = "linear"  # "linear" (feature maps) or "delta" (the delta rule, bench/_delta.py)
+    lengths: tuple[int, ...] = ()  # the lengths to measure; () means the default table
 
 
 # ----------------------------------------------------------------------------
@@ -478,7 +479,8 @@ def main(cfg: Config) -> dict:
         cfg = dataclasses.replace(cfg, name=f"{cfg.family}-cpu")
     if cfg.family == "delta":
         return main_delta(cfg)
-    lengths = tuple(T for T in (QUICK_LENGTHS if cfg.quick else LENGTHS) if cfg.max_len >= T)
+    table = cfg.lengths or (QUICK_LENGTHS if cfg.quick else LENGTHS)
+    lengths = tuple(T for T in table if cfg.max_len >= T)
     if cfg.quick:
         cfg = dataclasses.replace(cfg, repeats=1, rss=False, name=cfg.name + "-quick")
     started = time.perf_counter()

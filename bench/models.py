@@ -78,6 +78,7 @@ class Config:
 
     quick: bool = False  # two kinds, batch 1, one timed run: a smoke test
     repeats: int = 5
+    new_tokens: int = NEW_TOKENS  # tokens generated per timed run
     out_dir: Path = ROOT / "bench" / "results"
 
 
@@ -104,23 +105,24 @@ def cache_sizes(model) -> tuple[int, int]:
     return per_token, a - per_token * CONTEXT
 
 
-def tokens_per_second(model, batch: int, repeats: int) -> float:
+def tokens_per_second(model, batch: int, repeats: int, new_tokens: int = NEW_TOKENS) -> float:
     prompt = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (batch, PROMPT)), jnp.int32)
-    jax.block_until_ready(models.generate(model, prompt, NEW_TOKENS))  # compile + warm up
+    jax.block_until_ready(models.generate(model, prompt, new_tokens))  # compile + warm up
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(models.generate(model, prompt, NEW_TOKENS))
+        jax.block_until_ready(models.generate(model, prompt, new_tokens))
         best = min(best, time.perf_counter() - start)
-    return batch * NEW_TOKENS / best
+    return batch * new_tokens / best
 
 
 def markdown(rows, meta) -> str:
+    new_tokens = meta.get("new_tokens", NEW_TOKENS)
     lines = [
         f"# Models on CPU ({meta['devices']})",
         "",
         f"Decoders of width {WIDTH}, {LAYERS} layers, vocabulary {VOCAB}, N=8 heads of H=32, "
-        f"float32. Generation: greedy, {PROMPT}-token prompt, {NEW_TOKENS} new tokens, "
+        f"float32. Generation: greedy, {PROMPT}-token prompt, {new_tokens} new tokens, "
         f"`models.generate` under jit, best of {meta['repeats']} runs after warm-up "
         f"(load average {meta['load_before']} before, {meta['load_after']} after).",
         "",
@@ -152,6 +154,7 @@ def main(cfg: Config) -> None:
         "devices": f"{jax.device_count()} x {jax.devices()[0].platform}",
         "cpu_count": os.cpu_count(),
         "repeats": repeats,
+        "new_tokens": cfg.new_tokens,
         "load_before": round(os.getloadavg()[0], 2),
     }
     rows = []
@@ -166,8 +169,10 @@ def main(cfg: Config) -> None:
             "cache_bytes_per_token": per_token,
             "cache_fixed_bytes": fixed,
             "cache_bytes_at_4096": per_token * CONTEXT + fixed,
-            "tokens_per_s_b1": tokens_per_second(model, 1, repeats),
-            "tokens_per_s_b8": None if cfg.quick else tokens_per_second(model, 8, repeats),
+            "tokens_per_s_b1": tokens_per_second(model, 1, repeats, cfg.new_tokens),
+            "tokens_per_s_b8": None
+            if cfg.quick
+            else tokens_per_second(model, 8, repeats, cfg.new_tokens),
         }
         rows.append(row)
         print(

@@ -2,9 +2,9 @@
 
 For a small decoder (width 256, 2 softmax layers of 8 heads of 32, SwiGLU
 width 1024, vocabulary 256) trained on MQAR batches of 16 x 256 tokens, it
-compiles ``train``'s sharded step (``train.loop``: AdamW, the state laid out by
-``train.sharding``'s rules, the step under ``jax.set_mesh``) on each mesh and
-reports, against one device:
+compiles the step ``train.loop.train`` runs (``train.steps.make_train_step``:
+AdamW, the state laid out by ``train.sharding``'s rules, the step under
+``jax.set_mesh``) on each mesh and reports, against one device:
 
 * the bytes each kind of collective moves per step and device, read from the
   compiled (partitioned) HLO: the operand sizes of every ``all-reduce``,
@@ -13,8 +13,9 @@ reports, against one device:
   collective inside a ``conditional`` (the ring's skipped steps) counts as if
   its branch ran, so for ``seq`` the figure is an upper bound;
 * the memory per device from ``compiled.memory_analysis()``: arguments (the
-  state and batch shards), temporaries, and their sum less the donated
-  buffers the output reuses;
+  state and batch shards), temporaries, and the peak: arguments, temporaries
+  and outputs less the buffers an output aliases (none: the step does not
+  donate its state);
 * the step time, the median of ``repeats`` steps after a warm-up. The 8 fake
   devices share this machine's cores, so times are for sanity only: the bytes
   and the memory are the figures that carry over to real devices.
@@ -23,6 +24,7 @@ Writes ``bench/results/parallel-cpu.{json,md,png}``.
 
     python bench/parallel.py            # sets XLA_FLAGS for 8 devices itself (a few minutes)
     python bench/parallel.py --quick    # two meshes, "-quick" files
+    python bench/parallel.py --quick --width 64 --seq-len 64 --batch 8   # the smoke test's size
 """
 
 from __future__ import annotations
@@ -50,11 +52,10 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/pa
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from bench._report import write_report  # noqa: E402
 from models import ModelConfig, pattern, presets  # noqa: E402
-from train import loop, sharding  # noqa: E402
+from train import sharding, steps  # noqa: E402
 from train.config import OptimConfig, TrainConfig  # noqa: E402
 from train.tasks import TaskConfig, make_task  # noqa: E402
 
@@ -81,19 +82,23 @@ class Config:
     quick: bool = False  # two meshes: a smoke test
     repeats: int = 3
     out_dir: str = "bench/results"
+    width: int = 256  # D; the MLP is 4 D wide, heads are D / 32 (at least 2) of 32
+    seq_len: int = 256  # T of the MQAR batches (16 pairs; at least 64)
+    batch: int = 16  # B
 
 
-def train_config() -> TrainConfig:
+def train_config(cfg: Config = Config()) -> TrainConfig:
+    heads = max(cfg.width // 32, 2)
     return TrainConfig(
-        task=TaskConfig(name="mqar", seq_len=256, vocab_size=256, num_pairs=16),
+        task=TaskConfig(name="mqar", seq_len=cfg.seq_len, vocab_size=256, num_pairs=16),
         model=ModelConfig(
-            width=256,
-            mlp_width=1024,
-            layers=pattern(("mha", "mha"), presets(num_heads=8, head_dim=32)),
+            width=cfg.width,
+            mlp_width=4 * cfg.width,
+            layers=pattern(("mha", "mha"), presets(num_heads=heads, head_dim=32)),
         ),
         optim=OptimConfig(lr=1e-3),
         steps=100,
-        batch_size=16,
+        batch_size=cfg.batch,
     ).with_task_vocab()
 
 
@@ -190,22 +195,14 @@ def measure(spec: str, cfg: TrainConfig, repeats: int) -> dict:
     devices = jax.devices()[:1] if spec == "single device" else jax.devices()
     mesh = sharding.make_mesh(None if spec == "single device" else spec, devices)
     task = make_task(cfg.task)
-    model, optimizer = loop.init_state(cfg, task.vocab_size)
-    loop._place(mesh, model, optimizer)
-    graphdef, state = nnx.split((model, optimizer))
-    step_fn = loop._sharded_train_step(mesh)  # the step train() runs, as a pure function
-
-    def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        out = step_fn(model, optimizer, batch)
-        return nnx.state((model, optimizer)), out
-
-    jitted = jax.jit(step, donate_argnums=0)
+    model, optimizer = steps.init_state(cfg, task.vocab_size)
+    steps.place(mesh, model, optimizer)
+    step, state = steps.make_train_step(mesh, model, optimizer)  # the step train() runs
     host = [task.batch(cfg.seed, "train", i, cfg.batch_size) for i in range(repeats + 1)]
     with jax.set_mesh(mesh):
         batches = [sharding.shard_batch(mesh, b) for b in host]
         t0 = time.perf_counter()
-        compiled = jitted.lower(state, batches[0]).compile()
+        compiled = step.update.lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - t0
         state, out = compiled(state, batches[0])  # warm-up
         jax.block_until_ready(out)
@@ -247,7 +244,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# One training step per parallelism on 8 fake CPU devices",
         "",
-        f"Decoder of width {meta['width']}, {meta['layers']} softmax layers (8 heads of 32), "
+        f"Decoder of width {meta['width']}, {meta['layers']} softmax layers "
+        f"({max(meta['width'] // 32, 2)} heads of 32), "
         f"{meta['params']:,} parameters; AdamW; batch {meta['batch']} x {meta['seq_len']} "
         f"tokens of MQAR; float32. `python bench/parallel.py` (jax {meta['jax']}, "
         f"{meta['cpu_count']} cores, load average {meta['load_before']} before, "
@@ -257,7 +255,8 @@ def markdown(result: dict) -> str:
         "(loops times their trip counts; the ring's conditional steps counted as taken, an "
         "upper bound). Memory per device from `compiled.memory_analysis()`: arguments "
         "(state and batch shards), temporaries, and args + temp + output - aliased "
-        "(donated) buffers. The 8 devices share the cores, so step times are for sanity only.",
+        "buffers (the step donates none). The 8 devices share the cores, so step times are "
+        "for sanity only.",
         "",
         "| mesh | all-reduce | all-gather | reduce-scatter | collective-permute | all-to-all "
         "| total MiB | args MiB | temp MiB | peak MiB | step ms | loss |",
@@ -320,7 +319,7 @@ def plot(result: dict, path: Path) -> None:
 def main(cfg: Config) -> None:
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.devices()}"
     t_begin = time.perf_counter()
-    tc = train_config()
+    tc = train_config(cfg)
     meshes = QUICK_MESHES if cfg.quick else MESHES
     meta = {
         "jax": jax.__version__,
@@ -333,7 +332,7 @@ def main(cfg: Config) -> None:
         "repeats": cfg.repeats,
         "load_before": round(os.getloadavg()[0], 2),
     }
-    meta["params"] = loop.count_params(loop.build_model(tc, make_task(tc.task).vocab_size))
+    meta["params"] = steps.count_params(steps.build_model(tc, make_task(tc.task).vocab_size))
     rows = []
     for spec in meshes:
         row = measure(spec, tc, cfg.repeats)

@@ -61,8 +61,12 @@ from configs.compare_mqar import get_config
 from train import loop
 from train.tasks import make_task
 from train.variants import run_config
+try:
+    from train.steps import build_model, weighted_metrics
+except ImportError:  # a baseline checkout from before train.steps
+    from train.loop import build_model, weighted_metrics
 
-variant, steps = sys.argv[2], int(sys.argv[3])
+variant, steps, repeats = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 compare = get_config()
 config = run_config(compare, variant, compare.lrs[0], 0)
 config = dataclasses.replace(
@@ -72,12 +76,12 @@ with tempfile.TemporaryDirectory() as workdir:
     summary = loop.train(config, workdir, progress=False)
 
 task = make_task(config.task)
-graphdef, params = nnx.split(loop.build_model(config.with_task_vocab(), task.vocab_size))
+graphdef, params = nnx.split(build_model(config.with_task_vocab(), task.vocab_size))
 batch = {k: jnp.asarray(v) for k, v in task.batch(0, "train", 0, config.batch_size).items()}
 
 def loss(params):
     logits = nnx.merge(graphdef, params)(batch["tokens"])
-    return loop.weighted_metrics(logits, batch)[0]
+    return weighted_metrics(logits, batch)[0]
 
 flops = jax.jit(jax.grad(loss)).lower(params).compile().cost_analysis()["flops"]
 
@@ -99,8 +103,8 @@ print(json.dumps({
     "train_loss": summary["train_loss"],
     "flops_per_step": flops,
     "tokens_per_step": config.batch_size * config.task.seq_len,
-    "matmul_projection": matmul_rate(1536, 64, 192),
-    "matmul_512": matmul_rate(512, 512, 512, 50),
+    "matmul_projection": matmul_rate(1536, 64, 192, repeats),
+    "matmul_512": matmul_rate(512, 512, 512, max(repeats // 4, 1)),
 }))
 """
 
@@ -114,13 +118,15 @@ class Config:
     rounds: int = 2  # runs per variant and code; the best is reported
     baseline_root: str = ""  # a checkout of the code to compare against ("": none)
     out_dir: Path = ROOT / "bench" / "results"
+    matmul_repeats: int = 200  # matmuls per timed run of the matmul rate (the 512^3 one: 1/4)
+    xla_flags: str = ""  # the children's XLA_FLAGS ("": none, XLA's full optimization)
 
 
-def child(root: Path, core: int, variant: str, steps: int) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    env.pop("XLA_FLAGS", None)
+def child(cfg: Config, root: Path, core: int, variant: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": cfg.xla_flags}
+    argv = [str(core), variant, str(cfg.steps), str(cfg.matmul_repeats)]
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(core), variant, str(steps)],
+        [sys.executable, "-c", CHILD, *argv],
         cwd=root,
         env=env,
         stdout=subprocess.PIPE,
@@ -147,7 +153,7 @@ def measure(cfg: Config) -> dict:
             names = list(codes) if r % 2 == 0 else list(reversed(codes))
             if len(names) == 1:  # alone: the other core runs a second copy, as with 2 jobs
                 names = names * 2
-            procs = [child(codes[n], core, variant, cfg.steps) for core, n in enumerate(names)]
+            procs = [child(cfg, codes[n], core, variant) for core, n in enumerate(names)]
             seen = set()
             for name, proc in zip(names, procs, strict=True):
                 out = result(proc, f"{variant} ({name})")

@@ -50,14 +50,7 @@ second key) 0.461, with one seed at 0.56 and one at 0.36. The hybrid's
 softmax layer comes first: its short convolution hands each value token its
 key, so one layer does the lookup on the token embeddings.
 
-Runtime of that run: 11 min 44 s wall (1116 CPU seconds) in a fresh clone
-with a fresh virtual environment and an empty compilation cache, on an
-otherwise idle 2-core machine with the default 2 jobs (``timing.txt``). That
-machine ran every variant about 1.6 times slower that day than when the
-nine variants took 4 min 47 s (MHA 49K tokens/s against 80K; the code of
-both runs trains MHA and GQA at the same speed side by side); Gated
-DeltaNet's two runs took 147 and 167 s, the longest of the comparison
-(Based's took 62 and 42 s).
+How long that run took, and on which machine: ``docs/results/README.md``.
 """
 
 import dataclasses

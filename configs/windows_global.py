@@ -40,7 +40,7 @@ def get_config(quick: bool = False) -> Config:
         size = dict(width=16, heads=2, head_dim=8, window=4, steps=10, batch=8, quick=True)
         return Config(
             window_only=_run(("window",) * 3, task, **size),
-            hybrid=_run(("window", "window", "global"), task, **size),
+            hybrid=_run(("window", "window", "mha"), task, **size),
             window=4,
             eval_batches=1,
         )
@@ -48,6 +48,6 @@ def get_config(quick: bool = False) -> Config:
     size = dict(width=64, heads=4, head_dim=16, window=WINDOW, steps=1000, batch=64, quick=False)
     return Config(
         window_only=_run(("window",) * 3, task, **size),
-        hybrid=_run(("window", "window", "global"), task, **size),
+        hybrid=_run(("window", "window", "mha"), task, **size),
         window=WINDOW,
     )

@@ -46,6 +46,7 @@ last inputs. Full caches may be paged (``init_cache(..., page_size=...)``):
 one pool of pages per layer, shared by the rows through block tables.
 """
 
+from attn.deprecation import deprecated_names
 from models.block import MLP, Block, ShortConv
 from models.cache import (
     EMPTY,
@@ -66,9 +67,7 @@ from models.cache import (
 from models.config import (
     COMMON_FIELDS,
     KINDS,
-    LATENT_FIELDS,
-    LINEAR_FIELDS,
-    MASK_FIELDS,
+    LEGACY_GROUPS,
     AttentionConfig,
     LayerKind,
     ModelConfig,
@@ -78,11 +77,12 @@ from models.delta import DeltaAttention, DeltaCache, DeltaConfig
 from models.diff import DiffAttention, DiffConfig, depth_lambda_init
 from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
-from models.latent import LatentAttention
-from models.linear import LinearAttention
+from models.latent import LatentAttention, LatentConfig
+from models.linear import LinearAttention, LinearConfig
+from models.masked import MaskedConfig
 from models.patterns import (
+    DEPRECATED_NAMES,
     PRESET_REGISTRY,
-    PRESETS,
     PresetSizes,
     describe,
     pattern,
@@ -90,7 +90,7 @@ from models.patterns import (
     register_preset,
 )
 from models.serving import serve
-from models.softmax import CrossAttention, SelfAttention
+from models.softmax import CrossAttention, SelfAttention, SoftmaxConfig
 from models.taps import (
     attention_modules,
     capture_weights,
@@ -102,13 +102,10 @@ from models.transformer import Decoder, Encoder, EncoderDecoder, packed_position
 
 __all__ = [
     "COMMON_FIELDS",
+    "DEPRECATED_NAMES",
     "EMPTY",
     "KINDS",
-    "LATENT_FIELDS",
-    "LINEAR_FIELDS",
-    "MASK_FIELDS",
     "MLP",
-    "PRESETS",
     "PRESET_REGISTRY",
     "AttentionConfig",
     "Block",
@@ -129,13 +126,17 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "LatentCache",
+    "LatentConfig",
     "LayerKind",
     "LinearAttention",
+    "LinearConfig",
+    "MaskedConfig",
     "ModelConfig",
     "PresetSizes",
     "SelfAttention",
     "ShortConv",
     "SlotCache",
+    "SoftmaxConfig",
     "attention_modules",
     "bookkeeping_bytes",
     "cache_bytes",
@@ -159,3 +160,19 @@ __all__ = [
     "set_block_tables",
     "set_head_gates",
 ]
+
+
+# Deprecated names (removed in attnlab 0.2).
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "PRESETS": ("models.presets() (the presets at the default sizes)", presets),
+        **{
+            name: (
+                f"the fields of the kind's config class (LayerKind.fields), not {name}",
+                lambda g=group: g,
+            )
+            for name, group in LEGACY_GROUPS.items()
+        },
+    },
+)

@@ -19,8 +19,8 @@ from flax import nnx, struct
 
 import attn
 from attn import masks
-from attn.errors import fail
-from models.config import AttentionConfig, register_kind
+from attn.checks import fail
+from models.config import AttentionConfig, check_positive_int, register_kind
 from models.heads import HeadGate, Heads, dense
 from models.patterns import PresetSizes, register_preset
 
@@ -34,9 +34,11 @@ NORM_EPS = 1e-6
 
 @dataclasses.dataclass(frozen=True)
 class DeltaConfig(AttentionConfig):
-    """A delta-rule layer. Besides the common fields and ``form``/``chunk_size``:
+    """A delta-rule layer (kind ``"delta"``). Besides the common fields:
 
     Attributes:
+      form: ``"recurrent"`` or ``"chunkwise"`` (``attn.DELTA_FORMS``: the same function).
+      chunk_size: C for the chunkwise form.
       gate: ``"none"`` (DeltaNet), ``"head"`` (Gated DeltaNet: one decay per
         head and token) or ``"channel"`` (KDA: one per key channel).
       value_heads: value heads (each with its own state), a multiple of the
@@ -48,6 +50,8 @@ class DeltaConfig(AttentionConfig):
 
     kind: str = "delta"
     rope: bool = False
+    form: str = "chunkwise"
+    chunk_size: int = 64
     gate: str = "head"
     value_heads: int | None = None
     qkv_conv: int = 4
@@ -56,25 +60,26 @@ class DeltaConfig(AttentionConfig):
     def num_value_heads(self) -> int:
         return self.num_heads if self.value_heads is None else self.value_heads
 
-
-def _check_delta(cfg: DeltaConfig) -> None:
-    if cfg.gate not in GATES:
-        fail("gate", f"one of {GATES}", repr(cfg.gate))
-    if cfg.form not in attn.DELTA_FORMS:
-        fail("form", f"one of {attn.DELTA_FORMS} for kind='delta'", repr(cfg.form))
-    if cfg.rope:
-        fail("rope", "False for kind='delta' (the recurrence orders the tokens)", repr(cfg.rope))
-    if cfg.num_kv_heads is not None:
-        why = "q and k share heads; set value_heads for more value heads"
-        fail("num_kv_heads", f"None for kind='delta' ({why})", repr(cfg.num_kv_heads))
-    nv = cfg.value_heads
-    if nv is not None and (isinstance(nv, bool) or not isinstance(nv, int) or nv < 1):
-        fail("value_heads", "a positive int or None", repr(nv))
-    if cfg.num_value_heads % cfg.num_heads:
-        fail("value_heads", f"a multiple of num_heads={cfg.num_heads}", repr(nv))
-    w = cfg.qkv_conv
-    if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-        fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
+    def check_fields(self) -> None:
+        check_positive_int(self.chunk_size, "chunk_size")
+        if self.gate not in GATES:
+            fail("gate", f"one of {GATES}", repr(self.gate))
+        if self.form not in attn.DELTA_FORMS:
+            fail("form", f"one of {attn.DELTA_FORMS} for kind='delta'", repr(self.form))
+        if self.rope:
+            why = "the recurrence orders the tokens"
+            fail("rope", f"False for kind='delta' ({why})", repr(self.rope))
+        if self.num_kv_heads is not None:
+            why = "q and k share heads; set value_heads for more value heads"
+            fail("num_kv_heads", f"None for kind='delta' ({why})", repr(self.num_kv_heads))
+        nv = self.value_heads
+        if nv is not None and (isinstance(nv, bool) or not isinstance(nv, int) or nv < 1):
+            fail("value_heads", "a positive int or None", repr(nv))
+        if self.num_value_heads % self.num_heads:
+            fail("value_heads", f"a multiple of num_heads={self.num_heads}", repr(nv))
+        w = self.qkv_conv
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
 
 
 @struct.dataclass
@@ -101,10 +106,8 @@ def _decay_init(heads: int, channels: int, key):
 
 @register_kind(
     "delta",
-    fields=("form", "chunk_size"),
-    family="linear",
     config=DeltaConfig,
-    check=_check_delta,
+    family="linear",
     sequence_parallel="the delta rule runs its recurrence in array order, which the "
     "sequence-parallel layout permutes; it cannot run sequence-parallel",
 )

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attn
-from attn.errors import fail
+from attn.checks import fail
 from models.cache import KVCache
-from models.config import MASK_FIELDS, AttentionConfig, register_kind
-from models.heads import cached_impl, dense, step_positions
+from models.config import check_rotary, register_kind
+from models.heads import dense, step_positions
+from models.masked import MaskedConfig, Softmax
 from models.patterns import register_preset
-from models.softmax import Softmax, _plain_impl
 
 
 def depth_lambda_init(layer: int) -> float:
@@ -45,12 +45,13 @@ def depth_lambda_init(layer: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiffConfig(AttentionConfig):
+class DiffConfig(MaskedConfig):
     """A differential-attention layer: N heads, each with two query/key halves of
     ``head_dim`` channels and values of ``2 * head_dim`` (the paper's parameter count
-    at half the heads). Besides the common and mask fields:
+    at half the heads). Besides the common and mask fields (``MaskedConfig``):
 
     Attributes:
+      rotary_dim: leading channels that rotate (partial RoPE); None means all H.
       lambda_init: the constant part of lambda, in [0, 1). The paper sets it by
         depth (``depth_lambda_init(l)``, 0.2 at the first layer to 0.8 deep
         down) and reports a constant one works about as well; configs that know
@@ -58,21 +59,21 @@ class DiffConfig(AttentionConfig):
     """
 
     kind: str = "diff"
+    rotary_dim: int | None = None
     lambda_init: float = 0.8
 
-
-def _check_diff(cfg: DiffConfig) -> None:
-    li = cfg.lambda_init
-    if isinstance(li, bool) or not isinstance(li, int | float) or not 0 <= li < 1:
-        fail("lambda_init", "a number in [0, 1)", repr(li))
+    def check_fields(self) -> None:
+        check_rotary(self)
+        super().check_fields()
+        li = self.lambda_init
+        if isinstance(li, bool) or not isinstance(li, int | float) or not 0 <= li < 1:
+            fail("lambda_init", "a number in [0, 1)", repr(li))
 
 
 @register_kind(
     "diff",
-    fields=(*MASK_FIELDS, "rotary_dim"),
-    family="softmax",
     config=DiffConfig,
-    check=_check_diff,
+    family="softmax",
     sequence_parallel="no ring path for its paired maps yet (use kind='softmax' on a seq mesh)",
 )
 class DiffAttention(Softmax):
@@ -119,32 +120,24 @@ class DiffAttention(Softmax):
         normed = self.head_norm(diff) * (1.0 - self.cfg.lambda_init)
         return self._output(normed.astype(self.dtype))
 
-    def _attend(self, q, k, v, *, impl: str, tap: bool, **kwargs):
+    def _maps(self, q, k, v, *, impl: str, tap: bool, **arrays):
         """Both maps in one call: values shared by the two halves' kv heads."""
         vv = jnp.concatenate([v, v], axis=2)  # kv heads [0, K) and [K, 2K) read the same values
+        static, arrays = self._call(**arrays)
+        if "sink_logits" in arrays:  # one sink per differential head, in both maps
+            arrays["sink_logits"] = jnp.concatenate([arrays["sink_logits"]] * 2)
         if tap and self.sow_weights:
-            out, w = attn.attention(
-                q, k, vv, impl="dense", return_weights=True, **self._mask_kwargs(), **kwargs
-            )
+            out, w = attn.attention(q, k, vv, impl="dense", return_weights=True, **static, **arrays)
             N = self.cfg.num_heads
             self._sow(w[:, :N] - self._lambda() * w[:, N:])  # the differential map
             return out
-        return attn.attention(q, k, vv, impl=impl, **self._mask_kwargs(), **kwargs)
-
-    def _mask_kwargs(self) -> dict:
-        cfg, kw = self.cfg, {"mask": self.cfg.mask(self.causal)}
-        if cfg.softcap is not None:
-            kw["softcap"] = cfg.softcap
-        if self.sink_logits is not None:  # one sink per differential head, in both maps
-            kw["sink_logits"] = jnp.concatenate([self.sink_logits[...]] * 2)
-        return kw
+        return attn.attention(q, k, vv, impl=impl, **static, **arrays)
 
     def __call__(self, x, *, positions=None, segment_ids=None):
         """Args: x ``[B,T,D]``; positions, segment_ids ``[B,T]`` or None. Returns ``[B,T,D]``."""
         q, k, v = self._projections(x, jnp.arange(x.shape[1]) if positions is None else positions)
-        kwargs = self._full_kwargs(positions, segment_ids)
-        out = self._attend(q, k, v, impl=_plain_impl(self.cfg.impl), tap=True, **kwargs)
-        return self._combine(out)
+        arrays = self._whole(positions, segment_ids)
+        return self._combine(self._maps(q, k, v, impl=self._impl(), tap=True, **arrays))
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
@@ -158,10 +151,8 @@ class DiffAttention(Softmax):
         positions = step_positions(start, x.shape[1])
         q, k, v = self._projections(x, positions)
         (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
-        impl = cached_impl(_plain_impl(self.cfg.impl))
-        out = self._attend(
-            q, keys, values, impl=impl, tap=False, **self._cached_kwargs(positions, kv_pos)
-        )
+        cached = self._cached(positions, kv_pos)
+        out = self._maps(q, keys, values, impl=self._impl(cached=True), tap=False, **cached)
         return self._combine(out), cache
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn.errors import fail, positive_int
+from attn.checks import fail, positive_int
 from attn.paged import PageTable, pages_for
 from models.cache import DecodeCache, cache_overflow, full_cache_slots, set_block_tables
 from models.inputs import check_lengths, check_tokens, pad_prompts

@@ -130,11 +130,13 @@ class Heads(nnx.Module):
         self.o_proj = linear(N * H, width)
 
     def _rope(self, x, positions):
-        """x ``[B,T,heads,H]`` rotated at ``positions [B,T]`` if ``cfg.rope``."""
+        """x ``[B,T,heads,H]`` rotated at ``positions [B,T]`` if ``cfg.rope`` (the
+        leading ``cfg.rotary_dim`` channels, for a kind whose config has that field)."""
         cfg = self.cfg
         if not cfg.rope:
             return x
-        return attn.apply_rope(x, positions, base=cfg.rope_base, rotary_dim=cfg.rotary_dim)
+        rotary_dim = getattr(cfg, "rotary_dim", None)
+        return attn.apply_rope(x, positions, base=cfg.rope_base, rotary_dim=rotary_dim)
 
     def _qkv(self, x, positions):
         """q ``[B,T,N,H]`` and k, v ``[B,T,K,H]`` from x ``[B,T,D]`` (RoPE at ``positions``)."""

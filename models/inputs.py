@@ -2,7 +2,7 @@
 
 Every public entry point of ``models`` (the models' calls, ``prefill``,
 ``generate``) checks what it is given here, and raises the project's
-``ValueError`` (``attn.errors.fail``) naming the argument. Values are checked
+``ValueError`` (``attn.checks.fail``) naming the argument. Values are checked
 where they are known (not under a trace).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors, masks
-from attn.errors import concrete, fail
+from attn import checks, masks
+from attn.checks import concrete, fail
 
 __all__ = ["check_lengths", "check_positions", "check_tokens", "segments"]
 
@@ -84,7 +84,7 @@ def segments(tokens, lengths, segment_ids, name: str = "lengths"):
                 f"integer ids of shape ({B}, {T})",
                 f"{segment_ids.dtype} {segment_ids.shape}",
             )
-        errors.segment_values(segment_ids, "segment_ids")
+        checks.segment_values(segment_ids, "segment_ids")
         return segment_ids.astype(jnp.int32)
     lengths = check_lengths(lengths, B, T, name)
     return None if lengths is None else masks.segment_ids_from_lengths(lengths, T)

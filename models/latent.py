@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -9,25 +10,68 @@ import jax.numpy as jnp
 from flax import nnx
 
 import attn
-from attn.errors import fail
+from attn.checks import fail
 from models.cache import LatentCache
-from models.config import LATENT_FIELDS, MASK_FIELDS, AttentionConfig, register_kind
-from models.heads import cached_impl, dense, step_positions
-from models.softmax import Softmax
+from models.config import check_positive_int, is_int, register_kind
+from models.heads import dense, step_positions
+from models.masked import MaskedConfig, Softmax
 
 
-def _check_latent(cfg: AttentionConfig) -> None:
-    """What MLA needs beyond the field values: per-head keys, positions in the RoPE key."""
-    if cfg.num_kv_heads is not None and cfg.num_kv_heads != cfg.num_heads:
-        # keys are per head after the up-projection: there are no kv heads to share
-        fail("num_kv_heads", "None or num_heads for kind='mla'", repr(cfg.num_kv_heads))
-    if not cfg.rope:
-        fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
-    if cfg.impl == "ring":
-        fail("impl", "not 'ring' for kind='mla' (ring is softmax's)", "'ring'")
+@dataclasses.dataclass(frozen=True)
+class LatentConfig(MaskedConfig):
+    """A multi-head latent attention layer (kind ``"mla"``, DeepSeek-V2).
+
+    Besides the mask fields (``MaskedConfig``; ``impl`` may not be ``"ring"``):
+
+    Attributes:
+      kv_rank: R, rank of the shared key/value latent (what the cache holds).
+      q_rank: rank of the query latent, or None for a direct query projection.
+      rope_head_dim: width of the decoupled RoPE key shared by all heads (and of
+        each head's RoPE query part).
+      nope_head_dim: per-head query/key channels without RoPE; None means H.
+      v_head_dim: E, per-head value dim; None means H.
+
+    MLA has no kv heads (keys are per head after the up-projection):
+    ``num_kv_heads`` is None or N, and its positions live in the decoupled key,
+    so ``rope`` must be True.
+    """
+
+    kind: str = "mla"
+    kv_rank: int = 16
+    q_rank: int | None = None
+    rope_head_dim: int = 4
+    nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        check_positive_int(self.kv_rank, "kv_rank")
+        check_positive_int(self.q_rank, "q_rank", allow_none=True)
+        check_positive_int(self.nope_head_dim, "nope_head_dim", allow_none=True)
+        check_positive_int(self.v_head_dim, "v_head_dim", allow_none=True)
+        r = self.rope_head_dim
+        if not is_int(r) or r < 2 or r % 2:
+            fail("rope_head_dim", "an even int >= 2", repr(r))
+        if self.num_kv_heads is not None and self.num_kv_heads != self.num_heads:
+            # keys are per head after the up-projection: there are no kv heads to share
+            fail("num_kv_heads", "None or num_heads for kind='mla'", repr(self.num_kv_heads))
+        if not self.rope:
+            fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
+        if self.impl == "ring":
+            fail("impl", "not 'ring' for kind='mla' (ring is softmax's)", "'ring'")
+
+    @property
+    def qk_nope_dim(self) -> int:
+        """Per-head query/key channels without RoPE."""
+        return self.head_dim if self.nope_head_dim is None else self.nope_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """E: per-head value dim."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
-@register_kind("mla", fields=(*MASK_FIELDS, *LATENT_FIELDS), family="softmax", check=_check_latent)
+@register_kind("mla", config=LatentConfig, family="softmax")
 class LatentAttention(Softmax):
     """Multi-head latent attention (DeepSeek-V2).
 
@@ -53,7 +97,7 @@ class LatentAttention(Softmax):
     The logit scale is ``1/sqrt(Hn + Hr)`` in both (the naive head dim).
     """
 
-    def __init__(self, cfg: AttentionConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
+    def __init__(self, cfg: LatentConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
         self._init_softmax(cfg, causal=causal, dtype=dtype, param_dtype=param_dtype)
         N, R, Hr, Hn, E = (
             cfg.num_heads,
@@ -125,9 +169,9 @@ class LatentAttention(Softmax):
             c_kv,
             k_rope,
             form="absorbed" if absorbed else "naive",
-            impl=self.cfg.impl,
+            impl=self._impl(),
             tap=True,
-            **self._full_kwargs(positions, segment_ids),
+            **self._whole(positions, segment_ids),
         )
         return self._output(out)
 
@@ -153,7 +197,7 @@ class LatentAttention(Softmax):
             all_c,
             all_r,
             form="absorbed",
-            impl=cached_impl(self.cfg.impl),
-            **self._cached_kwargs(positions, kv_pos),
+            impl=self._impl(cached=True),
+            **self._cached(positions, kv_pos),
         )
         return self._output(out), cache

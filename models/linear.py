@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +12,14 @@ import numpy as np
 
 import attn
 from attn import masks
-from attn.errors import fail
-from models.config import LINEAR_FIELDS, AttentionConfig, register_kind
+from attn.checks import fail
+from models.config import (
+    AttentionConfig,
+    check_bool,
+    check_positive_int,
+    check_rotary,
+    register_kind,
+)
 from models.heads import Buffer, Heads, dense, step_positions
 
 # Gated linear attention: gates are sigmoid(x W + b) ** (1 / 16) (Yang et al.
@@ -20,16 +28,91 @@ GATE_TEMPERATURE = 16.0
 GATE_BIAS_INIT = 2.0
 
 
-def _check_linear(cfg: AttentionConfig) -> None:
-    if cfg.feature_map == "favor" and cfg.num_features is None:
-        fail("num_features", "a positive int for feature_map='favor'", "None")
+@dataclasses.dataclass(frozen=True)
+class LinearConfig(AttentionConfig):
+    """A linear-attention layer (kind ``"linear"``, ``attn.linear``).
+
+    Attributes:
+      rotary_dim: leading channels that rotate (partial RoPE); None means all H.
+      feature_map: a name in ``attn.linear.FEATURE_MAPS``.
+      form: ``"parallel"``, ``"recurrent"`` or ``"chunkwise"`` (``attn.LINEAR_FORMS``:
+        the same function).
+      decay: fixed per-head decay gamma in (0, 1]: a number, a tuple of N
+        numbers, ``"retnet"`` (gamma_n = 1 - 2^(-5-n)), or None.
+      gating: data-dependent per-head log-gates from a projection of the
+        input (gated linear attention / Mamba-2 style); combines with ``decay``.
+      chunk_size: C for the chunkwise form.
+      normalize: divide by ``phi(q).z`` (use False with ``"identity"``).
+      num_features: F for ``"favor"`` (random features).
+    """
+
+    kind: str = "linear"
+    rotary_dim: int | None = None
+    feature_map: str = "elu1"
+    form: str = "chunkwise"
+    decay: float | tuple[float, ...] | str | None = None
+    gating: bool = False
+    chunk_size: int = 64
+    normalize: bool = True
+    num_features: int | None = None
+
+    def check_fields(self) -> None:
+        check_rotary(self)
+        if self.feature_map not in attn.FEATURE_MAPS:
+            fail("feature_map", f"one of {sorted(attn.FEATURE_MAPS)}", repr(self.feature_map))
+        if self.form not in attn.LINEAR_FORMS:
+            fail("form", f"one of {attn.LINEAR_FORMS}", repr(self.form))
+        check_positive_int(self.chunk_size, "chunk_size")
+        check_bool(self.gating, "gating")
+        check_bool(self.normalize, "normalize")
+        check_positive_int(self.num_features, "num_features", allow_none=True)
+        d = self.decay
+        if d is not None and d != "retnet":
+            values = d if isinstance(d, tuple) else (d,)
+            ok = all(
+                isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x <= 1
+                for x in values
+            )
+            if not ok or (isinstance(d, tuple) and len(d) != self.num_heads):
+                fail(
+                    "decay",
+                    f"None, 'retnet', a number in (0, 1] or a tuple of {self.num_heads} of them",
+                    repr(d),
+                )
+        if self.feature_map == "favor" and self.num_features is None:
+            fail("num_features", "a positive int for feature_map='favor'", "None")
+
+    def check_direction(self, causal: bool, name: str = "layer") -> None:
+        """Decay and gates need an order: a bidirectional layer has neither."""
+        if causal:
+            return
+        for field, off, why in (
+            ("decay", None, "decay needs an order"),
+            ("gating", False, "gates need an order"),
+        ):
+            if getattr(self, field) != off:
+                fail(
+                    f"{name}.{field}",
+                    f"{off!r} in a bidirectional layer ({why})",
+                    repr(getattr(self, field)),
+                )
+
+    def decay_values(self) -> tuple[float, ...] | None:
+        """Per-head gammas ``[N]`` as a tuple, or None without fixed decay."""
+        if self.decay is None:
+            return None
+        if self.decay == "retnet":
+            # RetNet's multi-scale retention: head n forgets with 1 - 2^(-5-n).
+            return tuple(1.0 - 2.0 ** (-5 - n) for n in range(self.num_heads))
+        if isinstance(self.decay, tuple):
+            return tuple(float(x) for x in self.decay)
+        return (float(self.decay),) * self.num_heads
 
 
 @register_kind(
     "linear",
-    fields=(*LINEAR_FIELDS, "rotary_dim"),
+    config=LinearConfig,
     family="linear",
-    check=_check_linear,
     sequence_parallel="linear attention runs its recurrence in array order, which the "
     "sequence-parallel layout permutes; it cannot run sequence-parallel",
 )
@@ -53,7 +136,7 @@ class LinearAttention(Heads):
     paid only when captured.
     """
 
-    def __init__(self, cfg: AttentionConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
+    def __init__(self, cfg: LinearConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
         self._init_heads(cfg, causal=causal, dtype=dtype)
         self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.gate_proj = (

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from attn import ring
+from attn import ring, scores
 
 __all__ = [
     "BATCH_AXES",
@@ -92,22 +92,31 @@ def explicit_spec(x) -> PartitionSpec | None:
     return sharding.spec
 
 
-# Per-head arrays a sharded call takes whole: sink logits, ALiBi slopes, T5's table.
-REPLICATED = frozenset({"sink", "slopes", "table"})
-
-
 def shard_rows(fn, args: dict, split: PartitionSpec, axes: set[str]):
     """``fn(args)`` run per shard by ``jax.shard_map`` over the context mesh's ``axes``.
 
-    Every array of ``args`` (``"q"`` among them) is split by ``split`` except
-    those named in ``REPLICATED`` (per-head parameters), and so is the output.
-    Under Explicit axes the arrays are resharded to those specs first (a
-    ``shard_map`` takes its inputs as they are typed) and the output back to
-    q's sharding; Auto axes are laid out by XLA.
+    ``args`` holds an attention call's arrays named as ``attn.attention`` names
+    them (``"q"`` among them). Every array is split by ``split`` except the
+    per-head ones, which every shard takes whole: ``"sink_logits"`` and a
+    ``"score_mod"``'s head leaves (its per-token leaves are split with their
+    tokens), and so is the output. Under Explicit axes the arrays are
+    resharded to those specs first (a ``shard_map`` takes its inputs as they
+    are typed) and the output back to q's sharding; Auto axes are laid out by XLA.
     """
-    specs = {name: PartitionSpec() if name in REPLICATED else split for name in args}
+    specs = {name: _spec(name, x, split) for name, x in args.items()}
     given = explicit_spec(args["q"])
     if given is not None:
-        args = {name: jax.sharding.reshard(x, specs[name]) for name, x in args.items()}
+        args = jax.tree.map(jax.sharding.reshard, args, specs)
     out = jax.shard_map(fn, in_specs=(specs,), out_specs=split, axis_names=axes)(args)
     return out if given is None else jax.sharding.reshard(out, given)
+
+
+def _spec(name: str, x, split: PartitionSpec):
+    """The spec of one argument of ``shard_rows`` (a tree of them for a score modifier)."""
+    if name == "sink_logits":
+        return PartitionSpec()
+    if name == "score_mod":
+        structure, _ = scores.split(x)
+        specs = [PartitionSpec() if role == "head" else split for role in structure.roles]
+        return structure.rebuild(specs)
+    return split

@@ -1,7 +1,7 @@
 """Named attention configs (presets) and ``pattern``, which turns names into layers::
 
-layers = pattern(("window", "window", "global") * 4)        # Gemma-style local/global
-layers = pattern(("linear", "linear", "softmax") * 2)         # linear/softmax hybrid
+layers = pattern(("window", "window", "mha") * 4)           # Gemma-style local/global
+layers = pattern(("linear", "linear", "mha") * 2)           # linear/softmax hybrid
 layers = pattern(("band_global_tokens", "linear"))            # an encoder (Longformer-style)
 layers = pattern(("based", "based", "based_window"))          # Based (Arora et al. 2024)
 layers = pattern(("mha_conv", "linear_conv"))                 # any preset with a short conv
@@ -9,8 +9,10 @@ layers = pattern(("mha_conv", "linear_conv"))                 # any preset with 
 A preset is a function of the shared sizes (``PresetSizes``: heads, head
 dim, window, ranks, ...) registered under a name in ``PRESET_REGISTRY``
 (``register_preset``), so a comparison and a command line size every preset
-alike. ``presets(**sizes)`` builds them all; ``PRESETS`` is the same at the
-default sizes, read at each lookup, so presets registered later are in it.
+alike; ``presets(**sizes)`` builds them at those sizes, reading the registry
+at each lookup, so presets registered later are in it. Each layer has one
+name: the old aliases (``DEPRECATED_NAMES``) still build, with a warning,
+until attnlab 0.2.
 """
 
 from __future__ import annotations
@@ -19,9 +21,13 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
-from attn.errors import fail
+from attn.checks import fail
+from attn.deprecation import deprecated_names, warn
 from attn.registry import Registry
 from models.config import AttentionConfig
+from models.latent import LatentConfig
+from models.linear import LinearConfig
+from models.softmax import SoftmaxConfig
 
 # The width of the presets' short convolutions (the current token and the three
 # before it): Mamba's ``d_conv`` and fla's ``conv_size`` default.
@@ -31,6 +37,8 @@ SHORT_CONV = 4
 BASED_HEAD_DIM = 16
 # ``<preset>_conv`` is ``<preset>`` with a short convolution of width ``short_conv``.
 CONV_SUFFIX = "_conv"
+# Old names of presets: each builds its new name's layer, with a warning, until attnlab 0.2.
+DEPRECATED_NAMES = {"softmax": "mha", "global": "mha", "window_sinks": "streaming"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,14 +72,22 @@ class PresetSizes:
     short_conv: int = SHORT_CONV
     based_head_dim: int = BASED_HEAD_DIM
 
-    def base(self, **fields) -> AttentionConfig:
+    def base(self, **fields) -> SoftmaxConfig:
         """Causal softmax MHA of N heads of dim H, with ``fields`` replaced."""
-        return AttentionConfig(**{"num_heads": self.num_heads, "head_dim": self.head_dim, **fields})
+        return SoftmaxConfig(**self._heads(fields))
 
-    def linear(self, **fields) -> AttentionConfig:
+    def latent(self, **fields) -> LatentConfig:
+        """MLA of N heads of dim H at the sizes' ranks, with ``fields`` replaced."""
+        ranks = dict(kv_rank=self.kv_rank, q_rank=self.q_rank, rope_head_dim=self.rope_head_dim)
+        return LatentConfig(**self._heads({**ranks, **fields}))
+
+    def linear(self, **fields) -> LinearConfig:
         """Linear attention (elu+1, no RoPE, chunks of C) of N heads of dim H."""
         fields = {"rope": False, "chunk_size": self.chunk_size, **fields}
-        return self.base(kind="linear", **fields)
+        return LinearConfig(**self._heads(fields))
+
+    def _heads(self, fields: dict) -> dict:
+        return {"num_heads": self.num_heads, "head_dim": self.head_dim, **fields}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,25 +128,14 @@ def _builtin(name: str, description: str, build) -> None:
     register_preset(name, build, description=description)
 
 
-_builtin("mha", "softmax, multi-head", lambda s: s.base())
-_builtin("softmax", "the same as mha", lambda s: s.base())
-_builtin("global", "the same as mha (the global layer of local/global hybrids)", lambda s: s.base())
+_builtin("mha", "softmax, multi-head (also the global layer of hybrids)", lambda s: s.base())
 _builtin("gqa", "softmax, gqa_kv_heads kv heads", lambda s: s.base(num_kv_heads=s.gqa_kv_heads))
 _builtin("mqa", "softmax, one kv head", lambda s: s.base(num_kv_heads=1))
-_builtin(
-    "mla",
-    "multi-head latent attention (DeepSeek-V2)",
-    lambda s: s.base(kind="mla", kv_rank=s.kv_rank, q_rank=s.q_rank, rope_head_dim=s.rope_head_dim),
-)
+_builtin("mla", "multi-head latent attention (DeepSeek-V2)", lambda s: s.latent())
 _builtin("window", "softmax, sliding window", lambda s: s.base(window=s.window))
 _builtin(
     "streaming",
     "sliding window + the first positions (StreamingLLM)",
-    lambda s: s.base(window=s.window, initial_tokens=s.num_initial_tokens),
-)
-_builtin(
-    "window_sinks",
-    "deprecated alias of streaming, removed in attnlab 0.2",
     lambda s: s.base(window=s.window, initial_tokens=s.num_initial_tokens),
 )
 _builtin(
@@ -181,12 +186,13 @@ _builtin(
 )
 
 
-class Presets(Mapping[str, AttentionConfig]):
+class _SizedPresets(Mapping[str, AttentionConfig]):
     """The registered presets at one ``PresetSizes``, each built when first looked up.
 
-    Names: every name of ``PRESET_REGISTRY`` and its ``<name>_conv`` twin. A
-    preset that cannot be built at these sizes (``gqa``'s kv heads must divide
-    the heads) raises only when it is looked up, so the others stay usable.
+    Names: every name of ``PRESET_REGISTRY`` and its ``<name>_conv`` twin (and,
+    with a warning, the ``DEPRECATED_NAMES``). A preset that cannot be built at
+    these sizes (``gqa``'s kv heads must divide the heads) raises only when it
+    is looked up, so the others stay usable.
     """
 
     def __init__(self, sizes: PresetSizes):
@@ -194,18 +200,28 @@ class Presets(Mapping[str, AttentionConfig]):
         self._built: dict[str, AttentionConfig] = {}
 
     def __getitem__(self, name: str) -> AttentionConfig:
+        base, conv = _split_conv(name)
+        if base in DEPRECATED_NAMES:
+            new = DEPRECATED_NAMES[base] + conv
+            warn(f"preset {name!r}", f"{new!r}", stacklevel=4)
+            name, base = new, DEPRECATED_NAMES[base]
         if name not in self._built:
-            base = name[: -len(CONV_SUFFIX)] if name.endswith(CONV_SUFFIX) else name
             if base not in PRESET_REGISTRY:
                 raise KeyError(name)
             try:
                 layer = PRESET_REGISTRY[base].build(self.sizes)
             except ValueError as e:
                 raise ValueError(f"{e} (building preset {base!r} at {self.sizes})") from None
-            if base != name:
+            if conv:
                 layer = dataclasses.replace(layer, short_conv=self.sizes.short_conv)
             self._built[name] = layer
         return self._built[name]
+
+    def __contains__(self, name) -> bool:
+        if not isinstance(name, str):
+            return False
+        base = _split_conv(name)[0]
+        return base in PRESET_REGISTRY or base in DEPRECATED_NAMES
 
     def __iter__(self) -> Iterator[str]:
         names = list(PRESET_REGISTRY)
@@ -223,17 +239,26 @@ class Presets(Mapping[str, AttentionConfig]):
         return out
 
 
-def presets(**sizes) -> Presets:
+def _split_conv(name: str) -> tuple[str, str]:
+    """``("mha", "_conv")`` of ``"mha_conv"``; ``("mha", "")`` of ``"mha"``."""
+    if name.endswith(CONV_SUFFIX):
+        return name[: -len(CONV_SUFFIX)], CONV_SUFFIX
+    return name, ""
+
+
+def presets(**sizes) -> Mapping[str, AttentionConfig]:
     """Every registered preset at ``PresetSizes(**sizes)``, and its ``_conv`` twin (lazily).
 
-    Built-in names: ``mha``/``softmax``/``global`` (full causal softmax, the
-    "global" layer of local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv
+    Built-in names: ``mha`` (full causal softmax, also the "global" layer of
+    local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv
     heads), ``mqa``, ``mla``, ``window``, ``streaming`` (StreamingLLM: window
     plus the first ``num_initial_tokens`` positions), ``global_tokens`` (window
     plus Longformer global positions), ``linear`` (elu+1), ``linear_decay``
     (RetNet gammas), ``linear_gated`` (data-dependent gates), ``based`` and
-    ``based_window`` (below). ``window_sinks`` is a deprecated alias of
-    ``streaming``, removed in attnlab 0.2. Each preset also comes as
+    ``based_window`` (below), and those other modules register (``deltanet``,
+    ``gated_deltanet``, ``kda``, ``diff``, ...). ``softmax`` and ``global`` (now
+    ``mha``) and ``window_sinks`` (now ``streaming``) are deprecated, removed in
+    attnlab 0.2 (``DEPRECATED_NAMES``). Each preset also comes as
     ``<name>_conv``, with a short convolution of width ``short_conv``.
 
     ``based`` and ``based_window`` are the two attention layers of Based (Arora
@@ -259,7 +284,7 @@ def presets(**sizes) -> Presets:
     unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(PresetSizes)})
     if unknown:
         fail("sizes", f"fields of PresetSizes {list(PresetSizes.__dataclass_fields__)}", unknown)
-    return Presets(PresetSizes(**sizes))
+    return _SizedPresets(PresetSizes(**sizes))
 
 
 def valid_in(layer: AttentionConfig, causal: bool) -> bool:
@@ -286,26 +311,10 @@ def describe(layer: AttentionConfig) -> str:
     return ", ".join([shown, *extra])
 
 
-class _DefaultPresets(Mapping[str, AttentionConfig]):
-    """``presets()`` at the default sizes, built at each lookup (so it sees later presets)."""
-
-    def __getitem__(self, name: str) -> AttentionConfig:
-        return presets()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(presets())
-
-    def __len__(self) -> int:
-        return len(presets())
-
-
-PRESETS: Mapping[str, AttentionConfig] = _DefaultPresets()
-
-
 def pattern(
     names: Sequence[str], registry: Mapping[str, AttentionConfig] | None = None
 ) -> tuple[AttentionConfig, ...]:
-    """``ModelConfig.layers`` from preset names, e.g. ``pattern(("window", "global") * 2)``.
+    """``ModelConfig.layers`` from preset names, e.g. ``pattern(("window", "mha") * 2)``.
 
     Args:
       names: one preset name per layer.
@@ -321,3 +330,14 @@ def pattern(
         if name not in registry:
             fail("names", f"preset names from {sorted(registry)}", repr(name))
     return tuple(registry[name] for name in names)
+
+
+# Deprecated names (removed in attnlab 0.2): the one presets object is PRESET_REGISTRY,
+# built at chosen sizes by presets().
+__getattr__ = deprecated_names(
+    __name__,
+    {
+        "PRESETS": ("models.presets() (the presets at the default sizes)", presets),
+        "Presets": ("models.presets(**sizes) (it returns them built)", lambda: _SizedPresets),
+    },
+)

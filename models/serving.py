@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attn import errors
-from attn.errors import fail
+from attn import checks
+from attn.checks import fail
 from attn.paged import PageTable, pages_for
 from models.cache import clear_rows, set_block_tables
 from models.generate import NO_EOS, check_sampling, sample
@@ -88,11 +88,11 @@ def serve(
     tokens, lengths = check_tokens(tokens, "prompts", vocab=V), np.asarray(lengths)
     R = tokens.shape[0]
     new = _per_request(max_new_tokens, R)
-    batch = errors.positive_int(batch, "batch")
+    batch = checks.positive_int(batch, "batch")
     check_sampling(temperature, top_k, key, eos_id, V)
     fed = lengths + new - 1  # positions a request writes (its last token is not fed back)
     longest = int((lengths + new).max())
-    max_len = longest if max_len is None else errors.positive_int(max_len, "max_len")
+    max_len = longest if max_len is None else checks.positive_int(max_len, "max_len")
     if max_len < fed.max():
         fail("max_len", f"at least {int(fed.max())} (the longest prompt + new tokens - 1)", max_len)
     cache = model.init_cache(batch, max_len, page_size=page_size, num_pages=num_pages)

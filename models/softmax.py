@@ -1,8 +1,8 @@
-"""Softmax attention modules: ``SelfAttention`` (MHA/GQA/MQA, any mask) and ``CrossAttention``.
+"""Softmax attention layers: ``SelfAttention`` (MHA/GQA/MQA, any mask) and ``CrossAttention``.
 
-``Softmax`` is what softmax-based layers share (``LatentAttention`` too): the
-layer's mask, soft-cap and learned sink logits around a call into ``attn``,
-the weights tap, and the slot layout of their decode caches.
+``SoftmaxConfig`` is the self-attention kind's config: the mask fields every
+softmax-family layer reads (``models.masked.MaskedConfig``) plus partial RoPE
+and a score modifier. The modules derive from ``models.masked.Softmax``.
 
 Sequence parallelism. ``SelfAttention`` runs as ring attention
 (``attn.ring_attention``) when its config says ``impl="ring"``, or ``"auto"``
@@ -26,10 +26,14 @@ device attends only its own rows: the call runs in a ``jax.shard_map`` manual
 over those axes (and "seq" for the ring). XLA cannot split the blockwise
 kernels' tile loops by itself (they index tiles that mix batch and heads), and
 left to partition them it gathers the whole q, k and v on every device.
+
+The plain call, the per-shard call and the ring call are one function,
+``_attend``, on one dictionary of arrays named as ``attn.attention`` names them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,52 +43,71 @@ from jax.sharding import PartitionSpec
 
 import attn
 from attn import ring, scores
-from attn.errors import fail
-from models.cache import EMPTY, CrossCache, ForgetCache, KVCache
-from models.config import MASK_FIELDS, T5_BUCKETS, T5_MAX_DISTANCE, AttentionConfig, register_kind
-from models.heads import Buffer, Heads, cached_impl, dense, step_positions
+from attn.checks import fail
+from models.cache import CrossCache, ForgetCache, KVCache
+from models.config import check_rotary, register_kind
+from models.heads import Buffer, dense, step_positions
+from models.masked import MaskedConfig, Softmax
 from models.mesh import SEQ_AXIS, batch_axes, seq_devices, shard_rows
 
+# A softmax layer's score modifiers (``attn.scores``): ALiBi's fixed slopes, T5's
+# learned bucket table, the Forgetting Transformer's per-head forget gates.
+SCORES = ("alibi", "t5", "forgetting")
+# T5's bucketing (Raffel et al. 2020): 32 buckets, log-spaced up to 128 positions.
+T5_BUCKETS = 32
+T5_MAX_DISTANCE = 128
 # FoX's forget-gate bias at initialization: sigmoid(4) = 0.98 per token, so the
 # decay starts mild (a gate's product halves over ~35 tokens) and the layer
 # starts close to plain softmax attention; training moves it per head.
 FORGET_BIAS_INIT = 4.0
 
 
-def _score_mod(args: dict, *, bidirectional: bool):
-    """The layer's modifier from its arrays in ``args`` (``Softmax._score_args``), or None."""
-    if "slopes" in args:
-        return scores.alibi(args["slopes"])
-    if "table" in args:
-        return scores.relative_bias(
-            args["table"],
-            num_buckets=T5_BUCKETS,
-            max_distance=T5_MAX_DISTANCE,
-            bidirectional=bidirectional,
-        )
-    if "log_forget" in args:
-        return scores.forgetting(args["log_forget"])
-    return None
+@dataclasses.dataclass(frozen=True)
+class SoftmaxConfig(MaskedConfig):
+    """A softmax self-attention layer (kind ``"softmax"``): MHA, GQA, MQA, any mask.
+
+    Attributes:
+      rotary_dim: leading channels that rotate (partial RoPE); None means all H.
+      score: a score modifier of the logits (``attn.scores``), or None:
+        ``"alibi"`` (ALiBi's fixed per-head slopes, Press et al. 2022),
+        ``"t5"`` (a learned bias per head and log-spaced distance bucket, T5),
+        ``"forgetting"`` (FoX, Lin et al. 2025: a per-head forget gate
+        ``sigmoid(x W_f + b_f)`` per token; the logit of key j for query i gets
+        the sum of the log gates after j up to i). Usually with ``rope=False``:
+        each is a position signal of its own. ``"forgetting"`` decodes with the
+        running sum of the gates in its cache and cannot run sequence-parallel.
+    """
+
+    kind: str = "softmax"
+    rotary_dim: int | None = None
+    score: str | None = None
+
+    def check_fields(self) -> None:
+        check_rotary(self)
+        super().check_fields()
+        if self.score is not None and self.score not in SCORES:
+            fail("score", f"one of {SCORES} or None", repr(self.score))
+        if self.score == "forgetting" and self.impl == "ring":
+            why = "FoX's running sum of gates runs in array order, which the ring's layout permutes"
+            fail("impl", f"not 'ring' with score='forgetting' ({why})", repr(self.impl))
 
 
-def _plain_impl(impl: str) -> str:
-    """``attn.attention``'s impl for a call that does not run on the ring."""
-    return "auto" if impl == "ring" else impl
+@register_kind("softmax", config=SoftmaxConfig, family="softmax", sequence_parallel=True)
+class SelfAttention(Softmax):
+    """Softmax self-attention: MHA (K == N), GQA (1 < K < N), MQA (K == 1), any mask.
 
+    Parameters: q ``[D, N*H]``, k and v ``[D, K*H]``, o ``[N*H, D]``, optional sink
+    logits ``[N]``. RoPE (``cfg.rope``) rotates q and k at their absolute positions.
+    """
 
-class Softmax(Heads):
-    """Base of softmax layers: mask, soft-cap, sink logits, the weights tap, cache slots."""
-
-    def _init_softmax(self, cfg: AttentionConfig, *, causal: bool, dtype, param_dtype):
-        self._init_heads(cfg, causal=causal, dtype=dtype)
-        self.sink_logits = (
-            nnx.Param(jnp.zeros((cfg.num_heads,), param_dtype)) if cfg.sink_logits else None
-        )
+    def __init__(self, cfg: SoftmaxConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
+        self._init_softmax(cfg, causal=causal, dtype=dtype, param_dtype=param_dtype)
+        self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_score(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _init_score(self, width: int, *, dtype, param_dtype, rngs):
         """The modifier's arrays: ALiBi's fixed slopes, T5's table, FoX's gate projection."""
-        cfg, N = self.cfg, self.cfg.num_heads
-        score = getattr(cfg, "score", None)
+        score, N = self.cfg.score, self.cfg.num_heads
         slopes = jnp.asarray(scores.alibi_slopes(N))
         self.alibi_slopes = Buffer(slopes) if score == "alibi" else None
         # T5 learns its table; a small random start makes every bucket differ.
@@ -102,87 +125,24 @@ class Softmax(Heads):
             else None
         )  # fmt: skip
 
-    def _score_args(self, x) -> dict:
-        """The modifier's arrays for a call on ``x [B,T,D]``: slopes, table or log gates."""
+    def _score_mod(self, x):
+        """The layer's modifier for a call on ``x [B,T,D]``, or None."""
         if self.alibi_slopes is not None:
-            return {"slopes": self.alibi_slopes[...]}
+            return scores.alibi(self.alibi_slopes[...])
         if self.t5_table is not None:
-            return {"table": self.t5_table[...]}
+            return scores.relative_bias(
+                self.t5_table[...],
+                num_buckets=T5_BUCKETS,
+                max_distance=T5_MAX_DISTANCE,
+                bidirectional=not self.causal,
+            )
         if self.forget_proj is not None:
-            return {"log_forget": self._log_forget(x)}
-        return {}
+            return scores.forgetting(self._log_forget(x))
+        return None
 
     def _log_forget(self, x):
         """FoX's per-token log forget gates ``[B,T,N]`` float32 (each < 0)."""
         return jax.nn.log_sigmoid(self.forget_proj(x).astype(jnp.float32))
-
-    def _softmax(self, fn, *args, impl: str, tap: bool = False, **kwargs):
-        """``fn(*args, ...)`` (``attn.attention`` or ``attn.latent_attention``) with this
-        layer's mask, soft-cap and learned sink logits; returns ``out [B,T,N,E]``.
-
-        With ``tap`` and ``sow_weights`` it also sows the weights ``[B,N,T,S]``:
-        only the dense implementation materializes them, so the tapped call uses
-        it (every implementation computes the same function).
-        """
-        kwargs["mask"] = self.cfg.mask(self.causal)
-        if kwargs.get("score_mod") is None:
-            kwargs.pop("score_mod", None)
-        if self.cfg.softcap is not None:
-            kwargs["softcap"] = self.cfg.softcap
-        if self.sink_logits is not None:
-            kwargs["sink_logits"] = self.sink_logits[...]
-        if tap and self.sow_weights:
-            out, weights = fn(*args, impl="dense", return_weights=True, **kwargs)
-            self._sow(weights)
-            return out
-        return fn(*args, impl=impl, **kwargs)
-
-    @staticmethod
-    def _full_kwargs(positions, segment_ids) -> dict:
-        """Position and segment arguments of a whole-sequence call (none when default,
-        so positionless implementations such as jax.nn's stay eligible)."""
-        kw = {}
-        if positions is not None:
-            kw.update(q_positions=positions, kv_positions=positions)
-        if segment_ids is not None:
-            kw.update(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-        return kw
-
-    @staticmethod
-    def _cached_kwargs(positions, kv_pos) -> dict:
-        """Cached calls see slots by their stored positions; empty slots by segment id 0."""
-        return dict(
-            q_positions=positions,
-            kv_positions=kv_pos,
-            q_segment_ids=jnp.ones(positions.shape, jnp.int32),
-            kv_segment_ids=(kv_pos != EMPTY).astype(jnp.int32),
-        )
-
-    def _slots(self, batch: int, max_len: int) -> tuple[int, dict]:
-        """``(S, SlotCache fields)`` of an empty cache: S from ``cfg.cache_layout(max_len)``."""
-        S, pinned = self.cfg.cache_layout(max_len)
-        # A window's ring buffer when it is shorter than max_len; else one slot per position.
-        fields = dict(pos=jnp.full((batch, S), EMPTY, jnp.int32), pinned=pinned, ring=max_len > S)
-        return S, fields
-
-
-@register_kind(
-    "softmax",
-    fields=(*MASK_FIELDS, "rotary_dim", "score"),
-    family="softmax",
-    sequence_parallel=True,
-)
-class SelfAttention(Softmax):
-    """Softmax self-attention: MHA (K == N), GQA (1 < K < N), MQA (K == 1), any mask.
-
-    Parameters: q ``[D, N*H]``, k and v ``[D, K*H]``, o ``[N*H, D]``, optional sink
-    logits ``[N]``. RoPE (``cfg.rope``) rotates q and k at their absolute positions.
-    """
-
-    def __init__(self, cfg: AttentionConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
-        self._init_softmax(cfg, causal=causal, dtype=dtype, param_dtype=param_dtype)
-        self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self._init_score(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *, positions=None, segment_ids=None):
         """Self-attention over the whole sequence.
@@ -196,39 +156,32 @@ class SelfAttention(Softmax):
         Returns:
           ``y [B,T,D]``.
         """
-        q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if positions is None else positions)
-        score_args = self._score_args(x)
-        if self._on_ring(x.shape[1]):
-            return self._output(self._ring(q, k, v, positions, segment_ids, score_args))
-        impl = _plain_impl(self.cfg.impl)
-        axes = () if self.sow_weights else batch_axes(x.shape[0])
-        if not axes:
-            kwargs = self._full_kwargs(positions, segment_ids)
-            mod = _score_mod(score_args, bidirectional=not self.causal)
-            out = self._softmax(
-                attn.attention, q, k, v, impl=impl, tap=True, score_mod=mod, **kwargs
-            )
+        B, T, _ = x.shape
+        q, k, v = self._qkv(x, jnp.arange(T) if positions is None else positions)
+        mod = self._score_mod(x)
+        if self.sow_weights:  # the tap needs the dense weights [B,N,T,S], unsharded
+            arrays = dict(self._whole(positions, segment_ids), score_mod=mod)
+            out = self._softmax(attn.attention, q, k, v, impl="auto", tap=True, **arrays)
             return self._output(out)
-        local = functools.partial(
-            _attention_shard,
-            mask=self.cfg.mask(self.causal),
-            softcap=self.cfg.softcap,
-            impl=impl,
-            bidirectional=not self.causal,
-        )
-        args = self._shard_args(q, k, v, positions, segment_ids, score_args)
-        return self._output(shard_rows(local, args, PartitionSpec(axes), set(axes)))
-
-    def _shard_args(self, q, k, v, positions, segment_ids, score_args) -> dict:
-        """The arrays of a call run per shard: q, k, v; pos, seg, sink and the modifier's."""
-        args = {"q": q, "k": k, "v": v, **score_args}
-        if positions is not None:
-            args["pos"] = jnp.broadcast_to(positions, q.shape[:2])
-        if segment_ids is not None:
-            args["seg"] = segment_ids
-        if self.sink_logits is not None:
-            args["sink"] = self.sink_logits[...]
-        return args
+        on_ring, axes = self._on_ring(T), batch_axes(B)
+        if on_ring and positions is None:  # the ring attends by the tokens' positions
+            positions = jnp.arange(T, dtype=jnp.int32)
+        if positions is not None and (on_ring or axes):  # split like the tokens
+            positions = jnp.broadcast_to(positions, (B, T))
+        static, arrays = self._call(**self._whole(positions, segment_ids), score_mod=mod)
+        arrays = {"q": q, "k": k, "v": v, **arrays}
+        if on_ring:
+            # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
+            shard = T // seq_devices()
+            layout = "zigzag" if shard % 2 == 0 else "contiguous"
+            blocks = ring.default_blocks(layout, shard, shard, None, None)
+            local = functools.partial(_attend, static=static, ring_blocks=blocks)
+            split = PartitionSpec(axes or None, SEQ_AXIS)
+            return self._output(shard_rows(local, arrays, split, {SEQ_AXIS, *axes}))
+        local = functools.partial(_attend, static=static, impl=self._impl())
+        if not axes:
+            return self._output(local(arrays))
+        return self._output(shard_rows(local, arrays, PartitionSpec(axes), set(axes)))
 
     def _on_ring(self, T: int) -> bool:
         """Whether this call runs as ring attention (see the module docstring).
@@ -238,8 +191,8 @@ class SelfAttention(Softmax):
         takes it whenever there is a "seq" axis, and raises if it does not divide T.
         """
         impl, devices = self.cfg.impl, seq_devices()
-        if self.sow_weights or impl not in ("auto", "ring") or devices is None:
-            return False  # (the weights tap needs the dense weights [B,N,T,S])
+        if impl not in ("auto", "ring") or devices is None:
+            return False
         if self.cfg.score == "forgetting":  # its gate sums run in array order (config refuses ring)
             return False
         if impl == "auto":
@@ -252,34 +205,6 @@ class SelfAttention(Softmax):
                 f"T={T}",
             )
         return True
-
-    def _ring(self, q, k, v, positions, segment_ids, score_args):
-        """``out [B,T,N,H]``: ring attention with T split over the context mesh's "seq" axis.
-
-        Args:
-          q: ``[B,T,N,H]``; k, v: ``[B,T,K,H]``, in the sequence's layout order.
-          positions: ``[B,T]`` the tokens' positions (None: ``arange(T)``, the
-            contiguous layout); segment_ids: ``[B,T]`` or None.
-        """
-        B, T = q.shape[:2]
-        devices = seq_devices()
-        if positions is None:
-            positions = jnp.arange(T, dtype=jnp.int32)
-        args = self._shard_args(q, k, v, positions, segment_ids, score_args)
-        # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
-        shard = T // devices
-        layout = "zigzag" if shard % 2 == 0 else "contiguous"
-        block_q, block_k = ring.default_blocks(layout, shard, shard, None, None)
-        local = functools.partial(
-            _ring_shard,
-            mask=self.cfg.mask(self.causal),
-            softcap=self.cfg.softcap,
-            block_q=block_q,
-            block_k=block_k,
-            bidirectional=not self.causal,
-        )
-        axes = batch_axes(B)
-        return shard_rows(local, args, PartitionSpec(axes or None, SEQ_AXIS), {SEQ_AXIS, *axes})
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """Empty ``KVCache``: k, v ``[B,S,K,H]`` with S from ``cfg.cache_layout(max_len)``
@@ -309,10 +234,11 @@ class SelfAttention(Softmax):
             (keys, values), kv_pos, cache, mod = self._extend_forget(x, k, v, cache, start, lengths)
         else:
             (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
-            mod = _score_mod(self._score_args(x), bidirectional=not self.causal)
-        kwargs = self._cached_kwargs(positions, kv_pos)
-        impl = cached_impl(_plain_impl(self.cfg.impl))
-        out = self._softmax(attn.attention, q, keys, values, impl=impl, score_mod=mod, **kwargs)
+            mod = self._score_mod(x)
+        out = self._softmax(
+            attn.attention, q, keys, values, impl=self._impl(cached=True), score_mod=mod,
+            **self._cached(positions, kv_pos),
+        )  # fmt: skip
         return self._output(out), cache
 
     def _extend_forget(self, x, k, v, cache: ForgetCache, start, lengths):
@@ -331,41 +257,18 @@ class SelfAttention(Softmax):
         return (keys, values), kv_pos, cache, scores.Forgetting(c, c_kv)
 
 
-def _attention_shard(args: dict, *, mask, softcap, impl: str, bidirectional: bool):
-    """One device's ``attn.attention`` on its rows of ``args`` (q, k, v; pos, seg, sink,
-    the modifier's arrays)."""
-    pos, seg = args.get("pos"), args.get("seg")
-    kwargs = {} if pos is None else dict(q_positions=pos, kv_positions=pos)
-    mod = _score_mod(args, bidirectional=bidirectional)
-    if mod is not None:
-        kwargs["score_mod"] = mod
-    if seg is not None:
-        kwargs.update(q_segment_ids=seg, kv_segment_ids=seg)
-    if softcap is not None:
-        kwargs["softcap"] = softcap
-    if "sink" in args:
-        kwargs["sink_logits"] = args["sink"]
-    return attn.attention(args["q"], args["k"], args["v"], mask=mask, impl=impl, **kwargs)
-
-
-def _ring_shard(args: dict, *, mask, softcap, block_q: int, block_k: int, bidirectional: bool):
-    """One device's ``attn.ring_attention`` on its shard of ``args`` (q, k, v, pos; seg, sink,
-    ALiBi's or T5's arrays)."""
+def _attend(arrays: dict, *, static: dict, impl: str = "auto", ring_blocks=None):
+    """One call of a layer on ``arrays`` (q, k, v and the call's arrays, named as
+    ``attn.attention`` names them): ``attn.attention``, or with ``ring_blocks``
+    ``(block_q, block_k)`` ``attn.ring_attention`` over ``SEQ_AXIS``. The plain call,
+    and the body of the per-shard and ring calls."""
+    arrays = dict(arrays)
+    q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+    if ring_blocks is None:
+        return attn.attention(q, k, v, impl=impl, **static, **arrays)
+    block_q, block_k = ring_blocks
     return attn.ring_attention(
-        args["q"],
-        args["k"],
-        args["v"],
-        axis_name=SEQ_AXIS,
-        mask=mask,
-        q_positions=args["pos"],
-        kv_positions=args["pos"],
-        q_segment_ids=args.get("seg"),
-        kv_segment_ids=args.get("seg"),
-        softcap=softcap,
-        score_mod=_score_mod(args, bidirectional=bidirectional),
-        sink_logits=args.get("sink"),
-        block_q=block_q,
-        block_k=block_k,
+        q, k, v, axis_name=SEQ_AXIS, block_q=block_q, block_k=block_k, **static, **arrays
     )
 
 
@@ -377,7 +280,7 @@ class CrossAttention(Softmax):
     source is padding gets zeros.
     """
 
-    def __init__(self, cfg: AttentionConfig, width: int, *, dtype, param_dtype, rngs):
+    def __init__(self, cfg: SoftmaxConfig, width: int, *, dtype, param_dtype, rngs):
         if cfg.score is not None:
             why = "positions of two sequences are not comparable"
             fail("cross.score", f"None for cross-attention ({why})", repr(cfg.score))
@@ -408,7 +311,7 @@ class CrossAttention(Softmax):
             q,
             memory.k,
             memory.v,
-            impl=cached_impl(_plain_impl(cfg.impl)),
+            impl=self._impl(cached=True),
             tap=True,
             q_segment_ids=jnp.ones((B, T), jnp.int32),
             kv_segment_ids=memory.segment_ids,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import jax.numpy as jnp
 from flax import nnx
 
-from attn.errors import fail
+from attn.checks import fail
 from models.heads import HeadGate, Heads
 
 STACKS = ("self", "encoder", "cross")

@@ -28,8 +28,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from attn import errors
-from attn.errors import fail
+from attn import checks
+from attn.checks import fail
 from attn.paged import pages_for
 from models import inputs
 from models.block import Block
@@ -140,9 +140,9 @@ class _LM(nnx.Module):
         if page_size is None and num_pages is not None:
             fail("page_size", "a positive int with num_pages", None)
         if page_size is not None:
-            page_size = errors.positive_int(page_size, "page_size")
+            page_size = checks.positive_int(page_size, "page_size")
             full = batch * pages_for(max_len, page_size)  # every row at max_len
-            num_pages = full if num_pages is None else errors.positive_int(num_pages, "num_pages")
+            num_pages = full if num_pages is None else checks.positive_int(num_pages, "num_pages")
         return DecodeCache(
             layers=tuple(
                 self._layer_cache(b, batch, max_len, page_size, num_pages) for b in self.blocks

@@ -14,5 +14,17 @@ BACKEND_O0 = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {BACKEND_O0}".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture
+def scratch():
+    """Names added by a test, removed again afterwards (the registries are process-wide):
+    append ``(registry, name)``."""
+    added = []
+    yield added
+    for registry, name in added:
+        if name in registry:
+            registry.remove(name)

@@ -104,7 +104,7 @@ def test_plugin_trains_compares_reloads_and_decodes(tmp_path):
     assert [x["kind"] for x in layers] == ["gated", "gated"]
     assert [x["gate"] for x in layers] == ["sigmoid", "silu"]
     softplus = json.loads((folder / "runs" / "softplus" / "config.json").read_text())
-    assert [x["feature_map"] for x in softplus["model"]["layers"]][1] == "softplus"
+    assert softplus["model"]["layers"][1]["feature_map"] == "softplus"
     results = json.loads((folder / "results" / "gated_quick" / "results.json").read_text())
     variants = results["variants"]
     assert list(variants) == ["mha", "gated", "softplus_hybrid"]

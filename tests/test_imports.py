@@ -9,6 +9,7 @@ of its submodules (Python runs it first, whatever imports them).
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,75 @@ def test_layers_import_only_what_is_below_them(layer):
     wrong = {m: sorted(i for i in graph[m] if i.split(".")[0] not in allowed) for m in own}
     assert own, layer
     assert not {m: w for m, w in wrong.items() if w}
+
+
+def private_uses(path: Path, modules: dict[str, Path]) -> list[str]:
+    """``module._name`` uses of another project module's private names in ``path``.
+
+    Both ``from m import _name`` and ``m._name`` on a module imported as ``m``
+    (dunders are not private). Tests may reach internals; sources may not.
+    """
+    own = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+    tree = ast.parse(path.read_text(), str(path))
+    found, aliases = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in modules:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                if name in modules:  # a submodule: later `alias._x` uses are checked
+                    aliases[alias.asname or alias.name] = name
+                elif _private(alias.name) and node.module != own:
+                    found.append(
+                        f"{path.name}:{node.lineno} from {node.module} import {alias.name}"
+                    )
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    aliases[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            target = _dotted(node.value)
+            module = aliases.get(target) if target is not None else None
+            if module is None and target in modules:
+                module = target
+            if module is not None and module != own:
+                found.append(f"{path.name}:{node.lineno} {target}.{node.attr}")
+    return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _dotted(node) -> str | None:
+    """``a.b.c`` of a chain of names and attributes, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def test_no_source_file_imports_another_modules_private_names():
+    modules = _modules()
+    found = [use for path in modules.values() for use in private_uses(path, modules)]
+    assert len(modules) > 50
+    assert found == []
+
+
+def test_private_uses_are_found(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "a").mkdir()
+    source = tmp_path / "a" / "b.py"
+    source.write_text(
+        "from a.c import _hidden, shown\nimport a.c\nfrom a import c as cc\n"
+        "a.c._also(cc._third, a.c.__name__)\n"
+    )
+    modules = {"a.b": source, "a.c": tmp_path / "a" / "c.py", "a": tmp_path / "a"}
+    assert private_uses(source, modules) == [
+        "b.py:1 from a.c import _hidden",
+        "b.py:4 a.c._also",
+        "b.py:4 cc._third",
+    ]

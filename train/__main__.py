@@ -35,7 +35,8 @@ import sys  # noqa: E402
 from train import distributed  # noqa: E402
 from train.cli import enable_compilation_cache, parse  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.loop import NonFiniteLossError, TrainingInterrupted, train  # noqa: E402
+from train.interrupt import TrainingInterrupted  # noqa: E402
+from train.loop import NonFiniteLossError, train  # noqa: E402
 
 
 def main(argv=None) -> int:

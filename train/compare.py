@@ -59,8 +59,9 @@ from train import interrupt, plugins
 from train.cli import enable_compilation_cache, parse
 from train.compare_report import format_table, summarize_variant, write_results
 from train.config import to_json
-from train.interrupt import EXIT_INTERRUPTED
-from train.loop import NonFiniteLossError, TrainingInterrupted, read_metrics, train
+from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
+from train.loop import NonFiniteLossError, train
+from train.metrics import read_metrics
 from train.variants import (
     TASKS,
     VARIANTS,

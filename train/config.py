@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.config import KINDS, AttentionConfig, ModelConfig
+from models.config import KINDS, LEGACY_DEFAULTS, AttentionConfig, ModelConfig
 from train import plugins
 from train.sharding import AXIS_TYPES, mesh_shape
 from train.tasks import TaskConfig
@@ -23,6 +23,7 @@ __all__ = [
     "RECORD",
     "OptimConfig",
     "TrainConfig",
+    "check_resume",
     "differences",
     "from_json",
     "read_record",
@@ -187,12 +188,25 @@ def from_json(cls, data: dict):
         raise ValueError(f"{cls.__name__}: expected a dict of fields, got {type(data).__name__}")
     if issubclass(cls, AttentionConfig) and isinstance(data.get("kind"), str):
         cls = KINDS.lookup(data["kind"], "kind").config_class  # a kind's own config class
+        data = _without_legacy(cls, data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{cls.__name__}: expected fields of {sorted(names)}, got {unknown}")
     return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+
+
+def _without_legacy(cls, data: dict) -> dict:
+    """A layer's record without the old union config's fields its class does not hold.
+
+    Records written before each kind had its own config class hold every
+    field of the union, at its default where the kind did not read it
+    (``models.config.LEGACY_DEFAULTS``); any other value stays, to be refused.
+    """
+    names = {f.name for f in dataclasses.fields(cls)}
+    legacy = json.loads(json.dumps(LEGACY_DEFAULTS))  # as a record holds them (tuples as lists)
+    return {k: v for k, v in data.items() if k in names or k not in legacy or v != legacy[k]}
 
 
 def _value(tp, value):
@@ -298,3 +312,52 @@ def _missing(full, data, keys, prefix: str = "") -> list[str]:
                 if isinstance(x, dict) and isinstance(y, dict):
                     out += _missing(x, y, list(x), f"{prefix}{key}.{i}.")
     return out
+
+
+def _with_horizon(config: TrainConfig) -> TrainConfig:
+    optim = dataclasses.replace(config.optim, decay_steps=config.optim.horizon(config.steps))
+    return dataclasses.replace(config, optim=optim)
+
+
+def check_resume(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int | None]:
+    """The config to resume ``workdir``'s run under, and the recorded steps if it grows.
+
+    A run cannot resume under a config that changes its result, with one
+    exception: ``steps`` may grow, which continues the run. The schedule's
+    horizon (``optim.decay_steps``) is then pinned to the recorded one, so the
+    steps already taken keep their learning rates and the result equals an
+    uninterrupted run of the extended config.
+
+    Raises:
+      ValueError: in one line, naming the differing fields and the way out.
+    """
+    path = workdir / RECORD
+    extended_from, needs = None, ()
+    if path.exists():
+        old, needs = read_record(workdir)
+        old = old.with_task_vocab()
+        if config.steps > old.steps and config.optim.decay_steps is None:
+            optim = dataclasses.replace(config.optim, decay_steps=old.optim.horizon(old.steps))
+            config = dataclasses.replace(config, optim=optim)
+        if config.steps > old.steps:
+            extended_from = old.steps
+        # Compared with each schedule's horizon resolved: None and the run's steps agree.
+        old_json, new_json = (
+            json.loads(json.dumps(to_json(_with_horizon(c)))) for c in (old, config)
+        )
+        changed = [
+            d
+            for k in RESULT_FIELDS
+            for d in differences(old_json[k], new_json[k], f"{k}.")
+            if not (d[0] == "steps" and extended_from is not None)
+        ]
+        if changed:
+            shown = ", ".join(f"{name} (recorded {a!r}, got {b!r})" for name, a, b in changed[:3])
+            more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+            raise ValueError(
+                f"workdir: {str(workdir)!r} holds a run with a different {shown}{more}; "
+                "use a new workdir for a different run, or resume with the recorded values "
+                "(only --steps may grow: that extends the run)"
+            )
+    write_record(workdir, config, (*needs, *plugins.loaded()))
+    return config, extended_from

@@ -151,8 +151,9 @@ def needed(model_config) -> tuple[str, ...]:
     for layer in (*model_config.layers, *model_config.encoder_layers):
         kind = KINDS[layer.kind]
         objs = [kind.module, kind.config_class]
-        if layer.feature_map in FEATURE_MAPS:
-            objs.append(FEATURE_MAPS[layer.feature_map])
+        feature_map = getattr(layer, "feature_map", None)  # a linear kind's
+        if feature_map in FEATURE_MAPS:
+            objs.append(FEATURE_MAPS[feature_map])
         for obj in objs:
             module = _module_of(obj)
             if module is not None and module not in found:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from train.checkpoint import Checkpointer, load_state, snapshot
 from train.config import RECORD, from_json, read_record
-from train.loop import ModelFn, init_state
+from train.steps import ModelFn, init_state
 from train.tasks import make_task
 
 __all__ = ["from_json", "load_run", "run_batch"]

@@ -273,10 +273,11 @@ def check_sequence_parallel(model, name: str = "model") -> None:
                     "sums its forget gates in array order, which the sequence-parallel layout "
                     "permutes)"
                 )
-            if layer.impl not in ("auto", "ring"):
+            impl = getattr(layer, "impl", "auto")  # a kind with an impl field runs on the ring
+            if impl not in ("auto", "ring"):
                 raise ValueError(
                     f"{where}.impl: expected 'auto' or 'ring' under a mesh with seq > 1, got "
-                    f"{layer.impl!r} (sequence parallelism runs softmax attention on the ring)"
+                    f"{impl!r} (sequence parallelism runs softmax attention on the ring)"
                 )
 
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from attn.errors import fail
+from attn.checks import fail
 from attn.registry import Registry
 from models import KINDS, Decoder, ModelConfig, cache_bytes, pattern, presets
 from train.config import TrainConfig

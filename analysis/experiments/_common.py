@@ -27,9 +27,10 @@ import tyro
 from flax import nnx
 
 import train.cli
+import train.interrupt
 import train.loop
 import train.plugins
-from attn.errors import fail
+from attn.checks import fail
 from models import capture_weights
 from train.interrupt import EXIT_INTERRUPTED
 
@@ -133,13 +134,14 @@ def token_losses(model: nnx.Module, tokens, targets) -> np.ndarray:
       tokens: ``[B,T]`` inputs.
       targets: ``[B,T]`` the token each position should predict.
     """
-    logits = _logits(model, jnp.asarray(tokens))
+    logits = float32_logits(model, jnp.asarray(tokens))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(targets))
     return np.asarray(ce, np.float32)
 
 
 @nnx.jit
-def _logits(model, tokens):
+def float32_logits(model, tokens):
+    """``model(tokens)`` as float32 ``[B,T,V]``, jitted."""
     return model(tokens).astype(jnp.float32)
 
 
@@ -194,7 +196,7 @@ def main(name: str, doc: str | None, argv=None) -> int:
     out = args.out or Path("results") / name
     try:
         results = run(config, Path(out))
-    except train.loop.TrainingInterrupted as e:  # Ctrl-C in a training loop: saved, stopped
+    except train.interrupt.TrainingInterrupted as e:  # Ctrl-C in a training loop: saved, stopped
         print(
             f"python -m analysis.experiments.{name}: {e}; run it again to resume", file=sys.stderr
         )

@@ -10,7 +10,7 @@ averaged over ``importance_batches`` held-out minibatches of
 minibatches stand in for that), then L2-normalized per layer
 (``analysis.normalize_importance``). The pruning curve masks the least important
 heads first (``analysis.pruning_order``) at each fraction and measures test
-(next-token) accuracy (``train.loop.evaluate``, the run's fixed test batches, which the
+(next-token) accuracy (``train.steps.evaluate``, the run's fixed test batches, which the
 importance never sees); the baseline masks random heads at the same fractions,
 averaged over ``random_orders`` orders.
 
@@ -40,7 +40,7 @@ from flax import nnx
 
 import train
 import train.config
-import train.loop
+import train.steps
 import train.tasks
 from analysis import importance, plots
 from analysis.experiments import _common
@@ -82,7 +82,7 @@ class Config:
 
 
 def _loss(model, batch):
-    loss, _, _ = train.loop.weighted_metrics(model(batch["tokens"]), batch)
+    loss, _, _ = train.steps.weighted_metrics(model(batch["tokens"]), batch)
     return loss
 
 
@@ -111,7 +111,7 @@ def accuracy_curve(model, task, config: Config, order) -> list[float]:
     accs = []
     for g in gates:
         set_head_gates(model, g)
-        accs.append(train.loop.evaluate(model, task, config.train)["test_accuracy"])
+        accs.append(train.steps.evaluate(model, task, config.train)["test_accuracy"])
     set_head_gates(model, np.ones_like(gates[0]))
     return accs
 

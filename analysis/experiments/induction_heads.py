@@ -46,7 +46,7 @@ import numpy as np
 
 import train
 import train.config
-import train.loop
+import train.steps
 import train.tasks
 from analysis import metrics, plots
 from analysis.experiments import _common
@@ -151,7 +151,7 @@ def run(config: Config, out_dir: Path) -> dict:
     summary, workdir = _common.train_run(config.train, out_dir, "induction")
     tokens, targets = _eval_batch(config)
     t = config.train.with_task_vocab()
-    model0, _ = train.loop.init_state(t, t.task.vocab)  # the run's step-0 parameters
+    model0, _ = train.steps.init_state(t, t.task.vocab)  # the run's step-0 parameters
     rows = [{"step": 0, **_measure(model0, tokens, targets)}]
     for step in checkpoint_steps(config.train):
         model, _ = train.load_run(workdir, step)

@@ -52,15 +52,8 @@ Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
   families over wider knobs: 9 x 4 x 4 x 4 = 576 runs.
   ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
   update (forward + backward, not the optimizer) times its updates, and the
-  total over the runs (3 minutes on one core): from 2.7e14 FLOP per run (GQA
-  with one kv head, T = 128) through a median of 7.3e14 to 1.3e16 (the hybrid
-  of width 512 at T = 512), 7.7e17 FLOP over the 576 runs. The scans of the
-  linear and delta-rule forms count their loop body once, so their runs are
-  undercounted. The 576 runs make 2.9 million updates. On one H100/H200-class
-  GPU, at an assumed 100 TFLOP/s sustained (a fifth of the TF32 peak; these
-  models are narrow) that is 2.1 hours of arithmetic, and at an assumed 2 ms
-  per update for dispatch and small kernels another 1.6 hours unless runs
-  share the GPU (``--jobs``): about 4 hours. No device was lent to measure it.
+  total over the runs; what it printed, and the GPU time it implies, is in
+  ``docs/results/recall_frontier/zoology-scale.md``.
 * ``quick``: two runs of a few updates (the tests).
 
 ``--dry-run`` builds every run's config and model (shapes only) and prints
@@ -90,7 +83,7 @@ from typing import Any, Literal
 import numpy as np
 
 from analysis.experiments import _common
-from attn.errors import fail
+from attn.checks import fail
 from models import ModelConfig, pattern, presets
 
 NAME = "recall_frontier"
@@ -135,9 +128,8 @@ def _gated_deltanet(h: int) -> ModelConfig:
     The forms compute the same function; what differs is the cost of a training
     step. The chunkwise form's triangular inverse costs C^2 per token and head
     against the recurrence's H x H, so chunks of 16 (not the default 64) suit
-    these head dims, and at H = 8 the scan over tokens is faster still (a
-    width-64 model at T = 128, batch 32, one core: 438 ms a step in chunks of
-    64, 249 in chunks of 16, 107 as the scan; at H = 64, 174 and 173).
+    these head dims, and at H = 8 the scan over tokens is faster still (the
+    step times: ``docs/results/README.md``, trials behind defaults).
     """
     model = _heads_of(64, ("gated_deltanet",) * 2)(h)
     form = "recurrent" if h <= 8 else "chunkwise"
@@ -657,11 +649,11 @@ def step_flops(scale: Scale, point) -> float:
     import jax.numpy as jnp
     from flax import nnx
 
-    import train.loop
+    import train.steps
 
     setting, family, knob = point
     config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
-    model = nnx.eval_shape(lambda: train.loop.build_model(config, config.model.vocab_size))
+    model = nnx.eval_shape(lambda: train.steps.build_model(config, config.model.vocab_size))
     graphdef, params = nnx.split(model)
     B, T = scale.batch_size, setting[0]
     batch = {
@@ -672,7 +664,7 @@ def step_flops(scale: Scale, point) -> float:
 
     def loss(params, batch):
         logits = nnx.merge(graphdef, params)(batch["tokens"])
-        return train.loop.weighted_metrics(logits, batch)[0]
+        return train.steps.weighted_metrics(logits, batch)[0]
 
     return float(jax.jit(jax.grad(loss)).lower(params, batch).cost_analysis()["flops"])
 
@@ -749,8 +741,7 @@ def main(argv=None) -> int:
 
     import train.cli
     from train.compare import ComparisonInterrupted
-    from train.interrupt import EXIT_INTERRUPTED
-    from train.loop import TrainingInterrupted
+    from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
 
     args = tyro.cli(Args, args=argv, prog=f"python -m analysis.experiments.{NAME}",
                     description=__doc__.split("\n\n")[0])  # fmt: skip

@@ -125,7 +125,7 @@ class Config:
         t = self.train
         if t.task.name != "bytes":
             raise ValueError(f"train.task.name: expected 'bytes', got {t.task.name!r}")
-        if any(a.window is not None or a.kind != "softmax" for a in t.model.layers):
+        if any(a.kind != "softmax" or a.window is not None for a in t.model.layers):
             raise ValueError("train.model.layers: expected full causal softmax layers")
         if self.stream_factor < 2:
             raise ValueError(f"stream_factor: expected an int >= 2, got {self.stream_factor}")

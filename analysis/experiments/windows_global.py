@@ -71,9 +71,9 @@ class Config:
         a, b = self.window_only, self.hybrid
         if a.task != b.task or a.task.name != "mqar":
             raise ValueError("hybrid.task: expected the same MQAR task as window_only")
-        if any(x.window != self.window for x in a.model.layers):
+        if any(getattr(x, "window", None) != self.window for x in a.model.layers):
             raise ValueError(f"window_only.model.layers: expected windows of {self.window}")
-        if all(x.window is not None for x in b.model.layers):
+        if all(getattr(x, "window", None) is not None for x in b.model.layers):
             raise ValueError("hybrid.model.layers: expected at least one global layer")
 
     def edges(self) -> tuple[int, ...]:
@@ -105,7 +105,7 @@ def accuracy_by_gap(model, config: Config, run) -> tuple[np.ndarray, np.ndarray]
     count = np.zeros(len(edges) - 1)
     for i in range(config.eval_batches):
         batch = task.batch(run.seed, "test", i, run.batch_size)
-        logits = _common._logits(model, jnp.asarray(batch["tokens"]))
+        logits = _common.float32_logits(model, jnp.asarray(batch["tokens"]))
         hit = np.asarray(logits.argmax(-1)) == batch["labels"]
         gaps = query_gaps(batch["tokens"], batch["weights"], run.task.num_pairs)
         bucket = np.searchsorted(edges, gaps, side="left") - 1  # (e_i, e_i+1] -> i

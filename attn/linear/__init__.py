@@ -2,7 +2,7 @@
 
 Modules:
 
-* ``attention``: the entry points ``linear_attention`` (forms ``"parallel"``,
+* ``attention``: the entry points ``linear_attention`` (``LINEAR_FORMS``: ``"parallel"``,
   ``"recurrent"``, ``"chunkwise"``; decay and gates; initial and final
   states; segment ids) and ``linear_attention_step`` (one token, for
   decoding), with ``LinearState``; its docstring states the math;
@@ -15,8 +15,9 @@ Modules:
   ``register_feature_map`` adds to) and FAVOR+'s projection.
 """
 
+from attn.deprecation import deprecated_names
 from attn.linear.attention import (
-    FORMS,
+    LINEAR_FORMS,
     LinearState,
     init_linear_state,
     linear_attention,
@@ -40,7 +41,7 @@ __all__ = [
     "DELTA_FORMS",
     "EXP_KERNEL_MAPS",
     "FEATURE_MAPS",
-    "FORMS",
+    "LINEAR_FORMS",
     "LinearState",
     "delta_rule",
     "delta_rule_step",
@@ -57,3 +58,6 @@ __all__ = [
     "relu",
     "taylor",
 ]
+
+# Deprecated names (removed in attnlab 0.2).
+__getattr__ = deprecated_names(__name__, {"FORMS": ("attn.LINEAR_FORMS", lambda: LINEAR_FORMS)})

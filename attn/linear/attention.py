@@ -89,20 +89,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
-from attn.errors import as_arrays, concrete, fail, qkv_dims
+from attn import checks
+from attn.checks import as_arrays, concrete, fail, qkv_dims
 from attn.linear import forms, segments
 from attn.linear.features import output_dim, resolve, root_scale
 
 __all__ = [
-    "FORMS",
+    "LINEAR_FORMS",
     "LinearState",
     "init_linear_state",
     "linear_attention",
     "linear_attention_step",
 ]
 
-FORMS = ("parallel", "recurrent", "chunkwise")
+LINEAR_FORMS = ("parallel", "recurrent", "chunkwise")
 
 
 class LinearState(NamedTuple):
@@ -176,8 +176,8 @@ def _check_eps(eps):
 
 
 def _check_options(form, chunk_size, eps):
-    if form not in FORMS:
-        fail("form", f"one of {FORMS}", repr(form))
+    if form not in LINEAR_FORMS:
+        fail("form", f"one of {LINEAR_FORMS}", repr(form))
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
         fail("chunk_size", "a positive int", repr(chunk_size))
     _check_eps(eps)
@@ -185,8 +185,8 @@ def _check_options(form, chunk_size, eps):
 
 def _check_segments(q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state):
     """Segment ids ``([B,T], [B,S])`` int32, or ``(None, None)``."""
-    q_seg = errors.segment_ids(q_segment_ids, "q_segment_ids", B, T)
-    kv_seg = errors.segment_ids(kv_segment_ids, "kv_segment_ids", B, S)
+    q_seg = checks.segment_ids(q_segment_ids, "q_segment_ids", B, T)
+    kv_seg = checks.segment_ids(kv_segment_ids, "kv_segment_ids", B, S)
     if (q_seg is None) != (kv_seg is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     if q_seg is not None and not causal and (initial_state is not None or return_state):
@@ -394,7 +394,7 @@ def linear_attention_step(
         log_gate = jnp.asarray(log_gate)[:, None]
     _check_decay(decay, log_gate, B, 1, N, causal=True, name="log_gate")
     _check_state(state, "state", B, N, F, E)
-    seg = errors.segment_ids(segment_id, "segment_id", B)
+    seg = checks.segment_ids(segment_id, "segment_id", B)
     real = None if seg is None else seg != segments.PADDING
     log_a = _log_decay(decay, log_gate, B, 1, N)
     if log_a is not None and real is not None:

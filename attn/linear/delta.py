@@ -60,8 +60,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
-from attn.errors import as_arrays, concrete, fail
+from attn import checks
+from attn.checks import as_arrays, concrete, fail
 from attn.linear import delta_forms, segments
 
 __all__ = ["DELTA_FORMS", "delta_rule", "delta_rule_step", "init_delta_state"]
@@ -135,8 +135,8 @@ def _scale(scale, H: int) -> float:
 
 
 def _segments(q_segment_ids, kv_segment_ids, B: int, T: int):
-    q_seg = errors.segment_ids(q_segment_ids, "q_segment_ids", B, T)
-    kv_seg = errors.segment_ids(kv_segment_ids, "kv_segment_ids", B, T)
+    q_seg = checks.segment_ids(q_segment_ids, "q_segment_ids", B, T)
+    kv_seg = checks.segment_ids(kv_segment_ids, "kv_segment_ids", B, T)
     if (q_seg is None) != (kv_seg is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     return q_seg, kv_seg

@@ -17,7 +17,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from attn.errors import fail
+from attn.checks import fail
 from attn.registry import Registry
 
 __all__ = [

@@ -19,26 +19,39 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from attn import masks, scores
-from attn.errors import fail
-from attn.softmax.call import MASKED
+from attn.checks import fail
+from attn.softmax.call import MASKED, CallSpec
 from attn.softmax.schedule import BlockSpec, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
-class FlashConfig(BlockSpec):
+class FlashConfig:
     """Hashable settings of one call: a static argument of the custom VJP.
 
-    The inherited ``T`` and ``S`` are the real lengths (the arrays are padded
+    The call's ``T`` and ``S`` are the real lengths (the arrays are padded
     past them) and ``block_q``/``block_k`` the forward and dq kernels' tiles,
     which the forward schedule is laid out in.
     """
 
+    call: CallSpec
+    block_q: int  # forward and dq kernels: query rows per program
+    block_k: int  # forward and dq kernels: keys per inner-loop step
     bwd_block_q: int  # dk/dv kernel: query rows per inner-loop step
     bwd_block_k: int  # dk/dv kernel: keys per program
     platform: str  # lowered for: "cpu", "gpu" or "tpu" (not necessarily the host's)
     interpret: bool
     num_warps: int | None
     num_stages: int | None
+
+    @property
+    def blocks(self) -> BlockSpec:
+        """The call in the forward and dq kernels' blocks (the ``by_query`` schedule's)."""
+        return BlockSpec(self.call, self.block_q, self.block_k)
+
+    @property
+    def bwd_blocks(self) -> BlockSpec:
+        """The call in the dk/dv kernel's blocks (the ``by_key`` schedule's)."""
+        return BlockSpec(self.call, self.bwd_block_q, self.bwd_block_k)
 
 
 class KernelInts(NamedTuple):
@@ -92,20 +105,20 @@ def allowed(mask: masks.Mask, q_pos, k_pos):
 
 def tile_visible(config: FlashConfig, q_pos, k_pos, k_start, q_seg=None, k_seg=None):
     """Boolean ``[Q, J]``: mask, segment ids, and (where S is padded) the real keys."""
-    ok = allowed(config.mask, q_pos, k_pos)
+    ok = allowed(config.call.mask, q_pos, k_pos)
     if q_seg is not None:
         ok = ok & masks.same_segment(q_seg, k_seg)
     J = k_pos.shape[0]
-    if config.S % J:  # the last key block holds padding
+    if config.call.S % J:  # the last key block holds padding
         index = k_start + lax.broadcasted_iota(jnp.int32, (1, J), 1)
-        ok = ok & (index < config.S)
+        ok = ok & (index < config.call.S)
     return ok
 
 
 def logits(config: FlashConfig, q, k):
     """Float32 ``scale * q k^T`` of a tile ``[Q,H] x [J,H] -> [Q,J]`` (before the modifier)."""
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return s * config.scale
+    return s * config.call.scale
 
 
 def modify(config: FlashConfig, s, views: dict, q_pos, k_pos):
@@ -116,13 +129,12 @@ def modify(config: FlashConfig, s, views: dict, q_pos, k_pos):
         head leaves ``[1, ...]``, q leaves ``[Q]``, k leaves ``[J]``.
       q_pos, k_pos: int32 ``[Q]``, ``[J]``.
     """
-    if config.score is None:
+    if config.call.score is None:
         return s
     views = dict(
         head=views["head"], q=[x[:, None] for x in views["q"]], k=[x[None, :] for x in views["k"]]
     )
-    mod = config.score.rebuild(config.score.merge(views))
-    return mod.apply(s, q_pos[:, None], k_pos[None, :])
+    return config.call.score.apply(s, q_pos[:, None], k_pos[None, :], views)
 
 
 def modify_vjp(config: FlashConfig, s, views: dict, q_pos, k_pos):
@@ -155,7 +167,7 @@ def store_head(ref, value, *index):
 
 def role_counts(config: FlashConfig) -> dict[str, int]:
     """How many leaves of each role the call's modifier has."""
-    roles = () if config.score is None else config.score.roles
+    roles = () if config.call.score is None else config.call.score.roles
     return {role: roles.count(role) for role in scores.ROLES}
 
 
@@ -173,9 +185,9 @@ def score_leaves(config: FlashConfig, leaves, Tp: int, Sp: int) -> dict:
     Head leaves ``[N, ...]`` -> ``[N, 1, ...]``; q leaves ``[B,T,N]`` -> ``[B,N,Tp]``;
     k leaves ``[B,S,N]`` -> ``[B,N,Sp]`` (float32, zero-padded).
     """
-    if config.score is None:
+    if config.call.score is None:
         return {role: [] for role in scores.ROLES}
-    groups = config.score.by_role(leaves)
+    groups = config.call.score.by_role(leaves)
 
     def rows(x, length):
         x = x.astype(jnp.float32).transpose(0, 2, 1)

@@ -27,6 +27,7 @@ Triton requires. Block sizes come from ``attn.pallas.blocks``.
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from attn import scores
-from attn.errors import as_arrays, fail, positive_int
+from attn.checks import as_arrays, fail, positive_int
 from attn.pallas import blocks as blocks_lib
 from attn.pallas.common import (
     PLATFORMS,
@@ -53,43 +54,32 @@ from attn.pallas.common import (
 )
 from attn.pallas.flash_backward import backward
 from attn.pallas.schedule import schedules
-from attn.softmax.call import MASKED, Call, check_call, spec_fields, static_rows
+from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args
 
 
+@takes_call_args
 def flash_attention(
     q,
     k,
     v,
     *,
-    mask=None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
     return_lse: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | None = None,
     platform: str | None = None,
+    **call_args: Unpack[CallArgs],
 ):
     """Softmax attention as Pallas kernels (forward and FlashAttention-2 backward).
 
     Computes ``attn.dot_product_attention``'s function; takes its arguments
-    except ``bias`` and ``return_weights``.
+    except ``bias`` and ``return_weights``. A score modifier is evaluated in
+    the kernels on each tile's position vectors and its slice of the
+    modifier's arrays; the backward kernels give those arrays' gradients.
 
     Args:
       q: ``[B,T,N,H]`` queries (float32, bfloat16 or float16).
       k: ``[B,S,K,H]`` keys, ``N % K == 0``; v: ``[B,S,K,E]`` values.
-      mask, scale, softcap, score_mod, sink_logits, q_positions, kv_positions,
-        q_segment_ids, kv_segment_ids: as in ``attn.dot_product_attention``
-        (segment ids: both or neither; id 0 is padding). A modifier is
-        evaluated in the kernels on each tile's position vectors and its slice
-        of the modifier's arrays; the backward kernels give those arrays'
-        gradients.
       return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
         sees nothing), which ``attn.merge_attention`` merges and which is
         differentiable.
@@ -102,30 +92,26 @@ def flash_attention(
         ``jax.default_backend()``. Give it to ``jax.export`` a call for an
         accelerator from another host: the blocks, the launch parameters and
         interpret mode follow it.
+      **call_args: the call (``attn.softmax.call.CallArgs``), as in
+        ``attn.dot_product_attention`` (segment ids: id 0 is padding).
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` if ``return_lse``.
     """
     q, k, v = as_arrays(q, k, v)
-    call = check_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        softcap=softcap,
-        score_mod=score_mod,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
+    call = check_call(q, k, v, **call_args)
+    return attend(call, q, k, v, return_lse=return_lse, block_q=block_q, block_k=block_k,
+                  interpret=interpret, platform=platform)  # fmt: skip
+
+
+def attend(call: Call, q, k, v, *, return_lse=False, block_q=None, block_k=None, interpret=None,
+           platform=None):  # fmt: skip
+    """``flash_attention`` of a checked call (see there)."""
     config = _config(call, block_q, block_k, interpret, platform)
     ints = _kernel_ints(config, call)
     qp, kp, vp = _padded_operands(config, q, k, v)
     N = call.dims.N
-    sink = call.sink_logits.reshape(N) if config.has_sink else jnp.zeros((N,), jnp.float32)
+    sink = call.sink_logits.reshape(N) if config.call.has_sink else jnp.zeros((N,), jnp.float32)
     mod = score_leaves(config, scores.split(call.score)[1], *_padded_lengths(config))
     out, lse = _flash(config, qp, kp, vp, sink, mod, ints)
     T, E = call.dims.T, call.dims.E
@@ -154,7 +140,7 @@ def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
     )
     num_warps = table.num_warps or (4 if call.dims.H <= 64 else 8)
     return FlashConfig(
-        **spec_fields(call),
+        call=call.spec(),
         block_q=bq,
         block_k=bk,
         bwd_block_q=bwd_bq,
@@ -168,17 +154,15 @@ def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
 
 def _padded_lengths(config: FlashConfig) -> tuple[int, int]:
     """``(Tp, Sp)``: T and S padded to whole blocks of every kernel."""
-    Tp = _round_up(config.T, max(config.block_q, config.bwd_block_q))
-    Sp = _round_up(config.S, max(config.block_k, config.bwd_block_k))
+    Tp = _round_up(config.call.T, max(config.block_q, config.bwd_block_q))
+    Sp = _round_up(config.call.S, max(config.block_k, config.bwd_block_k))
     return Tp, Sp
 
 
 def _kernel_ints(config: FlashConfig, call: Call) -> KernelInts:
     """Both schedules, and the positions and segment ids padded to ``_padded_lengths``."""
-    rows = [call.q_positions, call.kv_positions]
-    if config.has_segments:
-        rows += [call.q_segment_ids, call.kv_segment_ids]
-    plan = schedules(config, rows, static_rows(call))
+    rows = call.rows()
+    plan = schedules(config, rows, call.static_rows())
     Tp, Sp = _padded_lengths(config)
     # Padding repeats the last entry: the blocks' bounds, and so the schedule, stay those
     # of the real rows; padding keys are masked by index (tile_visible).
@@ -237,7 +221,7 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
     """
     B, Tp, N, H = q.shape
     Sp, E = k.shape[1], v.shape[-1]
-    G, bq = config.G, config.block_q
+    G, bq = config.call.G, config.block_q
     sched = ints.by_query
     nq, W = sched.key_tile.shape
     per_block = pl.BlockSpec((None, W), lambda b, n, i: (i, 0))
@@ -255,7 +239,7 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
         kv_rows,
     ]
     args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, ints.q_pos, ints.kv_pos]
-    if config.has_segments:
+    if config.call.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
     specs, leaves = mod_specs(
@@ -286,12 +270,12 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
 
 def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref,
                     q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
-    if config.has_segments:
+    if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
     mod_refs, (sink_ref, o_ref, lse_ref) = take_views(config, refs)
     bq, bk = config.block_q, config.block_k
     q, q_pos = q_ref[...], q_pos_ref[...]
-    q_seg = q_seg_ref[...] if config.has_segments else None
+    q_seg = q_seg_ref[...] if config.call.has_segments else None
     views = dict(head=[head_view(r) for r in mod_refs["head"]], q=[r[...] for r in mod_refs["q"]])
 
     def body(t, carry):
@@ -302,7 +286,7 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
         s = modify(config, logits(config, q, k_ref[keys, :]), tile, q_pos, kv_pos_ref[keys])
 
         def visible():
-            k_seg = kv_seg_ref[keys] if config.has_segments else None
+            k_seg = kv_seg_ref[keys] if config.call.has_segments else None
             return tile_visible(config, q_pos, kv_pos_ref[keys], start, q_seg, k_seg)
 
         s = masked_unless_full(config, s, kind_ref[t], visible)
@@ -316,7 +300,7 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
         acc = alpha[:, None] * acc + matmul(p.astype(v.dtype), v)
         return m_new, l, acc
 
-    if config.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
+    if config.call.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
         m0, l0 = jnp.full((bq,), sink_ref[0], jnp.float32), jnp.ones((bq,), jnp.float32)
     else:
         m0, l0 = jnp.full((bq,), MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32)

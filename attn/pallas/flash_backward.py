@@ -46,7 +46,7 @@ from attn.pallas.common import (
 
 def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse, d_out, d_lse):
     """``(dq, dk, dv, dsink, dmod)`` in the padded layouts of q, k, v, ``[N]`` and ``mod``."""
-    Tp, T = q.shape[1], config.T
+    Tp, T = q.shape[1], config.call.T
     # Rows past T are padding: their outputs may be unwritten, so D is formed
     # on the real rows only and is zero on the rest, as is their dO.
     delta = jnp.einsum(
@@ -60,7 +60,7 @@ def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse
     dk, dv, d_k = _dkdv(config, q, k, v, d_out, lse, delta, mod, ints)
     # Per (batch, head, query block) partials -> [N, 1, ...].
     dmod = dict(head=[d.sum((0, 2)) for d in d_head], q=d_q, k=d_k)
-    if config.has_sink:
+    if config.call.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * D.
         p_sink = jnp.exp(sink[None, :, None] - lse[:, :, :T])
         dsink = -(p_sink * delta[:, :, :T]).sum((0, 2))
@@ -72,7 +72,7 @@ def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse
 def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     B, _, N, H = q.shape
     Sp, E = k.shape[1], v.shape[-1]
-    G, bq = config.G, config.block_q
+    G, bq = config.call.G, config.block_q
     sched = ints.by_query
     nq, W = sched.key_tile.shape
     per_block = pl.BlockSpec((None, W), lambda b, n, i: (i, 0))
@@ -94,7 +94,7 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     ]
     args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta]
     args += [ints.q_pos, ints.kv_pos]
-    if config.has_segments:
+    if config.call.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
     q_block = ((None, None, bq), lambda b, n, i: (b, n, i))
@@ -127,14 +127,14 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
 
 def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
-    if config.has_segments:
+    if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
     mod_refs, (dq_ref, *refs) = take_views(config, refs)
     d_head_refs, d_q_refs = refs[: len(mod_refs["head"])], refs[len(mod_refs["head"]) :]
     bk = config.block_k
     q, do, q_pos = q_ref[...], do_ref[...], q_pos_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
-    q_seg = q_seg_ref[...] if config.has_segments else None
+    q_seg = q_seg_ref[...] if config.call.has_segments else None
     views = dict(head=[head_view(r) for r in mod_refs["head"]], q=[r[...] for r in mod_refs["q"]])
 
     def body(t, carry):
@@ -145,7 +145,7 @@ def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, 
         tile = dict(views, k=[r[keys] for r in mod_refs["k"]])
 
         def visible():
-            k_seg = kv_seg_ref[keys] if config.has_segments else None
+            k_seg = kv_seg_ref[keys] if config.call.has_segments else None
             return tile_visible(config, q_pos, k_pos, start, q_seg, k_seg)
 
         s = logits(config, q, k)
@@ -158,7 +158,7 @@ def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, 
     zeros = jax.tree.map(jnp.zeros_like, views)
     carry = (jnp.zeros(q.shape, jnp.float32), zeros["head"], zeros["q"])
     dq, d_head, d_q = lax.fori_loop(0, count_ref[0], body, carry)
-    dq_ref[...] = (dq * config.scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * config.call.scale).astype(dq_ref.dtype)
     for ref, d in zip(d_head_refs, d_head, strict=True):
         store_head(ref, d)
     for ref, d in zip(d_q_refs, d_q, strict=True):
@@ -178,7 +178,7 @@ def _ds(config: FlashConfig, s, kind, visible, lse, delta, do, v, views, q_pos, 
 def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     B, Tp, _, H = q.shape
     K, E = k.shape[2], v.shape[-1]
-    G, bk = config.G, config.bwd_block_k
+    G, bk = config.call.G, config.bwd_block_k
     sched = ints.by_key
     nk, W = sched.key_tile.shape
     per_block = pl.BlockSpec((None, W), lambda b, h, j: (j, 0))
@@ -200,7 +200,7 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts
     ]
     args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta]
     args += [ints.q_pos, ints.kv_pos]
-    if config.has_segments:
+    if config.call.has_segments:
         in_specs += [q_rows, kv_rows]
         args += [ints.q_seg, ints.kv_seg]
     # The modifier's leaves for the G query heads of kv head h.
@@ -230,12 +230,12 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts
 
 def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
                  lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
-    if config.has_segments:
+    if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
     mod_refs, (dk_ref, dv_ref, *d_k_refs) = take_views(config, refs)
     bq, bk = config.bwd_block_q, config.bwd_block_k
     k, v, kv_pos = k_ref[...], v_ref[...], kv_pos_ref[...]
-    k_seg = kv_seg_ref[...] if config.has_segments else None
+    k_seg = kv_seg_ref[...] if config.call.has_segments else None
     start_k = pl.program_id(2) * bk
     for ref in d_k_refs:  # accumulated in place over query blocks and heads
         ref[...] = jnp.zeros(ref.shape, jnp.float32)
@@ -243,7 +243,7 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
     def body(t, carry):
         rows = pl.ds(pl.multiple_of(query_ref[t] * bq, bq), bq)
         q_pos = q_pos_ref[rows]
-        q_seg = q_seg_ref[rows] if config.has_segments else None
+        q_seg = q_seg_ref[rows] if config.call.has_segments else None
         kind = kind_ref[t]
 
         def visible():
@@ -266,9 +266,9 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
             dk = dk + matmul(ds.astype(q.dtype), q, (0, 0))
             return dk, dv
 
-        return lax.fori_loop(0, config.G, head, carry)
+        return lax.fori_loop(0, config.call.G, head, carry)
 
     zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, count_ref[0], body, zeros)
-    dk_ref[...] = (dk * config.scale).astype(dk_ref.dtype)
+    dk_ref[...] = (dk * config.call.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)

@@ -2,8 +2,9 @@
 
 ``attn.softmax.schedule`` decides which (query block, key block) pairs a mask,
 the positions, the segment ids and the padding leave EMPTY, FULL or PARTIAL;
-this module reuses it unchanged on the kernels' own ``FlashConfig`` (a
-``BlockSpec``) and lays the answer out twice:
+this module reuses it unchanged on the kernels' two ``BlockSpec`` (the
+forward's and the dk/dv kernel's blocks of a ``FlashConfig``) and lays the
+answer out twice:
 
 * ``by_query``: per query block, its non-empty key blocks in key order (the
   forward and the dq kernels loop over these), and
@@ -16,7 +17,6 @@ then skip the blocks between segments too.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from attn.pallas.blocks import next_power_of_2
 from attn.pallas.common import FlashConfig
-from attn.softmax.schedule import Schedule, block_kind_table, compact
+from attn.softmax.schedule import BlockSpec, Schedule, block_kind_table, compact
 
 
 class Schedules(NamedTuple):
@@ -42,15 +42,14 @@ def schedules(config: FlashConfig, rows: Sequence, static: Sequence | None) -> S
       rows: the checked int32 q positions ``[B,T]`` and kv positions ``[B,S]``
         and, with segment ids, the q and kv ids.
       static: the same in NumPy when known at trace time
-        (``attn.softmax.call.static_rows``), or None.
+        (``attn.softmax.call.Call.static_rows``), or None.
     """
-    by_query = _layout(config, rows, static, transpose=False)
-    bwd = dataclasses.replace(config, block_q=config.bwd_block_q, block_k=config.bwd_block_k)
-    return Schedules(by_query, _layout(bwd, rows, static, transpose=True))
+    by_query = _layout(config.blocks, rows, static, transpose=False)
+    return Schedules(by_query, _layout(config.bwd_blocks, rows, static, transpose=True))
 
 
-def _layout(config: FlashConfig, rows, static, transpose: bool) -> Schedule:
-    xp, kinds = block_kind_table(config, rows, static)  # [nq, nk]
+def _layout(blocks: BlockSpec, rows, static, transpose: bool) -> Schedule:
+    xp, kinds = block_kind_table(blocks, rows, static)  # [nq, nk]
     schedule = compact(xp, kinds.T if transpose else kinds)
     # Triton tiles are powers of two; the extra entries are never visited.
     width = schedule.key_tile.shape[1]

@@ -35,16 +35,17 @@ Semantics are ours, where splash's differ:
 from __future__ import annotations
 
 import dataclasses
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from attn import masks, scores
-from attn.errors import as_arrays, fail
+from attn.checks import as_arrays, fail
 from attn.pallas.blocks import SPLASH_BLOCK
 from attn.pallas.common import PLATFORMS
-from attn.softmax.call import MASKED, check_call, dims_or_none
+from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args
 
 # The largest [T,S] boolean mask the NumPy fallback builds when tracing (64 MB).
 NUMPY_MASK_LIMIT = 2**26
@@ -55,65 +56,77 @@ KV_PADDING = Q_PADDING + 1
 
 
 @dataclasses.dataclass(frozen=True)
-class _Refusal:
+class Refusal:
+    """Why splash cannot compute a call: the argument, what splash needs, what it got."""
+
     arg: str
     expected: str
     got: object
 
+    def __str__(self) -> str:
+        return f"{self.arg}: expected {self.expected}, got {self.got}"
 
-def splash_reason(q, k, v, **kwargs) -> str | None:
+
+def splash_reason(q, k, v, *, bias=None, return_weights=False, return_lse=False,
+                  **call_args) -> str | None:  # fmt: skip
     """Why ``splash_attention`` would refuse these arguments, or None where they map.
 
     Takes ``attn.attention``'s keyword arguments (``bias`` and ``return_weights``
-    included); checks nothing that splash would not refuse.
+    included); checks nothing that splash would not refuse (a malformed call
+    is ``splash_attention``'s to report).
     """
-    refusal = _refusal(q, k, v, **kwargs)
-    if refusal is None:
+    try:
+        call = check_call(*as_arrays(q, k, v), **call_args)
+    except ValueError:
         return None
-    return f"{refusal.arg}: expected {refusal.expected}, got {refusal.got}"
+    return reason(call, bias=bias, return_weights=return_weights, return_lse=return_lse)
 
 
-def _refusal(q, k, v, *, mask=None, bias=None, return_weights=False, return_lse=False,
-             q_positions=None, kv_positions=None, score_mod=None, softcap=None,
-             **_) -> _Refusal | None:  # fmt: skip
-    if score_mod is not None and not (isinstance(score_mod, scores.Softcap) and softcap is None):
-        return _Refusal(
+def reason(call: Call, *, bias=None, return_weights=False, return_lse=False) -> str | None:
+    """``splash_reason`` of a checked call."""
+    refusal = _refusal(call, bias, return_weights, return_lse)
+    return None if refusal is None else str(refusal)
+
+
+def _refusal(call: Call, bias, return_weights, return_lse) -> Refusal | None:
+    score = call.score
+    if score is not None and not isinstance(score, scores.Softcap):
+        return Refusal(
             "score_mod",
             "None or scores.softcap(c) for impl='splash' (splash has no hook on the "
             "logits but its soft-cap; impl='pallas' evaluates any modifier)",
-            type(score_mod).__name__,
+            type(score).__name__,
         )
     if bias is not None:
-        return _Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
+        return Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
     if return_weights:
-        return _Refusal("return_weights", "False for impl='splash' (it never forms them)", True)
+        return Refusal("return_weights", "False for impl='splash' (it never forms the weights)",
+                       True)  # fmt: skip
     if return_lse:
-        return _Refusal(
+        return Refusal(
             "return_lse", "False for impl='splash' (its lse output is not differentiable)", True
         )
+    q_positions, kv_positions = call.given[:2]
     for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
         if isinstance(x, jax.core.Tracer):
-            return _Refusal(name, "concrete positions for impl='splash' (its masks are static)",
-                            "a traced array")  # fmt: skip
+            return Refusal(name, "concrete positions for impl='splash' (its masks are static)",
+                           "a traced array")  # fmt: skip
         if x is not None:
             x = np.asarray(x)
             if x.ndim == 2 and (x != x[:1]).any():
-                return _Refusal(
+                return Refusal(
                     name, "the same positions in every batch row for impl='splash'", "rows differ"
                 )
-    dims = dims_or_none(q, k, v)
-    if dims is None:  # not a call at all: check_call says why
-        return None
-    T, S = dims.T, dims.S
-    if _maps_to_numpy(mask, q_positions, kv_positions, T, S):
+    T, S = call.dims.T, call.dims.S
+    if _maps_to_numpy(call.mask, q_positions, kv_positions, T, S):
         compiled = jax.default_backend() == "tpu"  # the refusal's bound, as the host runs it
         Tp, Sp = _padded(T, compiled), _padded(S, compiled)
         if Tp * Sp > NUMPY_MASK_LIMIT:
-            return _Refusal(
+            return Refusal(
                 "mask",
                 f"a mask splash computes, or at most {NUMPY_MASK_LIMIT} entries for its NumPy "
                 f"fallback, for impl='splash'",
-                f"{mask!r} over [{Tp},{Sp}]",
+                f"{call.mask!r} over [{Tp},{Sp}]",
             )
     return None
 
@@ -193,23 +206,16 @@ def _splash_mask(mask, q_pos: np.ndarray, k_pos: np.ndarray, Tp: int, Sp: int):
     return sam.ChunkedCausalMask(shape, chunk_size=arg), False
 
 
+@takes_call_args
 def splash_attention(
     q,
     k,
     v,
     *,
-    mask=None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
     return_lse: bool = False,
     interpret: bool | None = None,
     platform: str | None = None,
+    **call_args: Unpack[CallArgs],
 ):
     """Softmax attention through splash attention, with our semantics (module doc).
 
@@ -226,36 +232,17 @@ def splash_attention(
       ValueError: naming the argument that does not map (see ``splash_reason``).
     """
     q, k, v = as_arrays(q, k, v)
+    call = check_call(q, k, v, **call_args)
+    return attend(call, q, k, v, return_lse=return_lse, interpret=interpret, platform=platform)
+
+
+def attend(call: Call, q, k, v, *, return_lse=False, interpret=None, platform=None):
+    """``splash_attention`` of a checked call (see there)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    refusal = _refusal(
-        q,
-        k,
-        v,
-        mask=mask,
-        return_lse=return_lse,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        score_mod=score_mod,
-        softcap=softcap,
-    )
+    refusal = _refusal(call, None, False, return_lse)
     if refusal is not None:
         fail(refusal.arg, refusal.expected, refusal.got)
-    if score_mod is not None:  # a lone soft-cap (anything else was refused)
-        softcap, score_mod = score_mod.cap, None
-    call = check_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        softcap=softcap,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
     T, S, N = call.dims.T, call.dims.S, call.dims.N
     platform = jax.default_backend() if platform is None else platform
     if platform not in PLATFORMS:
@@ -263,6 +250,7 @@ def splash_attention(
     interpret = PLATFORMS[platform] != "tpu" if interpret is None else bool(interpret)
     bq, bk = _block(T, not interpret), _block(S, not interpret)
     Tp, Sp = _padded(T, not interpret), _padded(S, not interpret)
+    q_positions, kv_positions = call.given[:2]
     q_pos = _first_rows(q_positions)
     q_pos = np.arange(T) + S - T if q_pos is None else q_pos.astype(np.int64)
     k_pos = _first_rows(kv_positions)
@@ -280,7 +268,7 @@ def splash_attention(
         block_sizes=block_sizes,
         head_shards=1,
         q_seq_shards=1,
-        attn_logits_soft_cap=call.softcap,
+        attn_logits_soft_cap=None if call.score is None else call.score.cap,
         interpret=interpret,
     )
     dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)

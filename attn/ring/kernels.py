@@ -23,8 +23,7 @@ from jax import lax
 from attn.masks import BlockKind
 from attn.merge import merge_attention
 from attn.softmax.kernels import KernelInputs, backward, forward, kernel_inputs, vary_like
-from attn.softmax.score_tiles import ScoreTiles
-from attn.softmax.tiles import TileConfig
+from attn.softmax.tiles import ScoreTiles, TileConfig
 
 
 class RingInputs(NamedTuple):
@@ -75,9 +74,9 @@ def _visible(config: TileConfig, inputs: RingInputs, block: KVBlock):
     """Whether any local query may see any key of ``block``: the mask's ``classify`` on the
     bounds of all positions (and segment ids) of both sides, as one box."""
     q_pos, k_pos = inputs.q_pos, block.pos
-    kind = config.mask.classify(q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max())
+    kind = config.call.mask.classify(q_pos.min(), q_pos.max(), k_pos.min(), k_pos.max())
     seen = kind != BlockKind.EMPTY
-    if config.has_segments:  # disjoint id ranges share no id
+    if config.call.has_segments:  # disjoint id ranges share no id
         q_seg, k_seg = inputs.q_seg, block.seg
         seen = seen & (q_seg.min() <= k_seg.max()) & (k_seg.min() <= q_seg.max())
     return seen
@@ -91,14 +90,14 @@ def _kernel_inputs(config: TileConfig, inputs: RingInputs, block: KVBlock) -> Ke
     skipped inside a visited step too.
     """
     rows = [inputs.q_pos, block.pos]
-    if config.has_segments:
+    if config.call.has_segments:
         rows += [inputs.q_seg, block.seg]
     return kernel_inputs(config, rows, static=None)
 
 
 def _no_sink(config: TileConfig):
     # The steps never see the sink logits: attn.ring merges them once, after the ring.
-    return jnp.zeros((config.K, config.G), jnp.float32)
+    return jnp.zeros((config.call.K, config.call.G), jnp.float32)
 
 
 def ring_forward(config: TileConfig, axis_name: str, q, kT, v, mod: ScoreTiles,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors
-from attn.errors import fail
+from attn import checks
+from attn.checks import fail
 from attn.softmax.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 __all__ = ["LAYOUTS", "default_blocks", "from_layout", "layout_order", "to_layout", "zigzag_order"]
@@ -30,7 +30,7 @@ def layout_order(length: int, num_devices: int, layout: str = "zigzag") -> np.nd
     """
     if layout not in LAYOUTS:
         fail("layout", f"one of {LAYOUTS}", repr(layout))
-    num_devices = errors.positive_int(num_devices, "num_devices")
+    num_devices = checks.positive_int(num_devices, "num_devices")
     if layout == "zigzag":
         return zigzag_order(length, num_devices)
     if isinstance(length, bool) or not isinstance(length, int | np.integer) or length < 1:
@@ -47,8 +47,8 @@ def zigzag_order(length: int, num_devices: int) -> np.ndarray:
     chunk i followed by chunk ``2P - 1 - i``. E.g. length 8 on 2 devices:
     ``[0 1 6 7 | 2 3 4 5]``.
     """
-    num_devices = errors.positive_int(num_devices, "num_devices")
-    length = errors.positive_int(length, "length")
+    num_devices = checks.positive_int(num_devices, "num_devices")
+    length = checks.positive_int(length, "length")
     chunks = 2 * num_devices
     if length % chunks:
         fail("length", f"a multiple of 2 x {num_devices} devices (zigzag layout)", length)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import jax
 import jax.numpy as jnp
@@ -10,13 +11,13 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from attn import scores
-from attn.errors import as_arrays, fail
-from attn.masks import Mask
+from attn.checks import as_arrays, fail
 from attn.ring.attention import ring_attention
 from attn.ring.layouts import LAYOUTS, default_blocks, layout_order
-from attn.softmax.call import check_call
+from attn.softmax.call import CallArgs, check_call, takes_call_args
 
 
+@takes_call_args
 def sharded_attention(
     q,
     k,
@@ -25,18 +26,10 @@ def sharded_attention(
     mesh: Mesh,
     axis_name: str,
     layout: str = "zigzag",
-    mask: Mask | None = None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
     block_q: int | None = None,
     block_k: int | None = None,
     return_lse: bool = False,
+    **call_args: Unpack[CallArgs],
 ):
     """``attn.dot_product_attention`` on whole arrays, computed by ring attention over a mesh axis.
 
@@ -54,12 +47,12 @@ def sharded_attention(
       axis_name: the mesh axis the sequence is sharded on.
       layout: ``"zigzag"`` (balanced for causal masks; T and S multiples of 2P)
         or ``"contiguous"`` (T and S multiples of P).
-      mask, q_positions, kv_positions, q_segment_ids, kv_segment_ids, scale,
-        softcap, score_mod, sink_logits, return_lse: as in
-        ``attn.dot_product_attention``, over the whole sequence (a modifier's
-        per-token leaves are sharded with their tokens, the others replicated).
       block_q, block_k: tile sizes of each device's blockwise steps; by default
         those of ``attn.blockwise_attention``, capped at a shard (at a zigzag chunk).
+      return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
+      **call_args: the call (``attn.softmax.call.CallArgs``) over the whole
+        sequence, as in ``attn.dot_product_attention`` (a modifier's per-token
+        leaves are sharded with their tokens, the others replicated).
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
@@ -71,20 +64,7 @@ def sharded_attention(
         fail("axis_name", f"one of the mesh's axes {mesh.axis_names}", repr(axis_name))
     if layout not in LAYOUTS:
         fail("layout", f"one of {LAYOUTS}", repr(layout))
-    call = check_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        softcap=softcap,
-        score_mod=score_mod,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
+    call = check_call(q, k, v, **call_args)
     d, num_devices = call.dims, mesh.shape[axis_name]
     per = 2 * num_devices if layout == "zigzag" else num_devices
     for name, length, letter in (("q", d.T, "T"), ("k", d.S, "S")):
@@ -117,7 +97,7 @@ def sharded_attention(
         shard(call.kv_segment_ids, kv_order),
         sink,
     )
-    structure, leaves = scores.split(score_mod)
+    structure, leaves = scores.split(call_args.get("score_mod"))
     roles = () if structure is None else structure.roles
     orders = {"q": q_order, "k": kv_order}
     leaves = [

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from attn import errors
+from attn import checks
 from attn.masks import BlockKind, Mask, causal
 from attn.ring.layouts import LAYOUTS, default_blocks, layout_order
 from attn.softmax.schedule import num_blocks
@@ -54,8 +54,8 @@ def ring_work(
     L = length // num_devices
     block_q, block_k = default_blocks(layout, L, L, block_q, block_k)
     # As attn.softmax.tiles.tile_config: a block longer than the shard only adds padding.
-    block_q = min(errors.positive_int(block_q, "block_q"), L)
-    block_k = min(errors.positive_int(block_k, "block_k"), L)
+    block_q = min(checks.positive_int(block_q, "block_q"), L)
+    block_k = min(checks.positive_int(block_k, "block_k"), L)
     shards = order.reshape(num_devices, L)
     steps, full, partial = (np.zeros(num_devices, np.int64) for _ in range(3))
     for i in range(num_devices):

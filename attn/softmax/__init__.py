@@ -2,13 +2,15 @@
 
 Modules, in the order a reader needs them:
 
-* ``call``: the contract every softmax implementation shares (argument
-  checks, default positions, the visibility rule, logit shaping, the static
-  spec kernels are traced with);
+* ``call``: the contract every softmax implementation shares: its keyword
+  arguments, declared once (``CallArgs``), checked once into the one call
+  object every implementation receives (``Call``), the visibility rule, and
+  the static spec kernels are traced with;
 * ``dense``: ``dot_product_attention``, the reference with ``[T,S]`` materialized;
 * ``schedule``: which (query block, key block) pairs to visit, from the
   masks' block classification (shared with ``attn.ring`` and ``attn.pallas``);
-* ``tiles``: the tile layout of the blockwise kernels;
+* ``tiles``: the tile layout of the blockwise kernels' operands, a score
+  modifier's arrays included;
 * ``kernels``: the online-softmax forward and the FlashAttention-2 backward;
 * ``blockwise``: ``blockwise_attention`` and ``count_blocks``.
 
@@ -23,12 +25,14 @@ from attn.softmax.blockwise import (
     blockwise_attention,
     count_blocks,
 )
+from attn.softmax.call import CallArgs
 from attn.softmax.dense import dot_product_attention
 
 __all__ = [
     "DEFAULT_BLOCK_K",
     "DEFAULT_BLOCK_Q",
     "BlockCounts",
+    "CallArgs",
     "blockwise_attention",
     "count_blocks",
     "dot_product_attention",

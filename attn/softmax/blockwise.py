@@ -29,44 +29,40 @@ query rows are computed on the last real row's position and dropped.
 
 The code is in the modules of ``attn.softmax``: this one holds the public
 functions; ``call`` checks the call (as for every implementation); ``tiles``
-the call's configuration and the tile layout (with the tile axis letters X,
-Q, J); ``schedule`` which tiles to visit; ``kernels`` the forward and backward
-loops and the custom VJP.
+the call's configuration and the tile layout of every operand, the score
+modifier's arrays included (with the tile axis letters X, Q, J);
+``schedule`` which tiles to visit; ``kernels`` the forward and backward loops
+and the custom VJP.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from attn import scores
-from attn.errors import as_arrays
-from attn.masks import Mask
-from attn.softmax.call import check_call, static_rows
+from attn.checks import as_arrays
+from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
 from attn.softmax.kernels import KernelInputs, flash, forward, kernel_inputs, vary_like
 from attn.softmax.schedule import num_blocks
-from attn.softmax.score_tiles import ScoreTiles, score_tiles
-from attn.softmax.tiles import TileConfig, qkv_tiles, tile_config, untile
+from attn.softmax.tiles import (
+    ScoreTiles,
+    TileConfig,
+    qkv_tiles,
+    score_tiles,
+    tile_config,
+    untile,
+)
 
-# Default tile sizes, measured on a 2-core AVX-512 CPU (causal, f32, B=1, N=8,
-# H=64, T=8192; best of 3-4 interleaved runs on a quiet machine):
-#
-#   block_q x block_k, kv heads per tile   forward   forward+backward
-#   1024 x 512, 1                          0.62 s    1.91 s
-#   1024 x 1024, 2                         0.58 s    2.03 s
-#   1024 x 1024, 1                         0.62 s    2.24 s
-#   512 x 512, 1 or 8                      0.72 s    2.28 s
-#   256 x 512, 1                           ~1.2x 512 x 512
-#
-# Smaller tiles pay the loop's fixed cost per tile (an iteration, slicing K/V,
-# merging the accumulator, small matmuls) more often; bigger ones waste work on
-# the diagonal of causal and banded masks. 1024 x 512 is the best sum of both
-# passes. Heads are grouped so a tile holds at most TILE_SCORES scores (one
-# head at 1024 x 512): float32 scores of 2 MB, half of it per core, in its
-# 1.25 MB L2 cache. A tile holds one head when one head's block pair is bigger.
+# Default tile sizes: the best sum of the forward and backward times measured on
+# a 2-core CPU (the table is in bench/results/blockwise-tiles-cpu.md). Smaller
+# tiles pay the loop's fixed cost per tile more often, bigger ones waste work on
+# the diagonal of causal and banded masks. Heads are grouped so a tile holds at
+# most TILE_SCORES float32 scores (one head at 1024 x 512: 2 MB, half of it per
+# core, in its L2 cache).
 DEFAULT_BLOCK_Q = 1024
 DEFAULT_BLOCK_K = 512
 TILE_SCORES = 2**19
@@ -80,94 +76,66 @@ class BlockCounts(NamedTuple):
     total: int  # all pairs, ceil(T / block_q) * ceil(S / block_k)
 
 
+@takes_call_args
 def blockwise_attention(
     q,
     k,
     v,
     *,
-    mask: Mask | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     return_lse: bool = False,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    **call_args: Unpack[CallArgs],
 ):
     """Softmax attention computed block by block, never materializing ``[T,S]``.
 
     Computes exactly ``attn.dot_product_attention``'s function (same masks,
     positions, segment ids, soft-cap, score modifiers and learned sink logits; a
-    query with no visible
-    key gets zeros and zero gradients), with memory linear in T and S in the forward
-    and the backward pass, and work proportional to the non-empty blocks of the mask.
+    query with no visible key gets zeros and zero gradients), with memory
+    linear in T and S in the forward and the backward pass, and work
+    proportional to the non-empty blocks of the mask. A score modifier is
+    evaluated on each tile (forward and backward) from the tile's positions
+    and its slice of the modifier's arrays, which get gradients.
 
     Args:
       q: ``[B,T,N,H]`` queries.
       k: ``[B,S,K,H]`` keys, ``N % K == 0`` (MHA, GQA, MQA; K/V are never repeated).
       v: ``[B,S,K,E]`` values.
-      mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
       block_q: query rows per block (C of the query tiles); any T works.
       block_k: keys per block; any S works.
       return_lse: also return the float32 log-sum-exp ``[B,T,N]`` (``-inf`` for a
         row that sees nothing), so partial results can be merged with
         ``attn.merge.merge_attention``.
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: if given, logits become ``softcap * tanh(logits / softcap)``.
-      score_mod: an ``attn.scores`` modifier, evaluated on each tile (forward
-        and backward) from the tile's positions and its slice of the
-        modifier's arrays, which get gradients.
-      sink_logits: ``[N]`` learned per-head logits that join the softmax
-        denominator without contributing a value.
-      q_positions: ``[T]`` or ``[B,T]`` ints, default ``arange(T) + S - T`` (the
-        last T key positions; see ``attn.dot_product_attention``).
-      kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
-      q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints >= 0 (both or
-        neither); queries see only keys with the same id, and id 0 is padding
-        (sees nothing, is seen by none, outputs 0).
+      **call_args: the call (``attn.softmax.call.CallArgs``), as in
+        ``attn.dot_product_attention``.
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, and ``lse [B,T,N]`` float32 if ``return_lse``.
     """
     q, k, v = as_arrays(q, k, v)
-    config, inputs, sink, mod = _prepare(
-        q,
-        k,
-        v,
-        block_q,
-        block_k,
-        mask=mask,
-        scale=scale,
-        softcap=softcap,
-        score_mod=score_mod,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
+    call = check_call(q, k, v, **call_args)
+    return attend(call, q, k, v, block_q=block_q, block_k=block_k, return_lse=return_lse)
+
+
+def attend(call: Call, q, k, v, *, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
+           return_lse=False):  # fmt: skip
+    """``blockwise_attention`` of a checked call (see there)."""
+    config, inputs, sink, mod = _prepare(call, q.dtype, block_q, block_k)
     sink, mod = vary_like(sink, q), jax.tree.map(lambda x: vary_like(x, q), mod)
     out, lse = flash(config, *qkv_tiles(config, q, k, v), sink, mod, inputs)
     out = untile(config, out)
     return (out, untile(config, lse[..., None])[..., 0]) if return_lse else out
 
 
+@takes_call_args
 def count_blocks(
     q,
     k,
     v,
     *,
-    mask: Mask | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    **call_args: Unpack[CallArgs],
 ) -> BlockCounts:
     """Runs the forward pass of ``blockwise_attention`` and counts the block pairs it computes.
 
@@ -175,22 +143,14 @@ def count_blocks(
     what is computed, not what the schedule promises. Arguments as in
     ``blockwise_attention``; under ``jit`` the counts are int32 arrays.
     """
+    q, k, v = as_arrays(q, k, v)
     config, inputs, sink, mod = _prepare(
-        q,
-        k,
-        v,
-        block_q,
-        block_k,
-        mask=mask,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
+        check_call(q, k, v, **call_args), q.dtype, block_q, block_k
     )
     n_full, n_partial = _count_tiles(config, q, k, v, sink, mod, inputs)
     # The loop counts tiles; each block pair is one tile per head group.
     n_full, n_partial = n_full // config.groups, n_partial // config.groups
-    total = num_blocks(config.T, config.block_q) * num_blocks(config.S, config.block_k)
+    total = num_blocks(config.call.T, config.block_q) * num_blocks(config.call.S, config.block_k)
     if isinstance(n_full, jax.core.Tracer):  # under jit: the counts are arrays
         return BlockCounts(n_full, n_partial, total)
     return BlockCounts(int(n_full), int(n_partial), total)
@@ -203,16 +163,12 @@ def _count_tiles(config: TileConfig, q, k, v, sink, mod: ScoreTiles, inputs: Ker
     return counts
 
 
-def _prepare(q, k, v, block_q, block_k, **kwargs):
-    """Checks a call; returns its tile configuration, integer inputs, ``[K,G]`` sink logits
-    and the modifier's leaves in tile layout."""
-    call = check_call(q, k, v, **kwargs)
-    config = tile_config(call, block_q, block_k, q.dtype, TILE_SCORES)
-    rows = [call.q_positions, call.kv_positions]
-    if config.has_segments:
-        rows += [call.q_segment_ids, call.kv_segment_ids]
-    inputs = kernel_inputs(config, rows, static_rows(call))
-    if config.has_sink:
+def _prepare(call: Call, dtype, block_q, block_k):
+    """A checked call's tile configuration, integer inputs, ``[K,G]`` sink logits and
+    the modifier's leaves in tile layout."""
+    config = tile_config(call, block_q, block_k, dtype, TILE_SCORES)
+    inputs = kernel_inputs(config, call.rows(), call.static_rows())
+    if config.call.has_sink:
         sink = call.sink_logits
     else:
         sink = jnp.zeros((call.dims.K, call.dims.G), jnp.float32)

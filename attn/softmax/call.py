@@ -1,54 +1,51 @@
-"""The call contract of softmax attention, shared by every implementation.
+"""The call contract of softmax attention: one checked call object that every implementation takes.
 
-Dense, blockwise, ring, Pallas and splash attention take the same arguments
-and compute the same function because they check them here and read them
-through the same rules:
+Dense, blockwise, ring, Pallas, splash and split-K decoding take the same
+arguments and compute the same function because the arguments are declared
+once here and checked once, into a ``Call``, which is all an implementation
+below its entry point receives:
 
+* ``CallArgs``: the keyword arguments every softmax entry point takes (mask,
+  scale, soft-cap, score modifier, sink logits, positions, segment ids),
+  declared once; an entry point takes them as ``**call_args`` and
+  ``takes_call_args`` shows them in its signature;
 * ``check_call``: shapes, the static arguments, default positions (keys
   ``arange(S)``, queries the last T of them: ``check_default_queries``), the
-  learned sink logits and the segment ids, into a ``Call``;
+  learned sink logits, the score modifier and the segment ids, into a
+  ``Call`` (a pytree: its arrays are leaves, its sizes and static settings
+  aux data, so it crosses ``jit`` boundaries as one argument);
 * ``visible``: which keys a query sees (the mask on absolute positions, within
   segments; id 0 is padding, see ``attn.masks.same_segment``);
-* ``score``: the call's score modifier (``attn.scores``), with ``softcap=``
-  folded in as ``scores.softcap`` applied first; ``shape_logits`` / ``softcap``
-  / ``softcap_grad``: the logit scale and the tanh soft-cap, and its
-  derivative, for kernels that handle the soft-cap alone;
 * ``CallSpec``: the hashable, static part of a call that kernels are traced
-  with (implementations extend it with their block sizes);
-* ``static_rows``: the positions and segment ids as NumPy arrays when they are
-  known at trace time (a block schedule can then be computed when tracing),
-  or None when any of them is traced (it is computed at run time).
+  with; an implementation's own configuration holds one beside its block
+  sizes (composition, not inheritance).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
-from typing import Any, NamedTuple
+from typing import Any, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import errors, scores
-from attn.errors import fail
+from attn import checks, scores
+from attn.checks import fail
 from attn.masks import Full, Mask, full, same_segment
 
 __all__ = [
+    "CALL_ARGS",
     "MASKED",
     "Call",
+    "CallArgs",
     "CallSpec",
-    "apply_score",
     "check_call",
     "check_default_queries",
     "check_static",
-    "dims_or_none",
-    "modified",
-    "shape_logits",
-    "softcap",
-    "softcap_grad",
-    "spec_fields",
-    "static_rows",
+    "takes_call_args",
     "visible",
 ]
 
@@ -57,29 +54,62 @@ __all__ = [
 MASKED = -1e30
 
 
-class Call(NamedTuple):
-    """A checked softmax-attention call: sizes and normalized optional arguments."""
+class CallArgs(TypedDict, total=False):
+    """The keyword arguments of every softmax implementation (``**call_args``), all optional.
 
-    dims: errors.Dims
-    mask: Mask
-    scale: float
+    Attributes:
+      mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
+      scale: logit scale, default ``1/sqrt(H)``.
+      softcap: if given, logits become ``softcap * tanh(logits / softcap)``
+        (shorthand for ``scores.softcap``, applied before ``score_mod``).
+      score_mod: an ``attn.scores`` modifier (ALiBi, T5 buckets, FoX, ...) of
+        the scaled logits, evaluated on the absolute positions; gradients
+        reach its arrays.
+      sink_logits: ``[N]`` learned per-head logits that join the softmax
+        denominator without contributing a value (gpt-oss style).
+      q_positions: ``[T]`` or ``[B,T]`` ints. Default ``arange(T) + S - T``: the
+        queries are the last T of the keys (bottom-right alignment, so a decode
+        step or a prefill chunk is right without positions). With T > S, or
+        with ``kv_positions`` and T != S, a mask other than ``full()`` needs them.
+      kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
+      q_segment_ids: ``[B,T]`` ints >= 0, with ``kv_segment_ids`` (both or
+        neither): queries see only keys with the same id (packing), and id 0
+        is padding: it sees no key, is seen by no query and outputs 0.
+      kv_segment_ids: ``[B,S]`` ints >= 0.
+    """
+
+    mask: Mask | None
+    scale: float | None
     softcap: float | None
-    score: scores.ScoreMod | None  # softcap= first, then score_mod=
-    sink_logits: jax.Array | None  # [K, G] float32
-    q_positions: jax.Array  # [B, T] int32
-    kv_positions: jax.Array  # [B, S] int32
-    q_segment_ids: jax.Array | None  # [B, T] int32
-    kv_segment_ids: jax.Array | None  # [B, S] int32
-    given: tuple  # q_positions, kv_positions, q_segment_ids, kv_segment_ids as passed
+    score_mod: scores.ScoreMod | None
+    sink_logits: Any
+    q_positions: Any
+    kv_positions: Any
+    q_segment_ids: Any
+    kv_segment_ids: Any
+
+
+CALL_ARGS = tuple(CallArgs.__annotations__)
+
+
+def takes_call_args(fn):
+    """Shows an entry point's ``**call_args`` as the keywords of ``CallArgs`` in its signature.
+
+    ``inspect.signature`` and ``help()`` then list them (static checkers read
+    the ``Unpack[CallArgs]`` annotation).
+    """
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in CALL_ARGS
+    ]
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
 
 
 @dataclasses.dataclass(frozen=True)
 class CallSpec:
-    """The static part of a checked call: what a kernel is traced with (hashable).
-
-    Implementations subclass it with their own static settings (block sizes,
-    launch parameters), so a new spec means a new trace.
-    """
+    """The static part of a checked call: what a kernel is traced with (hashable)."""
 
     mask: Mask
     scale: float
@@ -94,22 +124,83 @@ class CallSpec:
     G: int
 
 
-def spec_fields(call: Call) -> dict[str, Any]:
-    """The ``CallSpec`` fields of a checked call, to build a ``CallSpec`` subclass from."""
-    d = call.dims
-    return dict(
-        mask=call.mask,
-        scale=call.scale,
-        softcap=call.softcap,
-        score=scores.split(call.score)[0],
-        has_sink=call.sink_logits is not None,
-        has_segments=call.q_segment_ids is not None,
-        B=d.B,
-        T=d.T,
-        S=d.S,
-        K=d.K,
-        G=d.G,
-    )
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """A checked softmax-attention call: sizes, static settings and normalized arrays.
+
+    A pytree whose leaves are the arrays (and the score modifier's), so an
+    implementation jitted at its boundary takes it as one argument. Default
+    positions are built where they are read (``q_positions``,
+    ``kv_positions``): inside such a jit they are constants of the program.
+    """
+
+    dims: checks.Dims = dataclasses.field(metadata=dict(static=True))
+    mask: Mask = dataclasses.field(metadata=dict(static=True))
+    scale: float = dataclasses.field(metadata=dict(static=True))
+    softcap: float | None = dataclasses.field(metadata=dict(static=True))
+    score: scores.ScoreMod | None  # softcap= first, then score_mod=
+    sink_logits: jax.Array | None  # [K, G] float32
+    q_segment_ids: jax.Array | None  # [B, T] int32
+    kv_segment_ids: jax.Array | None  # [B, S] int32
+    positions: tuple  # q [B, T] and kv [B, S] int32 positions, each None where defaulted
+    given: tuple  # q_positions, kv_positions, q_segment_ids, kv_segment_ids as passed
+
+    @property
+    def q_positions(self) -> jax.Array:
+        """``[B,T]`` int32: as given, or the default, the last T key positions."""
+        d = self.dims
+        given = self.positions[0]
+        return checks.positions(None, "", d.B, d.T, offset=d.S - d.T) if given is None else given
+
+    @property
+    def kv_positions(self) -> jax.Array:
+        """``[B,S]`` int32: as given, or the default ``arange(S)``."""
+        d = self.dims
+        given = self.positions[1]
+        return checks.positions(None, "", d.B, d.S) if given is None else given
+
+    def spec(self) -> CallSpec:
+        """The static part (``CallSpec``)."""
+        d = self.dims
+        return CallSpec(
+            mask=self.mask,
+            scale=self.scale,
+            softcap=self.softcap,
+            score=scores.split(self.score)[0],
+            has_sink=self.sink_logits is not None,
+            has_segments=self.q_segment_ids is not None,
+            B=d.B,
+            T=d.T,
+            S=d.S,
+            K=d.K,
+            G=d.G,
+        )
+
+    def rows(self) -> list[jax.Array]:
+        """The int32 q positions ``[B,T]`` and kv positions ``[B,S]``, then the q and kv
+        segment ids when given: what a block schedule is computed from."""
+        rows = [self.q_positions, self.kv_positions]
+        if self.q_segment_ids is not None:
+            rows += [self.q_segment_ids, self.kv_segment_ids]
+        return rows
+
+    def static_rows(self) -> list[np.ndarray] | None:
+        """``rows()`` in NumPy (int64) when known at trace time, else None.
+
+        Read from the arguments as passed (the defaults where None): known when
+        tracing, they let a block schedule be computed then.
+        """
+        if any(isinstance(x, jax.core.Tracer) for x in self.given):
+            return None
+        d = self.dims
+        lengths, offsets = (d.T, d.S, d.T, d.S), (d.S - d.T, 0, 0, 0)  # default queries: the last T
+        count = 4 if self.q_segment_ids is not None else 2
+        rows = []
+        for x, length, offset in zip(self.given[:count], lengths, offsets, strict=False):
+            x = checks.default_positions(length, offset) if x is None else np.asarray(x)
+            rows.append(np.broadcast_to(x, (d.B, length)).astype(np.int64))
+        return rows
 
 
 def check_static(mask, scale, softcap) -> tuple[Mask, float | None, float | None]:
@@ -154,23 +245,20 @@ def check_default_queries(T: int, S: int, mask: Mask, kv_positions_given: bool) 
         )
 
 
-def check_call(
-    q,
-    k,
-    v,
-    *,
-    mask=None,
-    scale=None,
-    softcap=None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-) -> Call:
-    """Validates the arguments every softmax implementation shares."""
-    d = errors.qkv_dims(q, k, v)
+def check_call(q, k, v, **call_args: Unpack[CallArgs]) -> Call:
+    """The arguments every softmax implementation shares (``CallArgs``), checked: a ``Call``.
+
+    Raises:
+      TypeError: a keyword that is not one of ``CALL_ARGS`` (as Python does for an unknown
+        argument).
+      ValueError: naming the argument whose value or shape does not fit.
+    """
+    unknown = sorted(set(call_args) - set(CALL_ARGS))
+    if unknown:
+        raise TypeError(f"got unexpected keyword arguments {unknown} (the call takes {CALL_ARGS})")
+    mask, scale, softcap, score_mod, sink_logits, *rows = (call_args.get(n) for n in CALL_ARGS)
+    q_positions, kv_positions, q_segment_ids, kv_segment_ids = rows
+    d = checks.qkv_dims(q, k, v)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
     mask, scale, softcap = check_static(mask, scale, softcap)
@@ -190,40 +278,19 @@ def check_call(
         softcap=softcap,
         score=scores.compose(None if softcap is None else scores.softcap(softcap), score_mod),
         sink_logits=sink_logits,
-        q_positions=errors.positions(q_positions, "q_positions", d.B, d.T, offset=d.S - d.T),
-        kv_positions=errors.positions(kv_positions, "kv_positions", d.B, d.S),
-        q_segment_ids=errors.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
-        kv_segment_ids=errors.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),
+        q_segment_ids=checks.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
+        kv_segment_ids=checks.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),
+        positions=(
+            _given_positions(q_positions, "q_positions", d.B, d.T),
+            _given_positions(kv_positions, "kv_positions", d.B, d.S),
+        ),
         given=(q_positions, kv_positions, q_segment_ids, kv_segment_ids),
     )
 
 
-def dims_or_none(q, k, v) -> errors.Dims | None:
-    """The sizes of a well-formed call, or None (the implementation it goes to then reports it)."""
-    try:
-        return errors.qkv_dims(q, k, v)
-    except ValueError:
-        return None
-
-
-def static_rows(call: Call) -> list[np.ndarray] | None:
-    """The call's positions (and segment ids) in NumPy, or None when any is traced.
-
-    Returns ``[q positions [B,T], kv positions [B,S]]`` int64, followed by the
-    q and kv segment ids with segment ids, from the arguments as passed (the
-    defaults where None): known when tracing, they let a block schedule be
-    computed then.
-    """
-    if any(isinstance(x, jax.core.Tracer) for x in call.given):
-        return None
-    d = call.dims
-    lengths, offsets = (d.T, d.S, d.T, d.S), (d.S - d.T, 0, 0, 0)  # default queries: the last T
-    count = 4 if call.q_segment_ids is not None else 2
-    rows = []
-    for x, length, offset in zip(call.given[:count], lengths, offsets, strict=False):
-        x = errors.default_positions(length, offset) if x is None else np.asarray(x)
-        rows.append(np.broadcast_to(x, (d.B, length)).astype(np.int64))
-    return rows
+def _given_positions(x, name: str, batch: int, length: int):
+    """Checked ``[B,L]`` int32 positions, or None where they default (built where read)."""
+    return None if x is None else checks.positions(x, name, batch, length)
 
 
 def visible(mask: Mask, q_pos, k_pos, q_seg=None, k_seg=None):
@@ -237,41 +304,3 @@ def visible(mask: Mask, q_pos, k_pos, q_seg=None, k_seg=None):
     if q_seg is not None:
         ok &= same_segment(q_seg, k_seg)
     return ok
-
-
-def softcap(s, cap: float | None):
-    """The tanh soft-cap (Gemma 2) ``cap * tanh(s / cap)`` on float32 logits; s without a cap."""
-    return s if cap is None else cap * jnp.tanh(s / cap)
-
-
-def softcap_grad(x, cap: float | None):
-    """``d softcap(s) / d s`` from the capped logits x: ``1 - (x / cap)^2``; None without a cap."""
-    if cap is None:
-        return None
-    t = x / cap
-    return 1.0 - t * t
-
-
-def modified(call: Call, s, q_pos, k_pos, view):
-    """``s`` through the call's modifier, its leaves laid out by ``view(role, leaf)``.
-
-    Args:
-      s: float32 scaled logits; q_pos, k_pos: int32 positions broadcastable to it.
-      view: maps a leaf and its role (``attn.scores.ROLES``) to an array that
-        broadcasts against ``s`` (a head leaf keeping its trailing axes).
-    """
-    return apply_score(scores.split(call.score), s, q_pos, k_pos, view)
-
-
-def apply_score(parts, s, q_pos, k_pos, view):
-    """``modified`` from a modifier's ``(structure, leaves)``; ``s`` as it is without one."""
-    structure, leaves = parts
-    if structure is None:
-        return s
-    mod = structure.rebuild([view(r, x) for r, x in zip(structure.roles, leaves, strict=True)])
-    return mod.apply(s, q_pos, k_pos)
-
-
-def shape_logits(s, scale: float, cap: float | None):
-    """Scales float32 logits and applies the soft-cap when given."""
-    return softcap(s * scale, cap)

@@ -8,34 +8,27 @@ on semantics by construction.
 from __future__ import annotations
 
 import functools
+from typing import Unpack
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from attn import errors, scores
-from attn.errors import as_arrays, fail
-from attn.masks import Mask
-from attn.softmax.call import MASKED, check_call, check_static, modified, visible
+from attn import checks, scores
+from attn.checks import as_arrays, fail
+from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args, visible
 
 
+@takes_call_args
 def dot_product_attention(
     q,
     k,
     v,
     *,
-    mask: Mask | None = None,
     bias=None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    score_mod=None,
-    sink_logits=None,
-    q_positions=None,
-    kv_positions=None,
-    q_segment_ids=None,
-    kv_segment_ids=None,
     return_weights: bool = False,
     return_lse: bool = False,
+    **call_args: Unpack[CallArgs],
 ):
     """Softmax attention with the ``[T,S]`` weights materialized.
 
@@ -49,93 +42,33 @@ def dot_product_attention(
       q: ``[B,T,N,H]`` queries.
       k: ``[B,S,K,H]`` keys, ``N % K == 0`` (MHA, GQA, MQA).
       v: ``[B,S,K,E]`` values.
-      mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
       bias: additive logits, rank 4, broadcastable to ``[B,N,T,S]``.
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: if given, logits become ``softcap * tanh(logits / softcap)``
-        (shorthand for ``scores.softcap``, applied before ``score_mod``).
-      score_mod: an ``attn.scores`` modifier (ALiBi, T5 buckets, FoX, ...) of
-        the scaled logits, evaluated on the absolute positions; gradients
-        reach its arrays.
-      sink_logits: ``[N]`` learned per-head logits that join the softmax
-        denominator without contributing a value (learned sink logits, gpt-oss style).
-      q_positions: ``[T]`` or ``[B,T]`` ints. Default ``arange(T) + S - T``: the
-        queries are the last T of the keys (bottom-right alignment, so a decode
-        step or a prefill chunk is right without positions). With T > S, or
-        with ``kv_positions`` and T != S, a mask other than ``full()`` needs them.
-      kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
-      q_segment_ids, kv_segment_ids: ``[B,T]``, ``[B,S]`` ints >= 0 (both or
-        neither); queries see only keys with the same id (packing), and id 0
-        is padding: it sees no key, is seen by no query and outputs 0.
       return_weights: also return the float32 weights ``[B,N,T,S]``.
       return_lse: also return the float32 log-sum-exp ``[B,T,N]`` of the visible
         logits (and sink); ``-inf`` for a row that sees nothing.
+      **call_args: the call's keyword arguments, those of every softmax
+        implementation (``attn.softmax.call.CallArgs``): ``mask``, ``scale``,
+        ``softcap``, ``score_mod``, ``sink_logits``, ``q_positions``,
+        ``kv_positions``, ``q_segment_ids``, ``kv_segment_ids``.
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, then the weights and/or the lse if asked.
     """
     q, k, v = as_arrays(q, k, v)
-    mask, scale, softcap = check_static(mask, scale, softcap)
-    scores.check_type(score_mod)  # a function would fail obscurely at the jit boundary
-    # Values are checked here, before the jit boundary below hides them.
-    errors.segment_values(q_segment_ids, "q_segment_ids")
-    errors.segment_values(kv_segment_ids, "kv_segment_ids")
-    return _dense(
-        q,
-        k,
-        v,
-        mask=mask,
-        bias=bias,
-        scale=scale,
-        softcap=softcap,
-        score_mod=score_mod,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-        return_weights=bool(return_weights),
-        return_lse=bool(return_lse),
-    )
+    call = check_call(q, k, v, **call_args)
+    return attend(call, q, k, v, bias=bias, return_weights=return_weights, return_lse=return_lse)
+
+
+def attend(call: Call, q, k, v, *, bias=None, return_weights=False, return_lse=False):
+    """``dot_product_attention`` of a checked call (see there)."""
+    return _dense(call, q, k, v, bias, return_weights=bool(return_weights),
+                  return_lse=bool(return_lse))  # fmt: skip
 
 
 # Jitted at the boundary so eager callers compile once per shape instead of
 # dispatching op by op; inside a caller's jit it is inlined.
-@functools.partial(
-    jax.jit, static_argnames=("mask", "scale", "softcap", "return_weights", "return_lse")
-)
-def _dense(
-    q,
-    k,
-    v,
-    *,
-    mask,
-    bias,
-    scale,
-    softcap,
-    score_mod,
-    sink_logits,
-    q_positions,
-    kv_positions,
-    q_segment_ids,
-    kv_segment_ids,
-    return_weights,
-    return_lse,
-):
-    c = check_call(
-        q,
-        k,
-        v,
-        mask=mask,
-        scale=scale,
-        softcap=softcap,
-        score_mod=score_mod,
-        sink_logits=sink_logits,
-        q_positions=q_positions,
-        kv_positions=kv_positions,
-        q_segment_ids=q_segment_ids,
-        kv_segment_ids=kv_segment_ids,
-    )
+@functools.partial(jax.jit, static_argnames=("return_weights", "return_lse"))
+def _dense(c: Call, q, k, v, bias, *, return_weights, return_lse):
     B, T, S, N, K, G, H, E = c.dims
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
@@ -176,8 +109,11 @@ def modifier_bias(c):
     return _modified(c, jnp.zeros((B, K, G, T, S), jnp.float32)).reshape(B, N, T, S)
 
 
-def _modified(c, s):
+def _modified(c: Call, s):
     """``s [B,K,G,T,S]`` through the call's modifier (soft-cap included)."""
+    structure, leaves = scores.split(c.score)
+    if structure is None:
+        return s
     B, T, S, _, K, G, *_ = c.dims
 
     def view(role, x):
@@ -187,8 +123,9 @@ def _modified(c, s):
         x = x.reshape(B, length, K, G).transpose(0, 2, 3, 1)  # [B,K,G,L]
         return x[..., None] if role == "q" else x[..., None, :]
 
+    views = {role: [view(role, x) for x in xs] for role, xs in structure.by_role(leaves).items()}
     q_pos, k_pos = c.q_positions[:, None, None, :, None], c.kv_positions[:, None, None, None, :]
-    return modified(c, s, q_pos, k_pos, view)
+    return structure.apply(s, q_pos, k_pos, views)
 
 
 def _at_most_zero(x):
@@ -204,7 +141,7 @@ def _at_most_zero(x):
     return x - jax.lax.stop_gradient(jnp.maximum(x, 0.0))
 
 
-def _grouped_bias(bias, d: errors.Dims):
+def _grouped_bias(bias, d: checks.Dims):
     """Float32 ``[B|1, K, G, T|1, S|1]`` view of a bias broadcastable to ``[B,N,T,S]``."""
     bias = jnp.asarray(bias)
     if bias.ndim != 4:

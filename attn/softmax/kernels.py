@@ -33,8 +33,7 @@ from attn.masks import BlockKind
 from attn.merge import merge_unnormalized
 from attn.softmax.call import MASKED, visible
 from attn.softmax.schedule import Schedule, build_schedule, num_blocks
-from attn.softmax.score_tiles import ScoreTiles, modify, tile_of
-from attn.softmax.tiles import TileConfig, row_tiles
+from attn.softmax.tiles import ScoreTiles, TileConfig, modify, row_tiles, tile_of
 
 
 class KernelInputs(NamedTuple):
@@ -61,13 +60,13 @@ def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None) -
       static: the same in NumPy when known at trace time (the schedule is then
         computed when tracing), or None (at run time).
     """
-    schedule = _for_groups(config, build_schedule(config, rows, static))
-    lengths, blocks = (config.T, config.S) * 2, (config.block_q, config.block_k) * 2
+    schedule = _for_groups(config, build_schedule(config.blocks, rows, static))
+    lengths, blocks = (config.call.T, config.call.S) * 2, (config.block_q, config.block_k) * 2
     tiles = [row_tiles(config, *row) for row in zip(rows, lengths, blocks, strict=False)]
     q_pos, kv_pos, *segments = tiles
     q_seg, kv_seg = segments if segments else (None, None)
-    nk = num_blocks(config.S, config.block_k)
-    kv_valid = (np.arange(nk * config.block_k) < config.S).reshape(nk, config.block_k)
+    nk = num_blocks(config.call.S, config.block_k)
+    kv_valid = (np.arange(nk * config.block_k) < config.call.S).reshape(nk, config.block_k)
     kv_valid = jnp.asarray(np.tile(kv_valid, (config.groups, 1)))
     return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)
 
@@ -77,7 +76,7 @@ def _for_groups(config: TileConfig, blocks: Schedule) -> Schedule:
 
     Head group g's key tiles are ``g*nk + j``, so its key block indices are offset by ``g*nk``.
     """
-    nq, nk = num_blocks(config.T, config.block_q), num_blocks(config.S, config.block_k)
+    nq, nk = num_blocks(config.call.T, config.block_q), num_blocks(config.call.S, config.block_k)
     offsets = jnp.arange(config.groups, dtype=jnp.int32)[:, None, None] * nk
     key_tile = (offsets + blocks.key_tile[None]).reshape(config.groups * nq, -1)
     kind = jnp.tile(blocks.kind, (config.groups, 1))
@@ -87,13 +86,13 @@ def _for_groups(config: TileConfig, blocks: Schedule) -> Schedule:
 def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, j, keys_major: bool):
     """Boolean visibility of tile (i, j): ``[X,Q,J]``, or ``[X,J,Q]`` keys-major."""
     k_seg_j = None if inputs.kv_seg is None else inputs.kv_seg[j]
-    ok = visible(config.mask, q_pos_i, inputs.kv_pos[j], q_seg_i, k_seg_j)
+    ok = visible(config.call.mask, q_pos_i, inputs.kv_pos[j], q_seg_i, k_seg_j)
     ok = ok & inputs.kv_valid[j][None, None, :]  # [X,C,J]
     X, C, J = ok.shape
     if keys_major:  # the G query heads of a kv head share its visibility
-        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (X, J, config.G, C))
-        return ok.reshape(X, J, config.G * C)
-    return jnp.broadcast_to(ok[:, None], (X, config.G, C, J)).reshape(X, config.G * C, J)
+        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (X, J, config.call.G, C))
+        return ok.reshape(X, J, config.call.G * C)
+    return jnp.broadcast_to(ok[:, None], (X, config.call.G, C, J)).reshape(X, config.call.G * C, J)
 
 
 def _visit(key_tile, kind, count, tile, combine, carry):
@@ -140,8 +139,9 @@ def vary_like(x, like):
 
 def _sink_rows(config: TileConfig, sink):
     """Sink logits ``[K,G]`` as per-row values of each head group: ``[groups, X, Q]``."""
-    rows = jnp.broadcast_to(sink[None, :, :, None], (config.B, config.K, config.G, config.block_q))
-    return rows.reshape(config.groups, config.tile_heads, config.G * config.block_q)
+    (B, K, G), C = (config.call.B, config.call.K, config.call.G), config.block_q
+    rows = jnp.broadcast_to(sink[None, :, :, None], (B, K, G, C))
+    return rows.reshape(config.groups, config.tile_heads, G * C)
 
 
 def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelInputs):
@@ -150,7 +150,7 @@ def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelI
     Args:
       q: ``[groups*nq, X, Q, H]`` query tiles, already multiplied by the logit scale.
       kT: ``[groups*nk, X, H, J]`` key tiles, transposed; v: ``[groups*nk, X, J, E]``.
-      sink: float32 ``[K,G]`` (ignored unless ``config.has_sink``).
+      sink: float32 ``[K,G]`` (ignored unless ``config.call.has_sink``).
       mod: the score modifier's leaves in tile layout (empty without one).
       inputs: the schedule, positions, padding and segment ids of the tiles.
 
@@ -191,7 +191,7 @@ def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelI
             return m, l, acc, tile_counts + jnp.stack([full, ~full]).astype(jnp.int32)
 
         new = functools.partial(_new, q_i)
-        if config.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
+        if config.call.has_sink:  # the sink is one more logit with no value: max = sink, sum = 1
             m0, l0 = sink_rows[group] + new((X, Q)), new((X, Q), 1.0)
         else:
             m0, l0 = new((X, Q), MASKED), new((X, Q))
@@ -298,12 +298,13 @@ def backward(
     dmod_head = tuple(d.reshape(config.groups, -1, *d.shape[1:]).sum(1) for d in dmod_q.head)
     dmod = ScoreTiles(dmod_head, dmod_q.q, dmod_k)
     dsink = None
-    if config.has_sink:
+    if config.call.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * (D - d_lse).
         lse, delta = (x.reshape(config.groups, -1, X, Q) for x in (lse, delta))
         p_sink = jnp.exp(_sink_rows(config, sink)[:, None] - lse)
-        per_row = (p_sink * delta).reshape(config.groups, -1, X, config.G, config.block_q)
-        per_row = per_row.swapaxes(1, 2).reshape(config.B, config.K, -1, config.G, config.block_q)
+        (B, K, G), C = (config.call.B, config.call.K, config.call.G), config.block_q
+        per_row = (p_sink * delta).reshape(config.groups, -1, X, G, C)
+        per_row = per_row.swapaxes(1, 2).reshape(B, K, -1, G, C)
         dsink = -per_row.sum((0, 2, 4))
     dk, dv = dk.swapaxes(-1, -2).astype(grad_dtype or kT.dtype), dv.astype(grad_dtype or v.dtype)
     return dq, dk, dv, dsink, dmod

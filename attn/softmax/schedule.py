@@ -10,7 +10,7 @@ blocks to the front in key order, so a kernel's loop visits only them and
 only PARTIAL pairs evaluate the mask.
 
 With default positions, or positions and segment ids given as concrete arrays
-(``attn.softmax.call.static_rows``), the schedule is computed in NumPy when
+(``attn.softmax.call.Call.static_rows``), the schedule is computed in NumPy when
 tracing (and is as wide as the busiest query block); with traced ones it is
 computed at run time, so packed sequences skip the blocks between segments too.
 
@@ -33,9 +33,10 @@ from attn.softmax.call import CallSpec
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSpec(CallSpec):
+class BlockSpec:
     """A call cut into blocks: ``block_q`` query positions by ``block_k`` key positions."""
 
+    call: CallSpec
     block_q: int
     block_k: int
 
@@ -66,7 +67,7 @@ def build_schedule(spec: BlockSpec, rows: Sequence, static: Sequence | None) -> 
       rows: the checked int32 q positions ``[B,T]`` and kv positions ``[B,S]``
         and, with segment ids, the q ids ``[B,T]`` and kv ids ``[B,S]``.
       static: the same in NumPy when known at trace time
-        (``attn.softmax.call.static_rows``), or None: computed at run time.
+        (``attn.softmax.call.Call.static_rows``), or None: computed at run time.
     """
     return compact(*block_kind_table(spec, rows, static))
 
@@ -74,7 +75,7 @@ def build_schedule(spec: BlockSpec, rows: Sequence, static: Sequence | None) -> 
 def block_kind_table(spec: BlockSpec, rows: Sequence, static: Sequence | None):
     """``(xp, [nq, nk] BlockKind)``: NumPy when ``static`` is given, else jax.numpy."""
     xp, values = (jnp, rows) if static is None else (np, static)
-    lengths, blocks = (spec.T, spec.S) * 2, (spec.block_q, spec.block_k) * 2
+    lengths, blocks = (spec.call.T, spec.call.S) * 2, (spec.block_q, spec.block_k) * 2
     bounds = [block_bounds(xp, x, n, b) for x, n, b in zip(values, lengths, blocks, strict=False)]
     return xp, block_kinds(xp, spec, *bounds)
 
@@ -90,10 +91,10 @@ def block_kinds(xp, spec: BlockSpec, q_b, k_b, q_seg_b=None, k_seg_b=None):
     """``[nq, nk]`` ``BlockKind`` of every block pair from per-block (lo, hi) bounds."""
     (q_lo, q_hi), (k_lo, k_hi) = q_b, k_b
     nq, nk = q_lo.shape[0], k_lo.shape[0]
-    kinds = spec.mask.classify(q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :])
+    kinds = spec.call.mask.classify(q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :])
     kinds = xp.broadcast_to(xp.asarray(kinds, dtype=xp.int32), (nq, nk))
     empty, full = kinds == BlockKind.EMPTY, kinds == BlockKind.FULL
-    if spec.has_segments:
+    if spec.call.has_segments:
         (qs_lo, qs_hi), (ks_lo, ks_hi) = q_seg_b, k_seg_b
         qs_lo, qs_hi, ks_lo, ks_hi = qs_lo[:, None], qs_hi[:, None], ks_lo[None, :], ks_hi[None, :]
         # Disjoint id ranges share no id; a block of padding alone sees, or is seen by, nothing.
@@ -101,7 +102,7 @@ def block_kinds(xp, spec: BlockSpec, q_b, k_b, q_seg_b=None, k_seg_b=None):
         empty = empty | (qs_hi < ks_lo) | (ks_hi < qs_lo) | q_pad | k_pad
         # One id, not padding, on both sides matches everywhere.
         full = full & (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo) & (qs_lo != PADDING)
-    if spec.S % spec.block_k:  # the last key block holds padding, which must be masked
+    if spec.call.S % spec.block_k:  # the last key block holds padding, which must be masked
         full = full & (xp.arange(nk) < nk - 1)[None, :]
     return xp.where(empty, BlockKind.EMPTY, xp.where(full, BlockKind.FULL, BlockKind.PARTIAL))
 

@@ -17,36 +17,57 @@ besides the vocabulary:
 Leading axes count tiles: ``groups*nq`` query tiles and ``groups*nk`` key/value
 tiles for ``nq`` query blocks and ``nk`` key blocks; tile ``g*nq + i`` holds
 query block i of head group g.
+
+A score modifier's leaves (``attn.scores``) are laid out once per call like
+the operands they go with (``score_tiles``): head leaves ``[N, ...]`` ->
+``[groups, X, G, ...]``, q leaves ``[B,T,N]`` -> ``[groups*nq, X, Q]`` (like the
+query tiles' rows), k leaves ``[B,S,N]`` -> ``[groups*nk, X, G, J]`` (like the key
+tiles, per query head). A tile then picks its group, query tile and key tile
+(``tile_of``) and ``modify`` evaluates the modifier on the tile's logits,
+viewed as ``[X,G,C,J]`` (queries-major, the forward) or ``[X,J,G,C]``
+(keys-major, the backward): free reshapes of the kernels' 3-D tiles. The
+backward differentiates ``modify`` with ``jax.vjp`` per tile, which gives
+both the logits' cotangent and the tile's share of the leaves' cotangents.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
-from attn.errors import positive_int
-from attn.softmax.call import Call, spec_fields
+from attn import scores
+from attn.checks import positive_int
+from attn.softmax.call import Call, CallSpec
 from attn.softmax.schedule import BlockSpec, num_blocks
 
 
 @dataclasses.dataclass(frozen=True)
-class TileConfig(BlockSpec):
+class TileConfig:
     """Hashable configuration of one call: what the kernels need to know at trace time.
 
     A static (``nondiff_argnums``) argument of the custom VJP, so a new
     configuration means a new trace.
     """
 
+    call: CallSpec
+    block_q: int  # C of the query tiles
+    block_k: int  # J of the key tiles
     dtype: str  # of the output
     tile_heads: int  # X: kv heads (of all batch entries, B*K) per tile; divides B*K
 
     @property
+    def blocks(self) -> BlockSpec:
+        """The call cut into this configuration's blocks (what its schedule is built on)."""
+        return BlockSpec(self.call, self.block_q, self.block_k)
+
+    @property
     def groups(self) -> int:
         """Head groups: tiles per (query block, key block) pair."""
-        return self.B * self.K // self.tile_heads
+        return self.call.B * self.call.K // self.tile_heads
 
 
 def tile_config(call: Call, block_q, block_k, dtype, tile_scores: int) -> TileConfig:
@@ -59,7 +80,7 @@ def tile_config(call: Call, block_q, block_k, dtype, tile_scores: int) -> TileCo
     # A block longer than the sequence only adds padding.
     bq, bk = int(min(block_q, dims.T)), int(min(block_k, dims.S))
     return TileConfig(
-        **spec_fields(call),
+        call=call.spec(),
         block_q=bq,
         block_k=bk,
         dtype=jnp.dtype(dtype).name,
@@ -93,8 +114,8 @@ def qkv_tiles(config: TileConfig, q, k, v):
     are zeros (padding keys are also masked).
     """
     B, T, N, H = q.shape
-    K, G = config.K, N // config.K
-    q = _pad_rows(_scaled(q, config.scale), T, config.block_q, "constant")
+    K, G = config.call.K, N // config.call.K
+    q = _pad_rows(_scaled(q, config.call.scale), T, config.block_q, "constant")
     q = q.reshape(B, -1, config.block_q, K, G, H).transpose(0, 3, 1, 4, 2, 5)  # [B,K,nq,G,C,H]
     q = q.reshape(B * K, -1, G * config.block_q, H)
     q, kT, v = _group(config, q), _kv_tiles(config, k).swapaxes(-1, -2), _kv_tiles(config, v)
@@ -134,15 +155,15 @@ def _group(config: TileConfig, x):
 def _ungroup(config: TileConfig, x):
     """Inverse of ``_group``: ``[groups*nb, X, ...]`` -> ``[B*K, nb, ...]``."""
     x = x.reshape(config.groups, -1, config.tile_heads, *x.shape[2:]).swapaxes(1, 2)
-    return x.reshape(config.B * config.K, -1, *x.shape[3:])
+    return x.reshape(config.call.B * config.call.K, -1, *x.shape[3:])
 
 
 def untile(config: TileConfig, x):
     """Query tiles ``[groups*nq, X, Q, E]`` -> ``[B,T,N,E]`` (padding rows dropped)."""
-    E = x.shape[-1]
-    x = _ungroup(config, x).reshape(config.B, config.K, -1, config.G, config.block_q, E)
+    c, E = config.call, x.shape[-1]
+    x = _ungroup(config, x).reshape(c.B, c.K, -1, c.G, config.block_q, E)
     x = x.transpose(0, 2, 4, 1, 3, 5)  # [B,nq,C,K,G,E]
-    return x.reshape(config.B, -1, config.K * config.G, E)[:, : config.T]
+    return x.reshape(c.B, -1, c.K * c.G, E)[:, : c.T]
 
 
 def row_tiles(config: TileConfig, x, length: int, block: int):
@@ -151,6 +172,88 @@ def row_tiles(config: TileConfig, x, length: int, block: int):
     Padding repeats the last entry, which keeps every block's min/max, and so
     the block classification, that of its real rows.
     """
+    B, K = config.call.B, config.call.K
     x = _pad_rows(x, length, block, "edge")
-    x = jnp.broadcast_to(x[:, None], (config.B, config.K, x.shape[1]))
-    return _group(config, x.reshape(config.B * config.K, -1, block))
+    x = jnp.broadcast_to(x[:, None], (B, K, x.shape[1]))
+    return _group(config, x.reshape(B * K, -1, block))
+
+
+class ScoreTiles(NamedTuple):
+    """A modifier's leaves by role, in tile layout (all of a call's, or one tile's)."""
+
+    head: tuple = ()  # [groups, X, G, ...] each (one tile: [X, G, ...])
+    q: tuple = ()  # [groups*nq, X, Q] each (one tile: [X, Q])
+    k: tuple = ()  # [groups*nk, X, G, J] each (one tile: [X, G, J])
+
+
+def score_tiles(config: TileConfig, leaves) -> ScoreTiles:
+    """The leaves of the call's modifier (``config.call.score``) in tile layout."""
+    if config.call.score is None:
+        return ScoreTiles()
+    groups = config.call.score.by_role(leaves)
+    return ScoreTiles(
+        tuple(_head_tiles(config, x) for x in groups["head"]),
+        tuple(_q_tiles(config, x) for x in groups["q"]),
+        tuple(kv_score_tiles(config, x) for x in groups["k"]),
+    )
+
+
+def _head_tiles(config: TileConfig, x):
+    """``[N, ...]`` -> ``[groups, X, G, ...]``."""
+    x = jnp.broadcast_to(x, (config.call.B, *x.shape))
+    return x.reshape(config.groups, config.tile_heads, config.call.G, *x.shape[2:])
+
+
+def _q_tiles(config: TileConfig, x):
+    """``[B,T,N]`` -> ``[groups*nq, X, Q]`` (rows G-major, as the query tiles')."""
+    (B, K, G), C = (config.call.B, config.call.K, config.call.G), config.block_q
+    x = _pad_rows(x, config.call.T, C, "constant")
+    x = x.reshape(B, -1, C, K, G).transpose(0, 3, 1, 4, 2)  # [B,K,nq,G,C]
+    return _group(config, x.reshape(B * K, -1, G * C))
+
+
+def kv_score_tiles(config: TileConfig, x):
+    """``[B,S,N]`` -> ``[groups*nk, X, G, J]``."""
+    (B, K, G), J = (config.call.B, config.call.K, config.call.G), config.block_k
+    x = _pad_rows(x, config.call.S, J, "constant")
+    x = x.reshape(B, -1, J, K, G).transpose(0, 3, 1, 4, 2)  # [B,K,nk,G,J]
+    return _group(config, x.reshape(B * K, -1, G, J))
+
+
+def tile_of(tiles: ScoreTiles, group, i_leaves, j) -> ScoreTiles:
+    """One tile's leaves: head group ``group``, the query tile's ``i_leaves``, key tile ``j``."""
+    return ScoreTiles(
+        tuple(x[group] for x in tiles.head), tuple(i_leaves), tuple(x[j] for x in tiles.k)
+    )
+
+
+def modify(config: TileConfig, s, tile: ScoreTiles, q_pos, k_pos, keys_major: bool):
+    """A tile's logits through the modifier.
+
+    Args:
+      s: float32 scaled logits ``[X,Q,J]``, or ``[X,J,Q]`` keys-major.
+      tile: the tile's leaves (``tile_of``).
+      q_pos: int32 ``[X,C]``; k_pos: int32 ``[X,J]``.
+    """
+    structure = config.call.score
+    if structure is None:
+        return s
+    X, G, C, J = q_pos.shape[0], config.call.G, q_pos.shape[1], k_pos.shape[1]
+    if keys_major:
+        views = (
+            [x.reshape(X, 1, G, 1, *x.shape[2:]) for x in tile.head],
+            [x.reshape(X, 1, G, C) for x in tile.q],
+            [x.swapaxes(1, 2)[..., None] for x in tile.k],
+        )
+        positions = q_pos[:, None, None, :], k_pos[:, :, None, None]
+        shape = (X, J, G, C)
+    else:
+        views = (
+            [x.reshape(X, G, 1, 1, *x.shape[2:]) for x in tile.head],
+            [x.reshape(X, G, C, 1) for x in tile.q],
+            [x[:, :, None, :] for x in tile.k],
+        )
+        positions = q_pos[:, None, :, None], k_pos[:, None, None, :]
+        shape = (X, G, C, J)
+    views = dict(zip(scores.ROLES, views, strict=True))
+    return structure.apply(s.reshape(shape), *positions, views).reshape(s.shape)

@@ -1,5 +1,9 @@
 """attn.attention: implementations agree or refuse, never change the math."""
 
+import functools
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -95,48 +99,76 @@ def fake_platform(monkeypatch, backend):
 
 def test_auto_on_gpu_takes_cudnn_where_it_fits_else_pallas(monkeypatch):
     fake_platform(monkeypatch, "gpu")
-    choose = attn.dispatch._choose
+    choose = attn.dispatch.choose_impl
     q, k, v = qkv(6, B=1, T=9, N=2, dtype=jnp.bfloat16)
-    assert choose(q, k, v, {"mask": masks.causal()}) == "cudnn"
-    assert choose(q, k, v, {"softcap": 5.0}) == "pallas"  # semantics cuDNN lacks
-    assert choose(q, k, v, {"mask": masks.chunked(4)}) == "pallas"
-    assert choose(*qkv(6, B=1, T=9, N=2), {"mask": masks.causal()}) == "pallas"  # float32
+    assert choose(q, k, v, mask=masks.causal()) == "cudnn"
+    assert choose(q, k, v, softcap=5.0) == "pallas"  # semantics cuDNN lacks
+    assert choose(q, k, v, mask=masks.chunked(4)) == "pallas"
+    assert choose(*qkv(6, B=1, T=9, N=2), mask=masks.causal()) == "pallas"  # float32
     odd = qkv(6, B=1, T=9, N=2, H=12, dtype=jnp.bfloat16)  # head dim not a multiple of 8
-    assert choose(*odd, {"mask": masks.causal()}) == "pallas"
+    assert choose(*odd, mask=masks.causal()) == "pallas"
     even = qkv(6, B=1, T=8, N=2, dtype=jnp.bfloat16)
-    assert choose(*even, {"bias": jnp.zeros((1, 2, 8, 8))}) == "cudnn"  # jax.nn takes a bias
+    assert choose(*even, bias=jnp.zeros((1, 2, 8, 8))) == "cudnn"  # jax.nn takes a bias
     bias = jnp.zeros((1, 2, 9, 9))
-    assert choose(q, k, v, {"bias": bias}) == "xla"  # cuDNN's biased training needs even T, S
-    assert choose(q, k, v, {"bias": bias, "softcap": 5.0}) == "dense"  # nothing fused has both
+    assert choose(q, k, v, bias=bias) == "xla"  # cuDNN's biased training needs even T, S
+    assert choose(q, k, v, bias=bias, softcap=5.0) == "dense"  # nothing fused has both
     # And the Pallas kernel it picks computes dense's function (interpret mode here).
     q, k, v = qkv(7, B=2, T=9, N=4, K=2)
     seg = jnp.asarray([[1] * 6 + [2] * 3, [1] * 9], jnp.int32)
     kw = dict(mask=masks.causal(), q_segment_ids=seg, kv_segment_ids=seg)
-    assert choose(q, k, v, kw) == "pallas"
+    assert choose(q, k, v, **kw) == "pallas"
     want = attn.attention(q, k, v, impl="dense", **kw)
     assert rel_err(attn.attention(q, k, v, **kw), want) <= 1e-5
 
 
 def test_auto_on_tpu_takes_splash_where_it_maps_else_blockwise(monkeypatch):
     fake_platform(monkeypatch, "tpu")
-    choose = attn.dispatch._choose
+    choose = attn.dispatch.choose_impl
     q, k, v = qkv(8, B=1, T=9, N=2)
-    assert choose(q, k, v, {"mask": masks.causal()}) == "splash"
-    assert choose(q, k, v, {"mask": masks.causal() & masks.initial_tokens(2)}) == "splash"
+    assert choose(q, k, v, mask=masks.causal()) == "splash"
+    assert choose(q, k, v, mask=masks.causal() & masks.initial_tokens(2)) == "splash"
     # Our Pallas kernel does not lower for Mosaic TPU (tests/attn/pallas/test_export.py).
-    assert choose(q, k, v, {"mask": masks.causal(), "return_lse": True}) == "blockwise"
+    assert choose(q, k, v, mask=masks.causal(), return_lse=True) == "blockwise"
     rows = jnp.stack([jnp.arange(9), jnp.arange(9) + 3])
     two = qkv(8, B=2, T=9, N=2)
-    assert choose(*two, {"mask": masks.causal(), "q_positions": rows}) == "blockwise"
-    assert choose(q, k, v, {"return_weights": True}) == "dense"
+    assert choose(*two, mask=masks.causal(), q_positions=rows) == "blockwise"
+    assert choose(q, k, v, return_weights=True) == "dense"
 
 
 def test_auto_on_cpu_is_unchanged(monkeypatch):
     fake_platform(monkeypatch, "cpu")
-    choose = attn.dispatch._choose
-    assert choose(*qkv(9, B=1, T=9, N=2), {"mask": masks.causal()}) == "dense"
+    choose = attn.dispatch.choose_impl
+    assert choose(*qkv(9, B=1, T=9, N=2), mask=masks.causal()) == "dense"
     long = qkv(9, B=1, T=128, N=2)
-    assert choose(*long, {"mask": masks.causal()}) == "blockwise"
-    assert choose(*long, {"bias": jnp.zeros((1, 2, 128, 128))}) == "dense"
+    assert choose(*long, mask=masks.causal()) == "blockwise"
+    assert choose(*long, bias=jnp.zeros((1, 2, 128, 128))) == "dense"
     fake_platform(monkeypatch, "METAL")  # anything else: the reference
-    assert choose(*long, {"mask": masks.causal()}) == "dense"
+    assert choose(*long, mask=masks.causal()) == "dense"
+
+
+def test_the_blockwise_tile_kernel_is_at_most_12_frames_below_attention():
+    """A reader follows ``attention(impl="blockwise")`` to the tile kernel in a few frames:
+    the checked call object is handed down, not re-spelled at every level."""
+    root = Path(attn.__file__).parent
+    stacks = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name == "tile" and code.co_filename.endswith("kernels.py"):
+            stack = []
+            while frame is not None:
+                stack.append(frame.f_code)
+                frame = frame.f_back
+            stacks.append(stack[::-1])
+
+    q, k, v = qkv(30, B=1, T=32, N=2)
+    call = functools.partial(attn.attention, impl="blockwise", mask=masks.causal(), block_q=16)
+    sys.setprofile(profile)
+    try:
+        jax.make_jaxpr(call)(q, k, v)
+    finally:
+        sys.setprofile(None)
+    ours = [c for c in stacks[0] if Path(c.co_filename).is_relative_to(root)]
+    names = [c.co_name for c in ours]
+    frames = ours[names.index("attention") :]
+    assert frames[-1].co_name == "tile" and len(frames) <= 12, [c.co_name for c in frames]

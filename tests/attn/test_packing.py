@@ -102,7 +102,7 @@ def restarted_positions():
     return jnp.asarray(np.arange(T) - starts, jnp.int32)
 
 
-@pytest.mark.parametrize("form", attn.FORMS)
+@pytest.mark.parametrize("form", attn.LINEAR_FORMS)
 def test_linear_packed_equals_each_segment_alone(form):
     q, k, v = normal(4, (B, T, N, H)), normal(5, (B, T, K, H)), normal(6, (B, T, K, H))
     log_gates = -jnp.abs(normal(7, (B, T, N)))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attn import masks
-from attn.linear import FORMS, LinearState, linear_attention, linear_feature_dim
+from attn.linear import LINEAR_FORMS, LinearState, linear_attention, linear_feature_dim
 from attn.masks import BlockKind
 from tests.util import rel_err
 
@@ -199,7 +199,7 @@ def linear_inputs(case: LinearCase):
 def forms_with_grads(case: LinearCase, args, cotangents):
     """For each form: output and final state, and the gradients of <them, cotangents>."""
     results = {}
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         run = lambda args, form=form: linear_attention(  # noqa: E731
             args["q"],
             args["k"],
@@ -235,7 +235,7 @@ def test_linear_forms_agree_forward_and_gradients(case):
     args, cotangents = linear_inputs(case)
     with jax.default_matmul_precision("highest"):
         results = forms_with_grads(case, args, cotangents)
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         chex.assert_tree_all_finite(results[form])
         out, _ = results[form][0]
         chex.assert_shape(out, (case.B, case.T, case.N, case.E))

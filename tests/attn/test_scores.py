@@ -309,11 +309,11 @@ def test_auto_on_a_gpu_sends_a_modifier_to_the_fused_kernel(monkeypatch):
     monkeypatch.setattr(attn.dispatch, "_backend", lambda: "gpu")
     q, k, v = qkv(7, B=1, T=8, N=4, H=64, dtype=jnp.bfloat16)
     kw = dict(mask=masks.causal())
-    assert attn.dispatch._choose(q, k, v, kw) == "cudnn"
+    assert attn.dispatch.choose_impl(q, k, v, **kw) == "cudnn"
     kw["score_mod"] = scores.alibi(scores.alibi_slopes(4))
-    assert attn.dispatch._choose(q, k, v, kw) == "pallas"
+    assert attn.dispatch.choose_impl(q, k, v, **kw) == "pallas"
     monkeypatch.setattr(attn.dispatch, "_backend", lambda: "tpu")
-    assert attn.dispatch._choose(q, k, v, kw) == "blockwise"  # splash has no such hook
+    assert attn.dispatch.choose_impl(q, k, v, **kw) == "blockwise"  # splash has no such hook
 
 
 def test_bad_modifiers_are_named():

@@ -4,23 +4,14 @@ Timing is never asserted (that is the benchmark's job, not a test's); these
 check that the script measures what it says and reports it faithfully.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "attention.py"
+from tests.bench.script import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load("attention")
 
 
 def row(impl, mask, mode, T, seconds, rss=300 * 2**20):
@@ -89,18 +80,6 @@ def test_targets_and_table_from_a_result(bench):
     assert "tile matmuls alone take 0.300 s: 0.75x torch SDPA's" in table
 
 
-@pytest.mark.parametrize("impl", ["blockwise", "tiles"])
-def test_a_child_measurement(bench, impl, monkeypatch):
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # child_main sets it; restored afterwards
-    spec = dict(
-        platform="cpu", impl=impl, mask="causal", mode="fwd", T=64, batch=1, heads=2,
-        head_dim=8, repeats=1, dtype="float32",
-    )  # fmt: skip
-    result = bench.child_main(spec)
-    assert result["seconds"] > 0 and result["peak_rss_bytes"] > 0
-    assert "peak_device_bytes" not in result  # on a CPU, memory is the host's RSS
-
-
 def test_names_are_checked_before_any_measurement(bench):
     """A bad --impls (or --masks, --modes) is refused when the config is built, before a sweep."""
     with pytest.raises(ValueError, match=r"^--impls: expected names from .*got \['jax_nn'"):
@@ -110,3 +89,19 @@ def test_names_are_checked_before_any_measurement(bench):
     with pytest.raises(ValueError, match=r"^--modes: "):
         bench.Config(modes=())
     assert bench.Config(impls=("blockwise", "torch")).impls == ("blockwise", "torch")
+
+
+def test_a_tiny_sweep_writes_the_report(bench, tmp_path):
+    """End to end: a child process per measurement (the matmul rate, each run)."""
+    cfg = bench.Config(lengths=(64,), heads=2, head_dim=8, impls=("blockwise", "tiles"),
+                       masks=("causal",), modes=("fwd",), rounds=1, repeats=1,
+                       platform="cpu", matmul_size=256, out_dir=str(tmp_path))  # fmt: skip
+    result = bench.main(cfg)
+    assert {(r["impl"], r["T"], r["status"]) for r in result["rows"]} == {
+        ("blockwise", 64, "ok"),
+        ("tiles", 64, "ok"),
+    }
+    assert all(r["seconds"] > 0 and r["peak_rss_bytes"] > 0 for r in result["rows"])
+    assert not any("peak_device_bytes" in r for r in result["rows"])  # on a CPU: the host's RSS
+    assert result["matmul_gflops"] > 0
+    assert (tmp_path / "attention-cpu.md").read_text().startswith("#")

@@ -4,24 +4,16 @@ Timings are never asserted; the run checks that every implementation is timed
 and that the memory and targets are computed from what it measured.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
+from tests.bench.script import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load("decode")
 
 
 def test_a_tiny_run_writes_the_report(bench, tmp_path):

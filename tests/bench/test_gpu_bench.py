@@ -4,27 +4,18 @@ Timings are never asserted; these check that the script measures what it says
 and reports it faithfully, so that it runs unchanged on a GPU machine.
 """
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from attn import masks
-
-PATH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+from tests.bench.script import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    yield from load("gpu")
 
 
 def test_useful_flops_count_the_visible_pairs(bench):

@@ -22,7 +22,7 @@ VOCAB, WIDTH = 32, 32
 B, MAX_LEN = 2, 16
 
 # The presets plus variants that switch on the remaining options in one place.
-REGISTRY = dict(models.PRESETS)
+REGISTRY = dict(models.presets())
 REGISTRY["mla_direct_q"] = dataclasses.replace(REGISTRY["mla"], q_rank=None)
 REGISTRY["gqa_softcap_sink_logits"] = dataclasses.replace(
     REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4

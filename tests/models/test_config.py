@@ -9,11 +9,25 @@ import pytest
 from flax import nnx
 
 import models
-from models import AttentionConfig, ModelConfig, pattern
+from models import (
+    AttentionConfig,
+    LatentConfig,
+    LinearConfig,
+    ModelConfig,
+    SoftmaxConfig,
+    pattern,
+)
 from models.heads import cached_impl
 
 LINEAR = {"kind": "linear", "rope": False}
 MLA = {"kind": "mla"}
+CLASSES = {"softmax": SoftmaxConfig, "linear": LinearConfig, "mla": LatentConfig}
+
+
+def layer(**kwargs):
+    """The layer config of ``kwargs``'s kind (default softmax) from ``kwargs``."""
+    return CLASSES.get(kwargs.get("kind", "softmax"), AttentionConfig)(**kwargs)
+
 
 ATTENTION_ERRORS = [
     ({"kind": "rnn"}, "kind", "rnn"),
@@ -33,7 +47,6 @@ ATTENTION_ERRORS = [
     ({"radius": -1}, "radius", -1),
     ({"radius": 2.0}, "radius", 2.0),
     ({"window": 4, "radius": 2}, "radius", 2),  # one is causal, the other bidirectional
-    ({**LINEAR, "radius": 2}, "radius", 2),
     ({"initial_tokens": 2}, "initial_tokens", 2),  # without a window
     ({"window": 4, "initial_tokens": -1}, "initial_tokens", -1),
     ({"window": 4, "initial_tokens": 1.5}, "initial_tokens", 1.5),
@@ -44,19 +57,14 @@ ATTENTION_ERRORS = [
     ({"impl": "xla", "window": 4, "initial_tokens": 2}, "impl", "xla"),
     ({"softcap": 0.0}, "softcap", 0.0),
     ({"sink_logits": "yes"}, "sink_logits", "yes"),
-    ({"feature_map": "cos"}, "feature_map", "cos"),
-    ({"form": "fast"}, "form", "fast"),
-    ({"chunk_size": 0}, "chunk_size", 0),
-    ({"decay": "retnet"}, "decay", "retnet"),  # softmax has no decay
-    ({"gating": True}, "gating", True),
+    ({**LINEAR, "feature_map": "cos"}, "feature_map", "cos"),
+    ({**LINEAR, "form": "fast"}, "form", "fast"),
+    ({**LINEAR, "chunk_size": 0}, "chunk_size", 0),
     ({**LINEAR, "decay": 1.5}, "decay", 1.5),
     ({**LINEAR, "decay": (0.9,)}, "decay", (0.9,)),
     ({**LINEAR, "decay": "fast"}, "decay", "fast"),
     ({**LINEAR, "gating": 1}, "gating", 1),
     ({**LINEAR, "normalize": "no"}, "normalize", "no"),
-    ({**LINEAR, "window": 4}, "window", 4),
-    ({**LINEAR, "softcap": 5.0}, "softcap", 5.0),
-    ({**LINEAR, "sink_logits": True}, "sink_logits", True),
     ({**LINEAR, "feature_map": "favor"}, "num_features", None),
     ({**LINEAR, "num_features": 0}, "num_features", 0),
     ({**MLA, "kv_rank": 0}, "kv_rank", 0),
@@ -64,28 +72,62 @@ ATTENTION_ERRORS = [
     ({**MLA, "rope": False}, "rope", False),
     ({**MLA, "rope_head_dim": 3}, "rope_head_dim", 3),
     ({**MLA, "num_kv_heads": 2}, "num_kv_heads", 2),
-    ({**MLA, "rotary_dim": 4}, "rotary_dim", 4),
     ({**MLA, "nope_head_dim": 0}, "nope_head_dim", 0),
     ({**MLA, "v_head_dim": -2}, "v_head_dim", -2),
+]
+# A field another kind reads is not a field of this kind's config class.
+FOREIGN_FIELDS = [
+    {"feature_map": "cos"},
+    {"form": "fast"},
+    {"chunk_size": 0},
+    {"decay": "retnet"},  # softmax has no decay
+    {"gating": True},
+    {**LINEAR, "radius": 2},
+    {**LINEAR, "window": 4},
+    {**LINEAR, "softcap": 5.0},
+    {**LINEAR, "sink_logits": True},
+    {**MLA, "rotary_dim": 4},
+    {**MLA, "score": "alibi"},
 ]
 
 
 @pytest.mark.parametrize(("kwargs", "field", "value"), ATTENTION_ERRORS)
 def test_attention_config_errors(kwargs, field, value):
     with pytest.raises(ValueError, match=field) as err:
-        AttentionConfig(**kwargs)
+        layer(**kwargs)
     assert repr(value) in str(err.value)
+
+
+@pytest.mark.parametrize("kwargs", FOREIGN_FIELDS)
+def test_a_field_the_kind_does_not_read_is_refused_by_name(kwargs):
+    field = next(k for k in kwargs if k not in ("kind", "rope"))
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{field}'"):
+        layer(**kwargs)
+
+
+def test_one_config_class_per_kind_and_the_old_constructor_warns():
+    for name, cls in CLASSES.items():
+        assert models.KINDS[name].config_class is cls
+    assert models.KINDS["linear"].fields == (
+        "rotary_dim",
+        *("feature_map", "form", "decay", "gating", "chunk_size", "normalize", "num_features"),
+    )
+    with pytest.warns(DeprecationWarning, match=r"AttentionConfig\(kind='linear'"):
+        old = AttentionConfig(kind="linear", rope=False, gating=True)
+    assert old == LinearConfig(rope=False, gating=True)
+    with pytest.raises(ValueError, match="kind 'linear' is configured by LinearConfig"):
+        SoftmaxConfig(kind="linear")
 
 
 def test_initial_tokens_messages_name_the_field():
     with pytest.raises(ValueError, match=r"^initial_tokens: expected a non-negative int, got -1$"):
-        AttentionConfig(window=4, initial_tokens=-1)
+        SoftmaxConfig(window=4, initial_tokens=-1)
     with pytest.raises(ValueError, match=r"^initial_tokens: expected 0 without a window"):
-        AttentionConfig(initial_tokens=2)
+        SoftmaxConfig(initial_tokens=2)
     with pytest.raises(ValueError, match="initial tokens"):
-        AttentionConfig(impl="xla", window=4, initial_tokens=2)
+        SoftmaxConfig(impl="xla", window=4, initial_tokens=2)
     with pytest.raises(TypeError, match="sinks"):  # renamed without an alias
-        AttentionConfig(window=4, sinks=2)
+        SoftmaxConfig(window=4, sinks=2)
 
 
 MODEL_ERRORS = [
@@ -99,10 +141,10 @@ MODEL_ERRORS = [
     ({"dtype": "int32"}, "dtype", "int32"),
     ({"param_dtype": "nope"}, "param_dtype", "nope"),
     ({"encoder_layers": "mha"}, "encoder_layers", "mha"),
-    ({"cross_attention": AttentionConfig(kind="mla")}, "cross_attention", "kind='mla'"),
-    ({"cross_attention": AttentionConfig()}, "cross_attention", "rope=True"),
-    ({"cross_attention": AttentionConfig(rope=False, radius=2)}, "cross_attention", "radius=2"),
-    ({"cross_attention": AttentionConfig(rope=False, short_conv=4)}, "cross_attention", "conv=4"),
+    ({"cross_attention": LatentConfig()}, "cross_attention", "kind='mla'"),
+    ({"cross_attention": SoftmaxConfig()}, "cross_attention", "rope=True"),
+    ({"cross_attention": SoftmaxConfig(rope=False, radius=2)}, "cross_attention", "radius=2"),
+    ({"cross_attention": SoftmaxConfig(rope=False, short_conv=4)}, "cross_attention", "conv=4"),
     ({"encoder_layers": pattern(("window",))}, "encoder_layers", "encoder_layers[0].window"),
 ]
 
@@ -115,10 +157,10 @@ def test_model_config_errors(kwargs, field, value):
 
 
 def test_pattern_and_presets():
-    layers = pattern(("window", "window", "global") * 4)
-    assert len(layers) == 12 and layers[2] == models.PRESETS["global"]
+    layers = pattern(("window", "window", "mha") * 4)
+    assert len(layers) == 12 and layers[2] == models.presets()["mha"]
     assert layers[0].window == 4 and layers[2].window is None
-    hybrid = pattern(("linear", "linear", "softmax") * 2)
+    hybrid = pattern(("linear", "linear", "mha") * 2)
     assert [a.kind for a in hybrid] == ["linear", "linear", "softmax"] * 2
     big = models.presets(num_heads=8, head_dim=32, gqa_kv_heads=2, window=128)
     assert big["gqa"].num_kv_heads == 2 and big["streaming"].window == 128
@@ -136,7 +178,7 @@ def test_pattern_and_presets():
 def test_based_presets():
     """Based: Taylor linear attention of head dim 16 and a small softmax window, each with a
     short convolution of width 4 on its input."""
-    based, window = models.PRESETS["based"], models.PRESETS["based_window"]
+    based, window = models.presets()["based"], models.presets()["based_window"]
     assert (based.kind, based.feature_map, based.head_dim, based.short_conv) == (
         "linear",
         "taylor",
@@ -148,29 +190,42 @@ def test_based_presets():
     custom = models.presets(window=64, short_conv=3, based_head_dim=8)
     assert custom["based"].head_dim == 8 and custom["based_window"].window == 64
     assert {custom["based"].short_conv, custom["based_window"].short_conv} == {3}
-    assert all(models.PRESETS[n].short_conv == 0 for n in ("mha", "linear", "mla", "streaming"))
+    assert all(models.presets()[n].short_conv == 0 for n in ("mha", "linear", "mla", "streaming"))
 
 
-def test_window_sinks_is_a_deprecated_alias_of_streaming():
-    assert models.presets()["window_sinks"] == models.presets()["streaming"]
-    assert models.PRESETS["window_sinks"] == models.PRESETS["streaming"]
+OLD_NAMES = [("window_sinks", "streaming"), ("softmax", "mha"), ("global", "mha")]
+
+
+@pytest.mark.parametrize(("old", "new"), [*OLD_NAMES, ("global_conv", "mha_conv")])
+def test_old_preset_names_are_deprecated_aliases(old, new):
     custom = models.presets(window=8, num_initial_tokens=3)
     assert custom["streaming"].initial_tokens == 3 and custom["streaming"].window == 8
-    assert custom["window_sinks"] == custom["streaming"]
-    assert pattern(("window_sinks",)) == pattern(("streaming",))
+    with pytest.warns(DeprecationWarning, match=f"preset '{old}' is deprecated"):
+        assert custom[old] == custom[new]
+    with pytest.warns(DeprecationWarning, match="removed in attnlab 0.2"):
+        assert pattern((old,)) == pattern((new,))
+    assert old not in list(custom) and old in custom  # not listed, still built
+
+
+def test_the_one_presets_object_and_its_deprecated_names():
+    assert set(models.PRESET_REGISTRY) <= set(models.presets())
+    with pytest.warns(DeprecationWarning, match=r"models\.PRESETS is deprecated"):
+        assert models.PRESETS["gqa"] == models.presets()["gqa"]
+    with pytest.warns(DeprecationWarning, match="MASK_FIELDS is deprecated"):
+        assert "window" in models.MASK_FIELDS
 
 
 def test_masks_and_cache_layouts():
-    w = models.PRESETS["streaming"]
+    w = models.presets()["streaming"]
     assert w.cache_layout(100) == (w.initial_tokens + w.window, w.initial_tokens)
     assert w.cache_layout(4) == (4, 0)  # shorter than the ring: a plain full cache
-    assert models.PRESETS["global_tokens"].cache_layout(100) == (100, 0)
-    assert models.PRESETS["mha"].cache_layout(100) == (100, 0)
+    assert models.presets()["global_tokens"].cache_layout(100) == (100, 0)
+    assert models.presets()["mha"].cache_layout(100) == (100, 0)
 
     def allowed(mask, q, k):
         return bool(mask.allowed(np.array([q]), np.array([k]))[0, 0])
 
-    band = dataclasses.replace(models.PRESETS["band"], initial_tokens=2)
+    band = dataclasses.replace(models.presets()["band"], initial_tokens=2)
     assert band.radius == w.window and band.window is None
     enc = band.mask(causal=False)
     assert allowed(enc, 0, 3) and not allowed(enc, 0, 9)  # a two-sided band
@@ -183,7 +238,7 @@ def test_masks_and_cache_layouts():
     with pytest.raises(ValueError, match=r"^layer\.radius: expected None in a causal layer"):
         band.mask(causal=True)
     assert (
-        models.PRESETS["band_global_tokens"]
+        models.presets()["band_global_tokens"]
         .mask(causal=False)
         .allowed(np.array([9]), np.array([0]))[0, 0]
     )
@@ -197,11 +252,11 @@ def test_model_errors():
 
 
 def test_layers_accept_any_sequence_and_are_stored_as_a_tuple():
-    layers = [models.PRESETS["mha"], models.PRESETS["linear"]]
+    layers = [models.presets()["mha"], models.presets()["linear"]]
     config = models.ModelConfig(layers=layers)
     assert config.layers == tuple(layers) and isinstance(config.layers, tuple)
     assert hash(config) == hash(models.ModelConfig(layers=tuple(layers)))
-    with pytest.raises(ValueError, match="layers: expected a sequence of AttentionConfig"):
+    with pytest.raises(ValueError, match="layers: expected a sequence of layer configs"):
         models.ModelConfig(layers=["mha"])
 
 
@@ -215,16 +270,16 @@ def test_cached_calls_leave_kernels_that_need_static_positions_to_auto():
 
 
 def test_score_modifiers_are_a_softmax_field_checked_by_name():
-    assert AttentionConfig(score="alibi").score == "alibi"
-    assert models.PRESETS["fox"].score == "forgetting" and not models.PRESETS["fox"].rope
+    assert SoftmaxConfig(score="alibi").score == "alibi"
+    assert models.presets()["fox"].score == "forgetting" and not models.presets()["fox"].rope
     with pytest.raises(ValueError, match=r"^score: expected one of \('alibi', 't5', 'forgetting'"):
-        AttentionConfig(score="rope")
+        SoftmaxConfig(score="rope")
     with pytest.raises(ValueError, match=r"^impl: expected not 'ring' with score='forgetting'"):
-        AttentionConfig(score="forgetting", impl="ring")
-    with pytest.raises(ValueError, match=r"^score: expected None for kind='mla'"):
-        dataclasses.replace(models.PRESETS["mla"], score="alibi")
+        SoftmaxConfig(score="forgetting", impl="ring")
+    with pytest.raises(TypeError, match="'score'"):  # an MLA layer has no score field
+        dataclasses.replace(models.presets()["mla"], score="alibi")
     with pytest.raises(ValueError, match=r"^cross\.score: expected None for cross-attention"):
         models.CrossAttention(
-            AttentionConfig(score="t5"), 16, dtype=np.float32, param_dtype=np.float32,
+            SoftmaxConfig(score="t5"), 16, dtype=np.float32, param_dtype=np.float32,
             rngs=nnx.Rngs(0),
         )  # fmt: skip

@@ -238,7 +238,7 @@ def test_gqa_cache_is_n_over_k_times_smaller_than_mha():
     mha = models.cache_bytes(init_cache(model_for(("mha", "mha"))))
     gqa = models.cache_bytes(init_cache(model_for(("gqa", "gqa"))))
     mqa = models.cache_bytes(init_cache(model_for(("mqa", "mqa"))))
-    layer = models.PRESETS["gqa"]
+    layer = models.presets()["gqa"]
     assert mha == gqa * (layer.num_heads // layer.kv_heads)
     assert mha == mqa * layer.num_heads
 
@@ -346,7 +346,7 @@ def test_decode_errors():
         model.init_cache(B, 0)
     with pytest.raises(ValueError, match="tokens"):
         model.prefill(jnp.zeros((B, 3)), cache)
-    assert config_for(("mha",)).layers[0] == models.PRESETS["mha"]
+    assert config_for(("mha",)).layers[0] == models.presets()["mha"]
 
 
 def test_a_full_cache_refuses_positions_past_max_len():

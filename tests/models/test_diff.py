@@ -65,6 +65,6 @@ def test_lambda_init_by_depth_and_checks():
     assert models.depth_lambda_init(100) == pytest.approx(0.8)
     with pytest.raises(ValueError, match=r"^lambda_init: expected a number in \[0, 1\)"):
         models.DiffConfig(lambda_init=1.0)
-    with pytest.raises(ValueError, match=r"^score: expected None for kind='diff'"):
+    with pytest.raises(TypeError, match="'score'"):  # a softmax layer's field
         models.DiffConfig(score="alibi")
-    assert models.PRESETS["diff"].kind == "diff"
+    assert models.presets()["diff"].kind == "diff"

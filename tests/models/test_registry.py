@@ -19,16 +19,6 @@ from train import cli
 from train.config import from_json, to_json
 
 
-@pytest.fixture
-def scratch():
-    """Names added by a test, removed again afterwards (the registries are process-wide)."""
-    added = []
-    yield added
-    for registry, name in added:
-        if name in registry:
-            registry.remove(name)
-
-
 def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
     reg = Registry("widget", "widget")
 
@@ -69,27 +59,28 @@ def test_delta_config_refuses_what_its_layer_cannot_take():
         (dict(num_kv_heads=2), "num_kv_heads"),
         (dict(value_heads=6), "value_heads"),
         (dict(qkv_conv=-1), "qkv_conv"),
-        (dict(window=4), "window"),  # a softmax field
     ]
     for kwargs, field in cases:
         with pytest.raises(ValueError, match=rf"^{field}: expected"):
             models.DeltaConfig(**kwargs)
+    with pytest.raises(TypeError, match="'window'"):  # a softmax field
+        models.DeltaConfig(window=4)
     with pytest.raises(ValueError, match=r"^kind: expected a kind whose config class"):
-        AttentionConfig(kind="delta", rope=False)
-    layer = models.PRESETS["kda"]
+        models.SoftmaxConfig(kind="delta", rope=False)
+    layer = models.presets()["kda"]
     assert isinstance(layer, models.DeltaConfig) and layer.gate == "channel"
     assert models.DeltaConfig(value_heads=8).num_value_heads == 8
 
 
 def test_a_field_of_another_kind_is_refused_not_ignored():
-    with pytest.raises(ValueError, match=r"^feature_map: expected 'elu1' for kind='softmax'"):
-        AttentionConfig(feature_map="taylor")
-    with pytest.raises(ValueError, match=r"^window: expected None for kind='linear'"):
-        AttentionConfig(kind="linear", rope=False, window=4)
-    with pytest.raises(ValueError, match=r"^kv_rank: expected 16 for kind='softmax'"):
-        AttentionConfig(kv_rank=32)
-    with pytest.raises(ValueError, match=r"^rotary_dim: expected None for kind='mla'"):
-        AttentionConfig(kind="mla", rotary_dim=4)
+    with pytest.raises(TypeError, match="'feature_map'"):
+        models.SoftmaxConfig(feature_map="taylor")
+    with pytest.raises(TypeError, match="'window'"):
+        models.LinearConfig(rope=False, window=4)
+    with pytest.raises(TypeError, match="'kv_rank'"):
+        models.SoftmaxConfig(kv_rank=32)
+    with pytest.raises(TypeError, match="'rotary_dim'"):
+        models.LatentConfig(rotary_dim=4)
     with pytest.raises(ValueError, match=r"^kind: expected a layer kind from \["):
         AttentionConfig(kind="alibi")
 
@@ -106,7 +97,7 @@ class _Doubled(models.SelfAttention):
 
 
 @dataclasses.dataclass(frozen=True)
-class _FactorConfig(AttentionConfig):
+class _FactorConfig(models.SoftmaxConfig):
     kind: str = "test_factor"
     factor: float = 2.0
 
@@ -117,22 +108,16 @@ def _check_factor(cfg):
 
 
 def test_a_registered_kind_builds_decodes_and_round_trips(scratch):
-    models.register_kind(
-        "test_factor",
-        _Doubled,
-        fields=(*models.MASK_FIELDS, "rotary_dim"),
-        config=_FactorConfig,
-        check=_check_factor,
-    )
+    models.register_kind("test_factor", _Doubled, config=_FactorConfig, check=_check_factor)
     scratch.append((models.KINDS, "test_factor"))
     with pytest.raises(ValueError, match=r"already a layer kind"):
-        models.register_kind("test_factor", models.SelfAttention, fields=models.MASK_FIELDS)
+        models.register_kind("test_factor", models.SelfAttention, config=models.SoftmaxConfig)
     with pytest.raises(ValueError, match=r"^kind: .*configured by _FactorConfig"):
-        AttentionConfig(kind="test_factor")
+        models.SoftmaxConfig(kind="test_factor")
     with pytest.raises(ValueError, match=r"^factor:"):
         _FactorConfig(factor=-1.0)
     layer = _FactorConfig(num_heads=2, head_dim=8, factor=0.5, window=3)
-    config = ModelConfig(vocab_size=16, width=16, layers=(layer, models.PRESETS["linear"]))
+    config = ModelConfig(vocab_size=16, width=16, layers=(layer, models.presets()["linear"]))
     assert from_json(ModelConfig, json.loads(json.dumps(to_json(config)))) == config
     model = models.Decoder(config, rngs=nnx.Rngs(0))
     tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 16
@@ -143,7 +128,7 @@ def test_a_registered_kind_builds_decodes_and_round_trips(scratch):
     np.testing.assert_allclose(prefill, full[:, :5], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(last, full[:, 5], rtol=1e-5, atol=1e-5)
     # The factor is the kind's: with factor 1 the layer is plain softmax attention.
-    plain = dataclasses.replace(config, layers=(models.PRESETS["mha"],) * 2)
+    plain = dataclasses.replace(config, layers=(models.presets()["mha"],) * 2)
     assert models.Decoder(plain, rngs=nnx.Rngs(0))(tokens).shape == full.shape
 
 
@@ -157,7 +142,7 @@ def test_register_kind_checks_its_arguments(scratch):
 
     with pytest.raises(ValueError, match=r"^module: .*missing \['extend'\]"):
         models.register_kind("test_bad", NoExtend)
-    with pytest.raises(ValueError, match=r"^fields: "):
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"^fields: "):
         models.register_kind("test_bad", models.SelfAttention, fields=("windows",))
     with pytest.raises(ValueError, match=r"^config: "):
         models.register_kind("test_bad", models.SelfAttention, config=dict)
@@ -170,7 +155,7 @@ def test_register_preset_gives_a_sized_preset_and_its_conv_twin(scratch):
         return sizes.base(window=2 * sizes.window)
 
     scratch.append((models.PRESET_REGISTRY, "test_wide_window"))
-    assert models.PRESETS["test_wide_window"].window == 8  # read at call time
+    assert models.presets()["test_wide_window"].window == 8  # read at call time
     sized = models.presets(window=5)
     assert sized["test_wide_window"].window == 10
     assert sized["test_wide_window_conv"].short_conv == models.patterns.SHORT_CONV
@@ -185,7 +170,7 @@ def test_register_preset_gives_a_sized_preset_and_its_conv_twin(scratch):
 def test_register_feature_map_names_a_map_for_layers(scratch):
     attn.register_feature_map("test_softplus", jax.nn.softplus)
     scratch.append((attn.FEATURE_MAPS, "test_softplus"))
-    layer = AttentionConfig(kind="linear", rope=False, feature_map="test_softplus")
+    layer = models.LinearConfig(rope=False, feature_map="test_softplus")
     assert attn.linear_feature_dim("test_softplus", 8) == 8
     q = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
     out = attn.linear_attention(q, q, q, feature_map="test_softplus")

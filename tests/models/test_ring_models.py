@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models import AttentionConfig, Decoder, ModelConfig
+from models import Decoder, LatentConfig, LinearConfig, ModelConfig, SoftmaxConfig
 from models.mesh import ring_layout
 from tests.train import sharding_cases
 from tests.util import rel_err
@@ -27,7 +27,7 @@ RTOL = 1e-5
 def ring_model_config(impl: str = "ring") -> ModelConfig:
     """One layer with the ring's features: GQA, a soft-cap, sink logits, and StreamingLLM's
     window plus initial tokens. (train's sequence-parallel step covers plain MHA as "auto".)"""
-    layer = AttentionConfig(
+    layer = SoftmaxConfig(
         num_heads=4,
         num_kv_heads=2,
         head_dim=8,
@@ -159,13 +159,13 @@ def test_auto_takes_the_ring_under_a_seq_mesh_that_divides_the_sequence():
 
 
 def test_ring_is_a_softmax_impl():
-    assert AttentionConfig(impl="ring").impl == "ring"
+    assert SoftmaxConfig(impl="ring").impl == "ring"
     with pytest.raises(ValueError, match=r"^impl:.*ring"):
-        AttentionConfig(kind="mla", impl="ring")
-    with pytest.raises(ValueError, match=r"^impl:.*ring"):
-        AttentionConfig(kind="linear", rope=False, impl="ring")
+        LatentConfig(impl="ring")
+    with pytest.raises(TypeError, match="'impl'"):  # a linear layer has no impl
+        LinearConfig(rope=False, impl="ring")
     with pytest.raises(ValueError, match=r"^impl:"):
-        dataclasses.replace(AttentionConfig(), impl="rings")
+        dataclasses.replace(SoftmaxConfig(), impl="rings")
 
 
 def test_ring_layout_is_zigzag_where_it_can_be():

@@ -27,7 +27,8 @@ from tests.train.tiny_config import get_config  # noqa: E402
 from tests.util import rel_err  # noqa: E402
 from train import sharding  # noqa: E402
 from train.checkpoint import Checkpointer, snapshot  # noqa: E402
-from train.loop import _place, init_state, train  # noqa: E402
+from train.loop import train  # noqa: E402
+from train.steps import init_state, place  # noqa: E402
 from train.tasks import make_task  # noqa: E402
 
 RTOL = 1e-5
@@ -73,7 +74,7 @@ def case_layout(root):
     cfg = config()
     mesh = sharding.make_mesh("data=2,fsdp=4")
     model, optimizer = init_state(cfg, make_task(cfg.task).vocab_size)
-    _place(mesh, model, optimizer)
+    place(mesh, model, optimizer)
     specs = {
         jax.tree_util.keystr(k): v.sharding.spec
         for k, v in jax.tree.leaves_with_path(nnx.to_pure_dict(nnx.state((model, optimizer))))

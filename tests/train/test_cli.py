@@ -14,7 +14,7 @@ import pytest
 
 from train.__main__ import main
 from train.cli import load_config, parse, with_pattern
-from train.loop import read_metrics
+from train.metrics import read_metrics
 
 TINY_CONFIG = str(Path(__file__).with_name("tiny_config.py"))
 REPO = Path(__file__).resolve().parents[2]

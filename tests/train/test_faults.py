@@ -73,7 +73,7 @@ def reference(tmp_path_factory, env):
     workdir = tmp_path_factory.mktemp("reference")
     done = run(workdir, env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return arrays(workdir), train.loop.read_metrics(workdir)
+    return arrays(workdir), train.metrics.read_metrics(workdir)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def assert_same_run(workdir, reference):
     got = arrays(workdir)
     assert len(got) == len(want_arrays)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(got, want_arrays, strict=True))
-    records = train.loop.read_metrics(workdir)
+    records = train.metrics.read_metrics(workdir)
     strip = lambda rs: [{k: v for k, v in r.items() if "_s" not in k} for r in rs]  # noqa: E731
     assert strip(records) == strip(want_records)  # none lost, none twice
 

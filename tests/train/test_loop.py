@@ -12,14 +12,10 @@ from tests.train.tiny_config import get_config
 from train import load_run
 from train.checkpoint import Checkpointer, snapshot
 from train.config import OptimConfig
-from train.loop import (
-    NonFiniteLossError,
-    build_model,
-    evaluate,
-    make_optimizer,
-    read_metrics,
-    train,
-)
+from train.loop import NonFiniteLossError, train
+from train.metrics import read_metrics
+from train.optimizer import make_optimizer
+from train.steps import build_model, evaluate
 from train.tasks import make_task
 
 

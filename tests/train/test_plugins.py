@@ -42,7 +42,7 @@ def test_a_plugin_file_registers_and_is_recorded(tmp_path):
         assert plugins.load([str(path)]) == (str(path.resolve()),)
         assert plugins.load([str(path)]) == (str(path.resolve()),)  # once only
         assert str(path.resolve()) in plugins.loaded()
-        assert models.PRESETS["test_plugin_window"].window == 3
+        assert models.presets()["test_plugin_window"].window == 3
         # Every run of this process records it, whatever its layers.
         assert str(path.resolve()) in plugins.needed(models.ModelConfig())
         clash = tmp_path / "clash_for_test_x.py"
@@ -62,9 +62,9 @@ def test_needed_names_the_module_of_a_kind():
     class Local(models.SelfAttention):
         pass
 
-    models.register_kind("test_needed", Local, fields=models.MASK_FIELDS)
+    models.register_kind("test_needed", Local, config=models.SoftmaxConfig)
     try:
-        config = models.ModelConfig(layers=(models.AttentionConfig(kind="test_needed"),))
+        config = models.ModelConfig(layers=(models.SoftmaxConfig(kind="test_needed"),))
         assert __name__ in plugins.needed(config)
         assert plugins.needed(models.ModelConfig()) == plugins.loaded()  # built-ins need none
     finally:

@@ -20,7 +20,7 @@ import pytest
 
 from attn.linear import (
     FEATURE_MAPS,
-    FORMS,
+    LINEAR_FORMS,
     LinearState,
     favor_projection,
     init_linear_state,
@@ -181,7 +181,7 @@ forward = jax.jit(run_case, static_argnames=("case", "form", "chunk_size"))
 def all_forms_with_grads(case, q, k, v, gamma, log_gates, state, cotangents):
     """For each form: output and final state, and the gradients of <them, cotangents>."""
     results = {}
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         run = partial(run_case, case, form, case.chunk_size)
         primals, vjp = jax.vjp(run, q, k, v, gamma, log_gates, state)
         results[form] = (primals, vjp(cotangents))
@@ -232,7 +232,7 @@ def test_forms_agree_forward_and_gradients(case):
         assert_trees_rel_close(primals, want_primals, what=f"{form} output/state")
         for i in used:
             assert_trees_rel_close(grads[i], want_grads[i], what=f"{form} grad of arg {i}")
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         chex.assert_tree_all_finite(results[form][1])
 
     want_out, (want_kv, want_z) = np_reference(
@@ -244,7 +244,7 @@ def test_forms_agree_forward_and_gradients(case):
         log_a=reference_log_a(case, gamma, log_gates),
         state=state,
     )
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         out, final = results[form][0]
         assert out.dtype == jnp.float32
         assert rel_err(out, want_out) <= RTOL, form
@@ -312,7 +312,7 @@ def test_step_from_zero_state_and_feature_dims():
     assert new.z.shape == (B, N, H)
 
 
-@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("form", LINEAR_FORMS)
 def test_bf16_inputs_float32_state(form):
     case = Case("elu1", "gates", 63, 16, 2)
     q, k, v, gamma, log_gates, state = make_inputs(case, seed=6, dtype=jnp.bfloat16)
@@ -363,7 +363,7 @@ def test_noncausal_equals_dense():
     dense = np.einsum("bnts,bsne->btne", scores, np.repeat(np.asarray(v), N // K, axis=2))
     dense = dense / (np.moveaxis(scores.sum(-1), 1, 2)[..., None] + 1e-6)
     noncausal = jax.jit(partial(linear_attention, causal=False), static_argnames="form")
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         assert rel_err(noncausal(q, k, v, form=form), dense) <= RTOL, form
 
 

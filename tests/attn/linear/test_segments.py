@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from attn.linear import (
-    FORMS,
+    LINEAR_FORMS,
     LinearState,
     init_linear_state,
     linear_attention,
@@ -95,7 +95,7 @@ def run(case, form, q, k, v, gamma, log_gates, state, *, ids=None, eps=1e-6):
 def packed_with_grads(case, args, cotangents):
     """For each form: primals and gradients (of <primals, cotangents>) of the packed call."""
     results = {}
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         primals, vjp = jax.vjp(partial(run, case, form, ids=IDS), *args)
         results[form] = primals, vjp(cotangents)
     return results
@@ -224,7 +224,7 @@ def test_noncausal_cross_segments_match_dense():
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(jnp.ones_like(out))
 
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         out, grads = call(form, q, k, v)
         assert_rel_close(out, want, form)
         assert np.all(np.asarray(out)[[0, 0, 1, 1], [3, 4, 1, 4]] == 0), form
@@ -261,7 +261,7 @@ def test_padding_is_inert_and_steps_agree():
         outs.append(out_t)
     steps = (jnp.stack(outs, axis=1), stepped)
     np.testing.assert_array_equal(steps[0][ids == 0], 0.0)
-    for form in FORMS:
+    for form in LINEAR_FORMS:
         (out, final), grads = call(form, q, k, v, log_gates, state)
         chex.assert_tree_all_finite((out, final, grads))
         np.testing.assert_array_equal(out[ids == 0], 0.0)

@@ -19,6 +19,7 @@ from attn import masks
 from attn.pallas import flash_attention
 from attn.pallas.common import FlashConfig
 from attn.pallas.schedule import schedules
+from attn.softmax.call import CallSpec
 from attn.softmax.schedule import BlockSpec, build_schedule
 from tests.util import normal, np_attention, qkv, rel_err
 
@@ -151,15 +152,15 @@ def test_lse_merges_two_key_halves_and_default_blocks():
 def test_schedule_is_blockwise_schedule_and_its_transpose():
     T = S = 70
     mask = MASKS["streaming"]
-    spec = dict(mask=mask, scale=1.0, softcap=None, score=None, has_sink=False)
-    spec |= dict(has_segments=False, B=1, T=T, S=S, K=1, G=1, block_q=16, block_k=32)
+    spec = CallSpec(mask=mask, scale=1.0, softcap=None, score=None, has_sink=False,
+                    has_segments=False, B=1, T=T, S=S, K=1, G=1)  # fmt: skip
     config = FlashConfig(
-        **spec, bwd_block_q=16, bwd_block_k=32, platform="cpu", interpret=True,
-        num_warps=None, num_stages=None,
+        call=spec, block_q=16, block_k=32, bwd_block_q=16, bwd_block_k=32, platform="cpu",
+        interpret=True, num_warps=None, num_stages=None,
     )  # fmt: skip
     pos = np.arange(T)[None]
     plan = schedules(config, [jnp.asarray(pos)] * 2, [pos, pos])
-    ref = build_schedule(BlockSpec(**spec), [jnp.asarray(pos)] * 2, [pos, pos])
+    ref = build_schedule(BlockSpec(spec, 16, 32), [jnp.asarray(pos)] * 2, [pos, pos])
     width = ref.key_tile.shape[1]
     np.testing.assert_array_equal(plan.by_query.count, ref.count)
     for i, n in enumerate(np.asarray(ref.count)):

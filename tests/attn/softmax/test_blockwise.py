@@ -343,13 +343,13 @@ def test_dispatch_blockwise_and_auto():
     assert "blockwise" in attn.IMPLS
     assert rel_err(attn.attention(q, k, v, mask=masks.causal()), want) <= TOL
     # auto picks blockwise on CPU where it measured faster: long enough queries.
-    choose = attn.dispatch._choose
+    choose = attn.dispatch.choose_impl
     long_q, short_q, one_q = (jnp.zeros((1, T, 2, 8)) for T in (128, 16, 1))
     keys = jnp.zeros((1, 4096, 2, 8))
-    assert choose(long_q, keys, keys, {}) == "blockwise"
-    assert choose(short_q, keys, keys, {}) == "dense"  # short queries: dense
-    assert choose(one_q, keys, keys, {}) == "dense"  # decoding
-    assert choose(long_q, keys, keys, {"return_weights": True}) == "dense"
+    assert choose(long_q, keys, keys) == "blockwise"
+    assert choose(short_q, keys, keys) == "dense"  # short queries: dense
+    assert choose(one_q, keys, keys) == "dense"  # decoding
+    assert choose(long_q, keys, keys, return_weights=True) == "dense"
     with pytest.raises(ValueError, match="bias"):
         attn.attention(q, k, v, impl="blockwise", bias=jnp.zeros((1, 1, 37, 37)))
     with pytest.raises(ValueError, match="return_weights"):

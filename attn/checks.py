@@ -1,0 +1,151 @@
+"""The project's input checks: one ``ValueError`` format, and the checks every family shares.
+
+Every public function of ``attn`` (and of ``models`` and ``analysis``, which
+use this module too) checks the user's arrays explicitly and raises
+``ValueError("<arg>: expected <what>, got <what>")`` through ``fail``. Shapes
+are static under ``jit``, so shape checks cost nothing at run time; value
+checks (signs, ranges) run where the values are known when tracing
+(``concrete``) and are skipped under a trace.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "Dims",
+    "as_arrays",
+    "concrete",
+    "default_positions",
+    "fail",
+    "positions",
+    "positive_int",
+    "qkv_dims",
+    "segment_ids",
+    "segment_values",
+]
+
+
+def fail(arg: str, expected: str, got: object) -> None:
+    """Raises the project's uniform ``ValueError`` for a bad argument."""
+    raise ValueError(f"{arg}: expected {expected}, got {got}")
+
+
+def positive_int(x, name: str) -> int:
+    """``x`` as an int when it is a positive (non-bool) integer; else the uniform ``ValueError``."""
+    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
+        fail(name, "a positive int", repr(x))
+    return int(x)
+
+
+def concrete(x) -> np.ndarray | None:
+    """The NumPy value of ``x``, or None under a trace (where value checks are skipped)."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+class Dims(NamedTuple):
+    """Sizes of one attention call in the axis vocabulary."""
+
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    G: int
+    H: int
+    E: int
+
+
+def as_arrays(*xs):
+    """Each of ``xs`` as a JAX array where it is a NumPy array (or a list); others as they are.
+
+    Public functions call this first, so a NumPy input takes the same path as a
+    ``jnp`` one (a NumPy array indexed by a traced integer inside a kernel fails).
+    """
+    return tuple(jnp.asarray(x) if isinstance(x, np.ndarray | list) else x for x in xs)
+
+
+def qkv_dims(q, k, v) -> Dims:
+    """Checks q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]`` and returns their sizes.
+
+    Raises:
+      ValueError: a rank other than 4; a dtype that is not floating (integer and
+        bool inputs would be truncated, complex ones lose their imaginary part);
+        an empty axis (B, T, S, N, H or E of 0, which no implementation defines);
+        or sizes that do not fit together.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            fail(name, "a rank-4 array", f"shape {getattr(x, 'shape', type(x).__name__)}")
+        dtype = jnp.dtype(x.dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            fail(name, "a real floating-point array (float32, bfloat16, float16, ...)", dtype)
+        if 0 in x.shape:
+            fail(name, "non-empty axes (no size 0)", f"shape {tuple(x.shape)}")
+    B, T, N, H = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        fail("k/v", f"batch {B} like q", f"k {k.shape}, v {v.shape}")
+    if k.shape[3] != H:
+        fail("k", f"head dim {H} like q {q.shape}", f"shape {k.shape}")
+    S, K = k.shape[1], k.shape[2]
+    if v.shape[1] != S or v.shape[2] != K:
+        fail("v", f"length {S} and {K} kv heads like k {k.shape}", f"shape {v.shape}")
+    if K == 0 or N % K:
+        fail("k", f"a number of kv heads dividing the {N} query heads", f"{K} kv heads")
+    return Dims(B, T, S, N, K, N // K, H, v.shape[3])
+
+
+def default_positions(length: int, offset: int = 0) -> np.ndarray:
+    """``arange(length) + offset``: the positions an implementation assumes when none are given.
+
+    Keys default to ``arange(S)`` and queries to the last T of them,
+    ``arange(T) + S - T`` (bottom-right alignment), so a decode step or a
+    prefill chunk attends like the last rows of the full pass.
+    """
+    return np.arange(length, dtype=np.int64) + offset
+
+
+def positions(x, name: str, batch: int, length: int, offset: int = 0):
+    """Integer positions ``[B,L]`` from ``[L]``, ``[B,L]`` or ``None`` (``arange(L) + offset``)."""
+    if x is None:
+        x = default_positions(length, offset).astype(np.int32)
+        return jnp.broadcast_to(jnp.asarray(x), (batch, length))
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(name, "integer positions", f"dtype {x.dtype}")
+    if x.shape == (length,):
+        x = jnp.broadcast_to(x, (batch, length))
+    if x.shape != (batch, length):
+        fail(name, f"shape ({length},) or ({batch}, {length})", f"shape {x.shape}")
+    return x.astype(jnp.int32)
+
+
+def segment_ids(x, name: str, batch: int, length: int | None = None):
+    """Integer segment ids ``[B,L]`` (or ``[B]`` for one token, ``length=None``) as int32.
+
+    The convention of every implementation (``attn.masks.same_segment``): id 0
+    is padding, ids >= 1 are segments. Negative ids are refused where the
+    values are known (not under a trace). None passes through.
+    """
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    shape = (batch,) if length is None else (batch, length)
+    if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
+        fail(name, f"integer ids of shape {shape}", f"{x.dtype} {x.shape}")
+    segment_values(x, name)
+    return x.astype(jnp.int32)
+
+
+def segment_values(x, name: str) -> None:
+    """Refuses negative segment ids where their values are known (None passes)."""
+    value = None if x is None else concrete(x)
+    if value is not None and value.size and value.min() < 0:
+        fail(name, "ids >= 0 (0 is padding, >= 1 a segment)", f"min {value.min()}")
