@@ -102,6 +102,8 @@ class Config:
     name: str | None = None  # default: "<family>-cpu"
     family: str = "linear"  # "linear" (feature maps) or "delta" (the delta rule, bench/_delta.py)
     lengths: tuple[int, ...] = ()  # the lengths to measure; () means the default table
+    delta_methods: tuple[str, ...] = ()  # --family delta: names of _delta.METHODS; (): all
+    oracle: bool = True  # --family delta: float32 against a float64 recurrence, at T <= 1000
 
 
 # ----------------------------------------------------------------------------
@@ -111,14 +113,18 @@ class Config:
 def best_times(jobs: dict, repeats: int, no_warmup=()) -> dict:
     """Best wall time in seconds of each job ``name -> (fn, args)``, measured interleaved.
 
-    Each job is compiled ahead of time and run once to warm up (except those in
+    Each job is compiled ahead of time (unless ``fn`` is a compiled program
+    already) and run once to warm up (except those in
     ``no_warmup``, too slow for it). Then rounds run every unfinished job once,
     so a burst of load from other processes hits all jobs alike rather than
     whichever was being measured. A job is finished after ``repeats`` runs and
     MIN_MEASURED_SECONDS of measured time (at most MAX_REPEATS runs), or after
     one run longer than SINGLE_RUN_SECONDS.
     """
-    compiled = {name: jax.jit(fn).lower(*args).compile() for name, (fn, args) in jobs.items()}
+    compiled = {
+        name: fn if isinstance(fn, jax.stages.Compiled) else jax.jit(fn).lower(*args).compile()
+        for name, (fn, args) in jobs.items()
+    }
     for name, (_, args) in jobs.items():
         if name not in no_warmup:
             jax.block_until_ready(compiled[name](*args))

@@ -79,6 +79,7 @@ class Config:
     quick: bool = False  # two kinds, batch 1, one timed run: a smoke test
     repeats: int = 5
     new_tokens: int = NEW_TOKENS  # tokens generated per timed run
+    kinds: tuple[str, ...] = ()  # names of KINDS to measure; (): all (with quick: QUICK_KINDS)
     out_dir: Path = ROOT / "bench" / "results"
 
 
@@ -145,7 +146,7 @@ def markdown(rows, meta) -> str:
 
 
 def main(cfg: Config) -> None:
-    kinds = QUICK_KINDS if cfg.quick else tuple(KINDS)
+    kinds = cfg.kinds or (QUICK_KINDS if cfg.quick else tuple(KINDS))
     repeats = 1 if cfg.quick else cfg.repeats
     meta = {
         "jax": jax.__version__,

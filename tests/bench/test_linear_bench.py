@@ -10,7 +10,7 @@ import pytest
 
 from tests.bench.script import load
 
-TINY = dict(lengths=(32, 64), max_len=64, train_len=64, heads=2, head_dim=8, chunk_size=16,
+TINY = dict(lengths=(64,), max_len=64, train_len=64, heads=2, head_dim=8, chunk_size=16,
             decode_steps=2, quick=True)  # fmt: skip
 
 
@@ -23,7 +23,7 @@ def test_a_tiny_linear_run_writes_the_report(bench, tmp_path):
     result = bench.main(bench.Config(**TINY, out_dir=str(tmp_path)))
     seconds = result["forms"]["seconds"]
     assert set(seconds) == {"parallel", "recurrent", "chunkwise", "softmax"}
-    assert all(list(by_len) == [32, 64] and all(t > 0 for t in by_len.values())
+    assert all(list(by_len) == [64] and all(t > 0 for t in by_len.values())
                for by_len in seconds.values())  # fmt: skip
     assert all(t > 0 for t in result["train"]["seconds"].values())
     assert list(result["decode"]["linear_step"]) == list(result["decode"]["softmax_step"])
@@ -34,11 +34,13 @@ def test_a_tiny_linear_run_writes_the_report(bench, tmp_path):
 
 
 def test_a_tiny_delta_run_writes_the_report(bench, tmp_path):
-    """The delta rule's family (bench/_delta.py) at one length: its compiles dominate."""
-    result = bench.main(bench.Config(**{**TINY, "lengths": (64,)}, family="delta",
-                                     out_dir=str(tmp_path)))  # fmt: skip
-    delta = result["delta"]
-    assert all(list(by_len) == [64] for by_len in delta["lengths"]["forward_backward"].values())
-    assert delta["oracle_T"] == 65  # one past the longest length, a multiple of no chunk
-    assert delta["targets"]["oracle_gradient_error"]["met"]
+    """The delta rule's family (bench/_delta.py), two of its methods (compiles dominate; the
+    float64 oracle is tests/attn/linear/test_delta.py's, not rerun here)."""
+    methods = ("gated_deltanet chunkwise", "gla chunkwise")
+    cfg = bench.Config(**TINY, family="delta", delta_methods=methods, oracle=False,
+                       out_dir=str(tmp_path))  # fmt: skip
+    delta = bench.main(cfg)["delta"]
+    assert set(delta["lengths"]["forward_backward"]) == set(methods)
+    assert all(s[64] > 0 for s in delta["lengths"]["forward_backward"].values())
+    assert delta["targets"]["oracle_gradient_error"]["met"] is None  # not measured
     assert (tmp_path / "delta-cpu-quick.md").read_text().startswith("#")
