@@ -85,6 +85,7 @@ class Config:
     width: int = 256  # D; the MLP is 4 D wide, heads are D / 32 (at least 2) of 32
     seq_len: int = 256  # T of the MQAR batches (16 pairs; at least 64)
     batch: int = 16  # B
+    meshes: tuple[str, ...] = ()  # the meshes to measure; (): MESHES (with quick: QUICK_MESHES)
 
 
 def train_config(cfg: Config = Config()) -> TrainConfig:
@@ -320,7 +321,7 @@ def main(cfg: Config) -> None:
     assert jax.device_count() == 8, f"expected 8 fake devices, got {jax.devices()}"
     t_begin = time.perf_counter()
     tc = train_config(cfg)
-    meshes = QUICK_MESHES if cfg.quick else MESHES
+    meshes = cfg.meshes or (QUICK_MESHES if cfg.quick else MESHES)
     meta = {
         "jax": jax.__version__,
         "platform": platform.platform(),
