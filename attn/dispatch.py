@@ -122,7 +122,14 @@ def attention(
 @takes_call_args
 def choose_impl(q, k, v, *, bias=None, return_weights=False, return_lse=False,
                 **call_args: Unpack[CallArgs]) -> str:  # fmt: skip
-    """The implementation ``attention(..., impl="auto")`` picks for these arguments."""
+    """The implementation ``attention(..., impl="auto")`` picks for these arguments.
+
+    Args: as ``attention``'s (q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]``, ``bias``,
+    the returns asked for and the call), checked as it checks them.
+
+    Returns:
+      A name of ``IMPLS`` other than ``"auto"``.
+    """
     q, k, v = as_arrays(q, k, v)
     call = check_call(q, k, v, **call_args)
     return _choose(call, q.dtype, bias, return_weights, return_lse)

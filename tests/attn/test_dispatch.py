@@ -172,3 +172,30 @@ def test_the_blockwise_tile_kernel_is_at_most_12_frames_below_attention():
     names = [c.co_name for c in ours]
     frames = ours[names.index("attention") :]
     assert frames[-1].co_name == "tile" and len(frames) <= 12, [c.co_name for c in frames]
+
+
+def test_the_call_arguments_are_declared_once_and_listed_in_every_signature():
+    import inspect
+
+    for fn in (attn.dot_product_attention, attn.blockwise_attention, attn.attention,
+               attn.pallas.flash_attention, attn.ring_attention, attn.decode_attention,
+               attn.dispatch.choose_impl):  # fmt: skip
+        params = inspect.signature(fn).parameters
+        assert all(
+            params[name].kind is inspect.Parameter.KEYWORD_ONLY
+            for name in attn.softmax.call.CALL_ARGS
+        )
+    q, k, v = qkv(31, B=1, T=4, N=2)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['block_size'\]"):
+        attn.dot_product_attention(q, k, v, block_size=4)
+    with pytest.raises(ValueError, match=r"^block_q: expected None for impl='dense'"):
+        attn.attention(q, k, v, impl="dense", block_q=4)
+
+
+def test_choose_impl_checks_the_call_it_is_asked_about():
+    q, k, v = qkv(32, B=1, T=4, N=2)
+    assert attn.dispatch.choose_impl(q, k, v, mask=masks.causal()) in attn.IMPLS
+    with pytest.raises(ValueError, match=r"^mask: expected an attn.masks.Mask"):
+        attn.dispatch.choose_impl(q, k, v, mask="causal")
+    with pytest.raises(ValueError, match=r"^k: expected head dim"):
+        attn.dispatch.choose_impl(q, k[..., :4], v)

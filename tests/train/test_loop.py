@@ -15,7 +15,7 @@ from train.config import OptimConfig
 from train.loop import NonFiniteLossError, train
 from train.metrics import read_metrics
 from train.optimizer import make_optimizer
-from train.steps import build_model, evaluate
+from train.steps import build_model, evaluate, init_state, make_train_step
 from train.tasks import make_task
 
 
@@ -221,3 +221,23 @@ def test_target_accuracy_stops_at_the_first_evaluation_reaching_it(tmp_path):
     for bad in (0.0, 1.5, True):
         with pytest.raises(ValueError, match="target_accuracy"):
             dataclasses.replace(config, target_accuracy=bad)
+
+
+def test_make_train_step_is_the_step_train_runs(tmp_path):
+    """The public step (what bench/parallel.py compiles) gives the loop's losses, bit for bit."""
+    config = dataclasses.replace(get_config(), steps=2, log_every=1, eval_every=2, ckpt_every=2)
+    train(config, tmp_path, progress=False)
+    config = config.with_task_vocab()
+    task = make_task(config.task)
+    model, optimizer = init_state(config, task.vocab_size)
+    step, leaves = make_train_step(None, model, optimizer)
+    losses = []
+    for i in range(2):
+        leaves, metrics = step.update(
+            leaves, task.batch(config.seed, "train", i, config.batch_size)
+        )
+        losses.append(float(metrics["loss"]))
+    assert losses == [r["loss"] for r in _train_records(tmp_path)]
+    test = task.batch(config.seed, "test", 0, config.batch_size)
+    loss_sum, _, count = np.asarray(step.evaluate(leaves, test))
+    assert np.isfinite(loss_sum) and count > 0
