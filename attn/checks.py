@@ -10,6 +10,8 @@ checks (signs, ranges) run where the values are known when tracing
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -17,12 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "MAX_ID",
+    "MAX_POSITION",
     "Dims",
     "as_arrays",
     "concrete",
     "default_positions",
     "fail",
+    "in_range",
     "positions",
+    "positive_float",
     "positive_int",
     "qkv_dims",
     "segment_ids",
@@ -40,6 +46,17 @@ def positive_int(x, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
         fail(name, "a positive int", repr(x))
     return int(x)
+
+
+def positive_float(x, name: str, expected: str = "a positive finite number") -> float:
+    """``x`` as a float when it is a finite real number > 0 (not a bool); else a ``ValueError``.
+
+    NaN and Inf are refused: a NaN scale gives NaN everywhere, and an infinite
+    one gives logits whose value depends on how a backend orders ``inf * 0``.
+    """
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x <= 0:
+        fail(name, expected, repr(x))
+    return float(x)
 
 
 def concrete(x) -> np.ndarray | None:
@@ -112,11 +129,35 @@ def default_positions(length: int, offset: int = 0) -> np.ndarray:
     return np.arange(length, dtype=np.int64) + offset
 
 
+# Positions are int32, and so are the differences the masks and score
+# modifiers take of them (windows, relative buckets, ALiBi distances): within
+# +-2**30 no difference overflows. Token ids and segment ids: int32.
+MAX_POSITION = 2**30
+MAX_ID = 2**31
+
+
+def in_range(x, name: str, low: int, high: int, what: str) -> None:
+    """Refuses values of ``x`` outside ``[low, high)`` where they are known (not traced).
+
+    Called on the array as given, before it becomes int32: an int64 value
+    beyond int32 would otherwise wrap (ids of ``2**40`` becoming 0, padding).
+    Under a trace nothing is checked (the docstrings state the range).
+    """
+    value = None if x is None else concrete(x)
+    if value is None or value.size == 0 or not np.issubdtype(value.dtype, np.integer):
+        return
+    lo, hi = int(value.min()), int(value.max())
+    if lo < low or hi >= high:
+        fail(name, f"{what} in [{low}, {high})", f"values {lo}..{hi}")
+
+
 def positions(x, name: str, batch: int, length: int, offset: int = 0):
-    """Integer positions ``[B,L]`` from ``[L]``, ``[B,L]`` or ``None`` (``arange(L) + offset``)."""
+    """Integer positions ``[B,L]`` from ``[L]``, ``[B,L]`` or ``None`` (``arange(L) + offset``),
+    as int32; values in ``[-MAX_POSITION, MAX_POSITION)`` (checked where concrete)."""
     if x is None:
         x = default_positions(length, offset).astype(np.int32)
         return jnp.broadcast_to(jnp.asarray(x), (batch, length))
+    in_range(x, name, -MAX_POSITION, MAX_POSITION, "positions")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.integer):
         fail(name, "integer positions", f"dtype {x.dtype}")
@@ -136,16 +177,18 @@ def segment_ids(x, name: str, batch: int, length: int | None = None):
     """
     if x is None:
         return None
+    segment_values(x, name)  # as given: int64 ids must not wrap first
     x = jnp.asarray(x)
     shape = (batch,) if length is None else (batch, length)
     if x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer):
         fail(name, f"integer ids of shape {shape}", f"{x.dtype} {x.shape}")
-    segment_values(x, name)
     return x.astype(jnp.int32)
 
 
 def segment_values(x, name: str) -> None:
-    """Refuses negative segment ids where their values are known (None passes)."""
+    """Refuses negative segment ids, and ids beyond int32, where their values are known
+    (None passes)."""
     value = None if x is None else concrete(x)
     if value is not None and value.size and value.min() < 0:
         fail(name, "ids >= 0 (0 is padding, >= 1 a segment)", f"min {value.min()}")
+    in_range(x, name, 0, MAX_ID, "ids (int32)")

@@ -45,7 +45,7 @@ import numpy as np
 
 from attn import checks
 from attn.checks import fail
-from attn.masks import PADDING
+from attn.masks import PADDING, drop_padding
 
 __all__ = ["short_conv", "short_conv_step"]
 
@@ -151,6 +151,7 @@ def short_conv(x, weight, bias=None, *, state=None, segment_ids=None):
     # Padding is as if absent: move the real tokens to the front of each row
     # (stable, so in order), convolve them there, and put the outputs back.
     real = seg != PADDING
+    x = drop_padding(x, seg)  # padding holds anything, NaN included
     order = jnp.argsort(jnp.where(real, 0, 1), axis=1, stable=True)  # [B,T]: real tokens first
     rank = jnp.cumsum(real, axis=1, dtype=jnp.int32) - 1  # [B,T]: index among real tokens
     num_real = rank[:, -1] + 1  # [B]

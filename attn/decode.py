@@ -129,10 +129,10 @@ def decode_attention(
 
 
 def _check_lengths(lengths, B: int, S: int):
+    value = checks.concrete(lengths)  # as given: an int64 length must not wrap into range
     lengths = jnp.asarray(lengths)
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         fail("lengths", f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
-    value = checks.concrete(lengths)
     if value is not None and (value.min() < 0 or value.max() > S):
         fail("lengths", f"lengths in [0, {S}] (the cache's slots)", f"{value.min()}..{value.max()}")
     return lengths.astype(jnp.int32)

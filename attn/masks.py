@@ -390,6 +390,20 @@ def same_segment(q_seg, k_seg):
     return (q_seg[..., :, None] == k_seg[..., None, :]) & (k_seg != PADDING)[..., None, :]
 
 
+def drop_padding(x, ids):
+    """``x [B,L,...]`` with every padding token's entries (``ids [B,L]`` == 0) set to 0.
+
+    Padding holds whatever memory held, NaN and Inf included, and a zero
+    weight does not hide it (``0 * NaN`` is NaN, forward and backward), so the
+    implementations select it away where it enters; the select's gradient is
+    exactly 0 there. ``ids`` None: nothing is padding, ``x`` is returned.
+    """
+    if ids is None:
+        return x
+    real = (ids != PADDING).reshape(ids.shape + (1,) * (x.ndim - ids.ndim))
+    return jnp.where(real, x, jnp.zeros((), x.dtype))
+
+
 def segment_ids_from_lengths(lengths, length: int):
     """Segment ids ``[B, length]`` for right padding: 1 for tokens, 0 (``PADDING``) for padding.
 

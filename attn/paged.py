@@ -282,7 +282,13 @@ def _check_allocated(pages, valid) -> None:
 
 
 def gather(pool, block_tables):
-    """``[B, M * page_size, ...]``: each row's pages in order (unused ones read page 0)."""
+    """``[B, M * page_size, ...]``: each row's pages in order.
+
+    An unused entry (-1) reads page 0, which another row may hold: its slots
+    are invalid (``valid_slots``), and attention selects invalid slots away
+    where they enter (``attn.softmax.call.Call.isolate``), so whatever page 0
+    holds, NaN included, reaches nothing of this row.
+    """
     B, M = block_tables.shape
     x = pool[jnp.maximum(block_tables, 0)]  # [B, M, page, ...]
     return x.reshape(B, M * pool.shape[1], *pool.shape[2:])

@@ -36,14 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.checks import Dims, fail, positive_int
+from attn.checks import Dims, fail, positive_float, positive_int
 
 __all__ = [
     "ROLES",
@@ -362,9 +361,7 @@ def forgetting(log_forget) -> Forgetting:
 
 def softcap(cap: float) -> Softcap:
     """The tanh soft-cap at ``cap`` > 0."""
-    if isinstance(cap, bool) or not isinstance(cap, numbers.Real) or cap <= 0:
-        fail("cap", "a positive float", repr(cap))
-    return Softcap(float(cap))
+    return Softcap(positive_float(cap, "cap", "a positive finite float"))
 
 
 def compose(*mods) -> ScoreMod | None:

@@ -23,14 +23,13 @@ the same way.
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from collections.abc import Callable
 
 import jax.numpy as jnp
 
 import attn
-from attn.checks import fail
+from attn.checks import fail, positive_float
 from attn.deprecation import deprecated_names, warn
 from attn.registry import Registry
 
@@ -186,13 +185,7 @@ def check_positive_float(value, field: str, *, allow_none: bool = False) -> None
     """Refuses anything but a finite number > 0 (or None with ``allow_none``), naming ``field``."""
     if value is None and allow_none:
         return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        fail(field, "a positive finite number" + (" or None" if allow_none else ""), repr(value))
+    positive_float(value, field, "a positive finite number" + (" or None" if allow_none else ""))
 
 
 def check_bool(value, field: str) -> None:

@@ -58,10 +58,10 @@ def check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int =
     """None, or ``[B]`` int32 lengths in ``[minimum, T]`` (values checked when concrete)."""
     if lengths is None:
         return None
+    value = concrete(lengths)  # as given: an int64 length must not wrap into range
     lengths = jnp.asarray(lengths)
     if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
         fail(name, f"integer lengths of shape ({B},)", f"{lengths.dtype} {lengths.shape}")
-    value = concrete(lengths)
     if value is not None and ((value < minimum).any() or (value > T).any()):
         fail(name, f"values in [{minimum}, {T}]", value.tolist())
     return lengths.astype(jnp.int32)
@@ -77,6 +77,7 @@ def segments(tokens, lengths, segment_ids, name: str = "lengths"):
     if lengths is not None and segment_ids is not None:
         fail("segment_ids", f"None when {name} is given", "both")
     if segment_ids is not None:
+        checks.segment_values(segment_ids, "segment_ids")  # as given: int64 must not wrap
         segment_ids = jnp.asarray(segment_ids)
         if segment_ids.shape != (B, T) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             fail(
@@ -84,7 +85,6 @@ def segments(tokens, lengths, segment_ids, name: str = "lengths"):
                 f"integer ids of shape ({B}, {T})",
                 f"{segment_ids.dtype} {segment_ids.shape}",
             )
-        checks.segment_values(segment_ids, "segment_ids")
         return segment_ids.astype(jnp.int32)
     lengths = check_lengths(lengths, B, T, name)
     return None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
@@ -94,6 +94,7 @@ def check_positions(positions, tokens):
     """None, or integer positions ``[B,T]`` shaped like ``tokens``."""
     if positions is None:
         return None
+    checks.in_range(positions, "positions", -checks.MAX_POSITION, checks.MAX_POSITION, "positions")
     positions = jnp.asarray(positions)
     if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
         fail("positions", f"integer positions of shape {tokens.shape}", positions.shape)

@@ -40,57 +40,91 @@ from train.loop import NonFiniteLossError, train  # noqa: E402
 
 
 def main(argv=None) -> int:
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status.
+
+    Standard output holds the JSON summary and nothing else: while the run
+    goes (after the flags are parsed, so ``--help`` is on stdout), file
+    descriptor 1 points at stderr, so nothing a library prints there (gloo's
+    connection lines on several processes, XLA's logs) comes before it.
+    """
     try:
-        config, args = parse(
-            "python -m train",
-            "Trains one run (resuming it if the workdir holds checkpoints) and prints its "
-            "summary. Flags of this command: --config FILE (required), --workdir DIR "
-            "(required), --stop-at N (stop after N updates, with a checkpoint), --data PATH "
-            "(same as --task.data), --no-progress, --model.pattern NAME,NAME,... (the layers "
-            "from preset names, one per layer, sized by the first layer's heads and head "
-            "dim; listed below) and --model.depth L (repeat the pattern to L layers); they "
-            "apply before the field overrides below, so --model.layers.I.FIELD refers to the "
-            "new layers. A larger --steps on a finished run extends it.",
-            argv,
-            default_config=None,
-            default_type=TrainConfig,
-            layer_flags=True,
-            extra=(
-                (("--workdir",), {"default": None}),
-                (("--stop-at",), {"type": int, "default": None}),
-                (("--data",), {"default": None}),
-                (("--no-progress",), {"action": "store_true"}),
-            ),
-        )
+        config, args = _parse(argv)
     except ValueError as e:  # a bad config file, pattern or override: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    summary_fd = os.dup(1)
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    try:
+        status, summary = _run(config, args, argv)
+    finally:
+        sys.stdout.flush()
+        os.dup2(summary_fd, 1)
+        os.close(summary_fd)
+    if summary is not None:
+        print(json.dumps(summary, indent=2))
+    return status
+
+
+def _parse(argv):
+    """``(config, args)`` from the command line; a ``ValueError`` in one line."""
+    config, args = parse(
+        "python -m train",
+        "Trains one run (resuming it if the workdir holds checkpoints) and prints its "
+        "summary. Flags of this command: --config FILE (required), --workdir DIR "
+        "(required), --stop-at N (stop after N updates, with a checkpoint), --data PATH "
+        "(same as --task.data), --no-progress, --adopt-checkpoints (resume checkpoints "
+        "whose config.json is gone under this config), --model.pattern NAME,NAME,... (the "
+        "layers from preset names, one per layer, sized by the first layer's heads and head "
+        "dim; listed below) and --model.depth L (repeat the pattern to L layers); they "
+        "apply before the field overrides below, so --model.layers.I.FIELD refers to the "
+        "new layers. A larger --steps on a finished run extends it.",
+        argv,
+        default_config=None,
+        default_type=TrainConfig,
+        layer_flags=True,
+        extra=(
+            (("--workdir",), {"default": None}),
+            (("--stop-at",), {"type": int, "default": None}),
+            (("--data",), {"default": None}),
+            (("--no-progress",), {"action": "store_true"}),
+            (("--adopt-checkpoints",), {"action": "store_true"}),
+        ),
+    )
     if args.data is not None:
         config = dataclasses.replace(config, task=dataclasses.replace(config.task, data=args.data))
     if args.workdir is None:
-        print("error: --workdir is required", file=sys.stderr)
-        return 2
+        raise ValueError("--workdir is required")
+    return config, args
+
+
+def _run(config, args, argv) -> tuple[int, dict | None]:
+    """Trains the parsed run: ``(status, summary or None)``; failures are one line."""
     try:  # before anything touches JAX's devices
         distributed.initialize()
     except ValueError as e:  # a malformed JAX_NUM_PROCESSES / JAX_PROCESS_ID
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 2, None
     enable_compilation_cache()
     try:
-        summary = train(config, args.workdir, stop_at=args.stop_at, progress=not args.no_progress)
+        summary = train(
+            config,
+            args.workdir,
+            stop_at=args.stop_at,
+            progress=not args.no_progress,
+            adopt_checkpoints=args.adopt_checkpoints,
+        )
     except NonFiniteLossError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 1, None
     except TrainingInterrupted as e:
         command = shlex.join(["python", "-m", "train", *(sys.argv[1:] if argv is None else argv)])
         print(f"{e}. Resume with: {command}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED, None
     except ValueError as e:  # e.g. a workdir holding a run of another config: one line
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(summary, indent=2))
-    return 0
+        return 2, None
+    return 0, summary
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 __all__ = [
+    "CheckpointMismatch",
     "CheckpointWriteError",
     "Checkpointer",
     "CorruptCheckpoint",
@@ -59,6 +60,19 @@ class CorruptCheckpoint(ValueError):
     def __init__(self, step: int, where: str, reason: str):
         self.step, self.where, self.reason = step, where, reason
         super().__init__(f"checkpoint {step} ({where}): {reason}")
+
+
+# Free space a save leaves beside the checkpoint's estimated size (orbax's own files).
+MARGIN_BYTES = 1 << 20
+# Below this many times a save's size free, saves are written synchronously.
+TIGHT = 4
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint that reads, of other arrays than the config builds: another run's.
+
+    Never moved aside (it is intact): the caller's config is what is wrong.
+    """
 
 
 class CheckpointWriteError(ValueError):
@@ -234,28 +248,65 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, tree: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Saves ``tree`` (a ``snapshot``) and the JSON-able ``meta`` as checkpoint ``step``."""
+        """Saves ``tree`` (a ``snapshot``) and the JSON-able ``meta`` as checkpoint ``step``.
+
+        The previous write is finished first, and the folder's free space is
+        checked against the checkpoint's size: a write that would fill the
+        disk is refused before it starts (orbax's writer threads meeting a full
+        disk half way print hundreds of lines, and fail a later call).
+
+        Raises:
+          CheckpointWriteError: this write, or the previous one, failed or would
+            not fit (one line naming the folder, the step and the newest saved step).
+        """
         # A copy: an asynchronous save serializes ``meta`` later, in another thread, by
         # which time the caller may have changed the lists in it (the loop's window of
         # per-step losses grows with the next step).
         meta = json.loads(json.dumps(meta))
         meta["fingerprints"] = fingerprints(_drop_empty(tree))
-        try:
-            self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(_drop_empty(tree)), meta=ocp.args.JsonSave(meta)
-                ),
-                force=True,
-            )
-        except OSError as e:
-            raise self._write_error(step, e) from None
+        self.wait()
+        tight = self._check_space(step, tree, meta)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(_drop_empty(tree)), meta=ocp.args.JsonSave(meta)
+        )
+        # Where space is tight, the write is finished here with stderr held back, so a
+        # disk that fills meanwhile is one line rather than the writer threads' reports.
+        quiet = _stderr_kept_unless_failed() if tight else contextlib.nullcontext([])
+        with quiet as failed:
+            try:
+                self._manager.save(step, args=args, force=True)
+                if tight:
+                    self._manager.wait_until_finished()
+            except Exception as e:
+                if not _is_write_failure(e):
+                    raise
+                failed.append(e)
+        if failed:
+            self.refresh()
+            raise self._write_error(step, failed[0]) from None
 
-    def _write_error(self, step: int, e: OSError) -> CheckpointWriteError:
-        full = " (the disk is full)" if e.errno == errno.ENOSPC else ""
+    def _check_space(self, step: int, tree, meta) -> bool:
+        """Refuses a save the folder's free space cannot hold (with a margin); returns
+        whether space is tight (less than ``TIGHT`` times what the save needs)."""
+        newest = self.latest_step()
+        if newest is not None:  # its arrays, orbax's files and a shorter meta than this one's
+            size = _folder_bytes(self.directory / str(newest))
+        else:  # the first: its arrays (orbax's own files are in the margin)
+            size = sum(int(np.asarray(x).nbytes) for x in jax.tree.leaves(_drop_empty(tree)))
+        need = int((size + len(json.dumps(meta))) * 1.1) + MARGIN_BYTES
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise self._write_error(
+                step, OSError(errno.ENOSPC, f"{free} bytes free, a checkpoint needs about {need}")
+            )
+        return free < TIGHT * need
+
+    def _write_error(self, step: int, e: Exception) -> CheckpointWriteError:
+        full = " (the disk is full)" if _disk_full(e) else ""
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else _first_line(e)
         return CheckpointWriteError(
             f"checkpoints: could not save step {step} in {str(self.directory)!r}{full}: "
-            f"{e.strerror or e}; the newest saved step is {self.latest_step()}: free space "
+            f"{reason}; the newest saved step is {_step_or_none(self.latest_step())}: free space "
             "or fix the folder, then run the same command to resume from it"
         )
 
@@ -275,6 +326,7 @@ class Checkpointer:
         """
         where = str(self.directory / str(step))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _drop_empty(target))
+        self._check_shapes(step, where, abstract)
         with _stderr_kept_unless_failed() as failed:
             try:
                 out = self._manager.restore(
@@ -303,6 +355,28 @@ class Checkpointer:
                 )
         tree = {**{k: {} for k in target}, **state}
         return tree, {k: v for k, v in meta.items() if k != "fingerprints"}
+
+    def _check_shapes(self, step: int, where: str, abstract) -> None:
+        """Refuses, as a ``CheckpointMismatch``, a checkpoint whose recorded arrays are
+        not the target's (names, shapes, dtypes). Unreadable metadata passes: the
+        restore then reports the checkpoint as corrupt."""
+        try:
+            state = self.directory / str(step) / "state"
+            saved = _shapes(ocp.StandardCheckpointHandler().metadata(state))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception:
+            return
+        wanted = _shapes(abstract)
+        if saved == wanted:
+            return
+        names = [n for n in {**wanted, **saved} if saved.get(n) != wanted.get(n)]
+        got = lambda n, d: "none" if n not in d else f"{d[n][1]}{list(d[n][0])}"  # noqa: E731
+        raise CheckpointMismatch(
+            f"checkpoint {step} in {where!r} holds other arrays than this config builds "
+            f"({names[0]}: saved {got(names[0], saved)}, config gives {got(names[0], wanted)}; "
+            f"{len(names)} differ): it is another config's run, resume it with that config"
+        )
 
     def restore_newest(
         self, target: dict[str, Any], report: Callable[[str], None]
@@ -341,6 +415,8 @@ class Checkpointer:
         return None
 
     def _move_aside(self, step: int) -> str | None:
+        if jax.process_index() != 0:  # one process moves the shared folder; the others skip it
+            return None
         source = self.directory / str(step)
         target = self.directory.parent / "corrupt" / f"{step}-{int(time.time())}"
         try:
@@ -363,12 +439,37 @@ class Checkpointer:
         """
         try:
             self._manager.wait_until_finished()
-        except OSError as e:
-            raise self._write_error(self.latest_step() or 0, e) from None
+        except Exception as e:
+            if not _is_write_failure(e):
+                raise
+            self.refresh()
+            raise self._write_error(self._pending_step(), e) from None
 
-    def close(self) -> None:
-        """Finishes pending writes and releases the manager."""
-        self._manager.close()
+    def _pending_step(self) -> int | str:
+        """The step of the write that failed: the newest folder still temporary."""
+        tmp = [p.name.split(".")[0] for p in self.directory.glob("*.orbax-checkpoint-tmp*")]
+        steps = [int(n) for n in tmp if n.isdigit()]
+        return max(steps) if steps else "in progress"
+
+    def close(self) -> CheckpointWriteError | None:
+        """Finishes pending writes and releases the manager.
+
+        Returns (never raises) the ``CheckpointWriteError`` of a pending write
+        that failed, so a caller closing in a ``finally`` does not replace the
+        error that brought it there; None when every write is on disk.
+        """
+        failed = None
+        try:
+            self.wait()
+        except CheckpointWriteError as e:
+            failed = e
+        try:
+            self._manager.close()
+        except Exception as e:
+            if not _is_write_failure(e):
+                raise
+            failed = failed or self._write_error(self._pending_step(), e)
+        return failed
 
 
 @contextlib.contextmanager
@@ -399,6 +500,38 @@ def _stderr_kept_unless_failed(grace_s: float = 0.3):
             if not failed:
                 held.seek(0)
                 os.write(2, held.read())
+
+
+def _shapes(tree) -> dict[str, tuple[tuple, str]]:
+    """``{path: (shape, dtype)}`` of a tree of arrays or of orbax's array metadata."""
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="."): (
+            tuple(x.shape),
+            str(np.dtype(x.dtype)),
+        )
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def _is_write_failure(e: BaseException) -> bool:
+    """Whether an error from orbax's writers is the file system's (tensorstore reports an
+    OS error as a ``ValueError`` naming its code)."""
+    return isinstance(e, OSError) or "os_error_code" in str(e) or _disk_full(e)
+
+
+def _disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return True
+    text = str(e)
+    return "No space left on device" in text or f"os_error_code='{errno.ENOSPC}'" in text
+
+
+def _step_or_none(step: int | None) -> str:
+    return "none" if step is None else str(step)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 def _first_line(e: BaseException) -> str:

@@ -12,16 +12,18 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from models.config import KINDS, LEGACY_DEFAULTS, AttentionConfig, ModelConfig
 from train import plugins
 from train.sharding import AXIS_TYPES, mesh_shape
-from train.tasks import TaskConfig
-from train.workdir import write_atomic
+from train.tasks import TaskConfig, make_task
+from train.workdir import saved_steps, write_atomic
 
 __all__ = [
     "RECORD",
     "OptimConfig",
+    "Resume",
     "TrainConfig",
     "check_resume",
     "differences",
@@ -170,6 +172,9 @@ class TrainConfig:
 # that differs in any of them (the others only change logging, saving and the
 # device layout: ``mesh`` may change on resume).
 RESULT_FIELDS = ("task", "model", "optim", "steps", "batch_size", "seed")
+# Fields of the result added after runs were recorded without them, whose
+# default means "not recorded" (older records still read).
+ADDED_FIELDS = ("task.fingerprint",)
 
 
 def to_json(config) -> dict:
@@ -194,7 +199,19 @@ def from_json(cls, data: dict):
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(f"{cls.__name__}: expected fields of {sorted(names)}, got {unknown}")
+    for name, value in data.items():
+        if value is None and not _admits_none(hints[name]):
+            raise ValueError(f"{cls.__name__}.{name}: expected a value, got null")
     return cls(**{name: _value(hints[name], value) for name, value in data.items()})
+
+
+def _admits_none(tp) -> bool:
+    """Whether a field annotated ``tp`` may hold None (``X | None``, ``Any``)."""
+    if tp is typing.Any or tp is type(None):
+        return True
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in (
+        typing.get_args(tp)
+    )
 
 
 def _without_legacy(cls, data: dict) -> dict:
@@ -288,7 +305,7 @@ def read_record(workdir: Path) -> tuple[TrainConfig, tuple[str, ...]]:
         config = from_json(TrainConfig, data)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from None
-    missing = _missing(to_json(config), data, RESULT_FIELDS)
+    missing = [m for m in _missing(to_json(config), data, RESULT_FIELDS) if m not in ADDED_FIELDS]
     if missing:
         raise ValueError(
             f"{path}: expected every field of the run's result, missing {', '.join(missing[:4])}"
@@ -319,23 +336,56 @@ def _with_horizon(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, optim=optim)
 
 
-def check_resume(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int | None]:
+class Resume(NamedTuple):
+    """What ``check_resume`` found: the config to run, whether the run grows, its plugins."""
+
+    config: TrainConfig  # with the data's fingerprint (and a pinned horizon if it grows)
+    extended_from: int | None  # the recorded steps when ``steps`` grows, else None
+    plugins: tuple[str, ...]  # what the record lists: ``write_record(workdir, config, plugins)``
+
+
+def check_resume(workdir: Path, config: TrainConfig, *, adopt: bool = False) -> Resume:
     """The config to resume ``workdir``'s run under, and the recorded steps if it grows.
 
-    A run cannot resume under a config that changes its result, with one
-    exception: ``steps`` may grow, which continues the run. The schedule's
-    horizon (``optim.decay_steps``) is then pinned to the recorded one, so the
-    steps already taken keep their learning rates and the result equals an
-    uninterrupted run of the extended config.
+    A run's identity is its recorded config plus the fingerprint of its data
+    (``train.tasks.data_fingerprint``: the corpus's files, or the synthetic
+    task's settings). It cannot resume under a config that changes its
+    result, nor on other data, with one exception: ``steps`` may grow, which
+    continues the run. The schedule's horizon (``optim.decay_steps``) is then
+    pinned to the recorded one, so the steps already taken keep their learning
+    rates and the result equals an uninterrupted run of the extended config.
+
+    Args:
+      workdir: the run's folder.
+      config: the config asked for.
+      adopt: resume checkpoints whose ``config.json`` is gone under ``config``
+        (refused otherwise: nothing would say which config and data they are of).
+
+    Nothing is written: the caller records the run (``write_record``) once
+    its checkpoints have been read (a refused restore leaves the record as it
+    was), and only process 0 does.
+
+    Returns:
+      A ``Resume``.
 
     Raises:
-      ValueError: in one line, naming the differing fields and the way out.
+      ValueError: in one line, naming the differing fields (or the data, or the
+        missing record) and the way out.
     """
     path = workdir / RECORD
     extended_from, needs = None, ()
+    # make_task refuses a config pinned to other data than what is there now.
+    config = _with_fingerprint(config, make_task(config.task).fingerprint)
     if path.exists():
         old, needs = read_record(workdir)
-        old = old.with_task_vocab()
+        if old.task.fingerprint not in (None, config.task.fingerprint):
+            raise ValueError(
+                f"workdir: {str(workdir)!r} holds a run of other data (recorded "
+                f"{old.task.fingerprint[:16]}, now {config.task.fingerprint[:16]}: "
+                f"{_data_name(config.task)} changed); restore the recorded data, or use a new "
+                "workdir for a run on this data"
+            )
+        old = _with_fingerprint(old.with_task_vocab(), config.task.fingerprint)  # None: older
         if config.steps > old.steps and config.optim.decay_steps is None:
             optim = dataclasses.replace(config.optim, decay_steps=old.optim.horizon(old.steps))
             config = dataclasses.replace(config, optim=optim)
@@ -359,5 +409,22 @@ def check_resume(workdir: Path, config: TrainConfig) -> tuple[TrainConfig, int |
                 "use a new workdir for a different run, or resume with the recorded values "
                 "(only --steps may grow: that extends the run)"
             )
-    write_record(workdir, config, (*needs, *plugins.loaded()))
-    return config, extended_from
+    elif saved_steps(workdir) and not adopt:
+        raise ValueError(
+            f"workdir: {str(workdir)!r} holds checkpoints (steps {saved_steps(workdir)}) but no "
+            f"{RECORD}, so nothing says which config and data they are of; restore {RECORD}, "
+            "use a new workdir, or resume them under this config with --adopt-checkpoints"
+        )
+    return Resume(config, extended_from, tuple(dict.fromkeys((*needs, *plugins.loaded()))))
+
+
+def _with_fingerprint(config: TrainConfig, fingerprint: str) -> TrainConfig:
+    return dataclasses.replace(
+        config, task=dataclasses.replace(config.task, fingerprint=fingerprint)
+    )
+
+
+def _data_name(task: TaskConfig) -> str:
+    if task.name != "bytes":
+        return "the task config"
+    return "the standard library's files" if task.data is None else f"the files under {task.data!r}"

@@ -15,9 +15,9 @@ library, so it can run before everything else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable
 
@@ -26,6 +26,18 @@ __all__ = ["EXIT_INTERRUPTED", "StopOnSigint", "TrainingInterrupted", "active", 
 EXIT_INTERRUPTED = 130  # the shell's status for a process stopped by SIGINT
 
 _program: list[str] = []  # the command line that called exit_on_sigint, if one did
+# A copy of the process's stderr taken when a handler is installed: a message written
+# while file descriptor 2 is redirected (a checkpoint restore holds back orbax's
+# output) still reaches the terminal before os._exit, which flushes nothing.
+_stderr_fd: list[int] = []
+
+
+def _say(text: str) -> None:
+    """Writes ``text`` to the stderr the process started with, unbuffered."""
+    if not _stderr_fd:
+        _stderr_fd.append(os.dup(2))
+    with contextlib.suppress(OSError):
+        os.write(_stderr_fd[0], text.encode())
 
 
 def active() -> bool:
@@ -44,15 +56,15 @@ def exit_on_sigint(what: str, before=None) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     _program[:] = [what]
+    _say("")  # takes the copy of stderr now, before anything redirects it
 
     def handler(signum, frame):
         if before is not None:
             before()
-        sys.stderr.write(
+        _say(
             f"{what}: interrupted; no checkpoint was being written, nothing saved was lost "
             "(run the same command to start or resume)\n"
         )
-        sys.stderr.flush()
         os._exit(EXIT_INTERRUPTED)
 
     signal.signal(signal.SIGINT, handler)
@@ -107,15 +119,15 @@ class StopOnSigint:
         if self.busy():
             self.now = True
             return
-        sys.stderr.write(
+        _say(
             f"{self.where}: interrupted twice: stopped at once; the last checkpoint is "
             f"step {self.last_checkpoint()} (run the same command to resume from it)\n"
         )
-        sys.stderr.flush()
         os._exit(EXIT_INTERRUPTED)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
+            _say("")  # the copy of stderr, taken before anything redirects it
             self._previous = signal.signal(signal.SIGINT, self._handler)
         return self
 

@@ -19,9 +19,11 @@ Files in the workdir:
 - ``checkpoints/<step>/``: the last ``keep_checkpoints`` orbax checkpoints.
 - ``metrics.jsonl``: one JSON record per line, ``{"step", "kind": "train", ...}``
   every ``log_every`` steps and ``{"step", "kind": "eval", ...}`` at each
-  evaluation. On resume from step s, records after s (logged by the
-  interrupted process after its last checkpoint) are dropped before appending,
-  so no step appears twice.
+  evaluation. Every checkpoint carries the records up to its step too: on
+  resume from step s, the file is made to hold exactly those (records after s,
+  logged by the interrupted process after its last checkpoint, are dropped,
+  so no step appears twice; records deleted, cut or damaged up to s are
+  rebuilt, and the damage is reported in one line).
 - ``summary.json``: written when the run completes: all ``steps`` taken, or
   an evaluation reached ``target_accuracy`` (the run stops there).
 
@@ -38,6 +40,7 @@ schedule), ``train.metrics`` (``metrics.jsonl`` and ``summary.json``),
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -54,9 +57,9 @@ from attn.deprecation import deprecated_names
 from models.mesh import SEQ_AXIS
 from train import optimizer, sharding, steps
 from train.checkpoint import Checkpointer, load_state, snapshot
-from train.config import TrainConfig, check_resume
+from train.config import TrainConfig, check_resume, to_json, write_record
 from train.interrupt import StopOnSigint, TrainingInterrupted
-from train.metrics import reached_target, read_metrics, truncate_metrics, write_summary
+from train.metrics import reached_target, read_metrics, restore_metrics, write_summary
 from train.steps import ModelFn, Steps, count_params, evaluate, init_state, place
 from train.tasks import make_task
 from train.workdir import check_writable, lock
@@ -92,6 +95,7 @@ def train(
     model_fn: ModelFn | None = None,
     progress: bool = True,
     desc: str | None = None,
+    adopt_checkpoints: bool = False,
 ) -> dict[str, Any]:
     """Trains (or resumes) the run in ``workdir`` up to ``config.steps`` updates.
 
@@ -107,6 +111,9 @@ def train(
         default ``models.Decoder``.
       progress: show a tqdm bar.
       desc: the bar's label.
+      adopt_checkpoints: resume checkpoints whose ``config.json`` is gone under
+        ``config`` (refused otherwise; checkpoints of other shapes are refused
+        either way, and never moved aside).
 
     Returns:
       ``dict(step, params, train_loss, train_accuracy, test_loss, test_accuracy,
@@ -119,26 +126,32 @@ def train(
     Raises:
       NonFiniteLossError: the loss or gradient norm became NaN or infinite.
       ValueError: the workdir holds a run with a different config (other than
-        more ``steps`` or another ``mesh``), cannot be written, or another
+        more ``steps`` or another ``mesh``) or data, checkpoints without a
+        record (unless ``adopt_checkpoints``), cannot be written, or another
         process is training in it (``train.workdir``); ``mesh`` does not fit the
         devices, or ``batch_size`` does not split over it.
     """
     t_begin = time.perf_counter()
-    mesh = _mesh(config)
     workdir = Path(workdir)
+    _check_same_run(config, workdir, stop_at, adopt_checkpoints)
+    mesh = _mesh(config)
     check_writable(workdir, "workdir")  # before anything is written or compiled
     if (workdir / "checkpoints").exists():
         check_writable(workdir / "checkpoints", "workdir")
     guard = lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
     with guard:  # one process per workdir
-        return _train_locked(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin)
+        return _train_locked(
+            config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin, adopt_checkpoints
+        )
 
 
-def _train_locked(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin):
+def _train_locked(config, workdir, mesh, stop_at, model_fn, progress, desc, t_begin, adopt):
     """``train`` in a checked, locked workdir."""
-    config, extended_from = check_resume(workdir, config.with_task_vocab())
+    config, extended_from, needs = check_resume(workdir, config.with_task_vocab(), adopt=adopt)
     run = Session(config, workdir, mesh, model_fn, t_begin)
     start = run.resume(extended_from)
+    if jax.process_index() == 0:  # after the checkpoints read: a refused restore records nothing
+        write_record(workdir, config, needs)
     end = config.steps if stop_at is None else max(start, min(stop_at, config.steps))
     reached = start > 0 and reached_target(read_metrics(workdir), start, config.target_accuracy)
     if reached:  # the run stopped at its target: resuming it trains no further
@@ -168,10 +181,32 @@ def _train_locked(config, workdir, mesh, stop_at, model_fn, progress, desc, t_be
         raise TrainingInterrupted(done, run.ckpt.latest_step(), config.steps) from e
     finally:
         bar.close()
-        run.ckpt.close()
+        late = run.ckpt.close()  # a write that failed after the loop (else: already raised)
+    if late is not None:
+        raise late
     run.steps.sync()
     params = count_params(run.model)
     return write_summary(workdir, config, params, end, run.tokens_per_s(), run.wall(), reached)
+
+
+def _check_same_run(config: TrainConfig, workdir: Path, *args) -> None:
+    """On several processes: refuses, before anything is written, processes that were
+    given different runs (config, workdir, stop and adopt settings), which would
+    otherwise train different programs and end in an abort inside a collective."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    text = json.dumps([to_json(config), str(workdir), *args], sort_keys=True, default=str)
+    mine = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    differ = [i for i in range(len(every)) if not np.array_equal(every[i], every[0])]
+    if differ:
+        raise ValueError(
+            f"processes: expected every process to run the same config and workdir, got "
+            f"{len(differ)} whose arguments differ from process 0's (process {differ[0]}); "
+            "start them all with the same command"
+        )
 
 
 def _mesh(config: TrainConfig):
@@ -208,6 +243,9 @@ class Session:
         self.saving = False
         self.totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
         self.window: list[tuple[float, float]] = []
+        # Every record written, carried by each checkpoint so a damaged metrics.jsonl
+        # is rebuilt on resume (None: resumed from a checkpoint of an older version).
+        self.records: list[dict] | None = []
         self.pending: list[dict] = []  # device metrics of the updates not yet read
         self.span: float | None = None  # when the training time being counted began
         self.gnorm = math.nan  # the gradient norm of the last update read
@@ -230,6 +268,7 @@ class Session:
         self.steps.reload()
         self.totals.update(meta["totals"])
         self.window = [tuple(x) for x in meta["window"]]
+        self.records = meta.get("records")
         note = ""
         if extended_from is not None:
             horizon = self.config.optim.horizon(self.config.steps)
@@ -252,8 +291,16 @@ class Session:
         if jax.process_index() != 0:
             return open(os.devnull, "w")
         path = self.workdir / "metrics.jsonl"
-        truncate_metrics(path, start)
+        report = restore_metrics(path, start, self.records)
+        if report is not None:
+            tqdm.write(report, file=sys.stderr)
         return path.open("a")
+
+    def log(self, log, record: dict[str, Any]) -> None:
+        """Writes a record to ``metrics.jsonl``; the next checkpoint carries it too."""
+        log.write(json.dumps(record) + "\n")
+        if self.records is not None:
+            self.records.append(record)
 
     def wall(self) -> float:
         return self.totals["wall_s"] + time.perf_counter() - self.t_begin
@@ -265,6 +312,8 @@ class Session:
         """A checkpoint of step ``done``, after the records up to it reached the disk."""
         log.flush()
         meta = {"totals": {**self.totals, "wall_s": self.wall()}, "window": self.window}
+        if self.records is not None:
+            meta["records"] = self.records
         self.saving = True
         self.steps.sync()
         try:
@@ -381,7 +430,7 @@ def _run_steps(run: Session, start: int, end: int, log, stop, bar) -> tuple[int,
         gnorm = run.flush(done)
         if record_now:
             record = run.train_record(done, gnorm)
-            log.write(json.dumps(record) + "\n")
+            run.log(log, record)
             bar.set_postfix(
                 loss=f"{record['loss']:.3f}",
                 acc=f"{record['accuracy']:.3f}",
@@ -389,7 +438,7 @@ def _run_steps(run: Session, start: int, end: int, log, stop, bar) -> tuple[int,
             )
         if eval_now:
             record = run.eval_record(done)
-            log.write(json.dumps(record) + "\n")
+            run.log(log, record)
             reached = reached_target([record], done, config.target_accuracy)
         if save_now or reached:
             run.save(done, log)

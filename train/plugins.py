@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import traceback
 from pathlib import Path
 
 from attn.linear import FEATURE_MAPS
@@ -58,8 +59,10 @@ def _import_file(name: str, field: str) -> str:
     sys.modules[module_name] = module  # so its classes pickle by name (spawned workers)
     try:
         spec.loader.exec_module(module)
-    except BaseException:
+    except BaseException as e:
         del sys.modules[module_name]
+        if isinstance(e, Exception) and not isinstance(e, ValueError):
+            raise ValueError(_failed(name, e)) from None
         raise
     _FILES[module_name] = str(path)
     return str(path)
@@ -79,16 +82,36 @@ def _import(name: str, field: str) -> str:
                 f"{field}: expected an importable module or a .py file, got {name!r} "
                 f"(no module named {e.name!r} on the path; run from its folder or set PYTHONPATH)"
             ) from None
-        raise  # the plugin itself imports something missing: its traceback says what
+        raise ValueError(_failed(name, e)) from None  # the plugin imports something missing
+    except ValueError:
+        raise  # a registry's clash, already one line
+    except Exception as e:
+        raise ValueError(_failed(name, e)) from None
     return name
+
+
+def _failed(name: str, e: Exception) -> str:
+    """One line for a plugin whose import raised ``e``: the error and where, in the plugin."""
+    if isinstance(e, SyntaxError):
+        where = f"{e.filename}:{e.lineno}"
+        what = f"SyntaxError: {e.msg}"
+    else:
+        frames = traceback.extract_tb(e.__traceback__)
+        own = [f for f in frames if "importlib" not in f.filename] or frames
+        where = f"{own[-1].filename}:{own[-1].lineno}" if own else "?"
+        text = (str(e).strip().splitlines() or [""])[0]
+        what = f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return f"expected a plugin that imports, got {what} (at {where})"
 
 
 def load(names, *, field: str = "--plugin") -> tuple[str, ...]:
     """Imports each plugin (a module name or a ``.py`` path) once; returns how each is recorded.
 
     Raises:
-      ValueError: a plugin that cannot be found, in one line naming it, or one
-        whose registrations clash with another's (the registry's message).
+      ValueError: a plugin that cannot be found, or whose import fails (a
+        syntax error, an exception: the error and where it was raised), in
+        one line naming it, or one whose registrations clash with another's
+        (the registry's message).
     """
     recorded = []
     for name in names:

@@ -40,9 +40,11 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
       and the ``TrainConfig`` the run recorded.
 
     Raises:
-      ValueError: no run there, no checkpoint, no checkpoint ``step``, or a
-        record or checkpoint that does not read or verify (``CorruptCheckpoint``,
-        naming the step; without ``step``, the newest that verifies is loaded).
+      ValueError: no run there, no checkpoint, no checkpoint ``step``, data
+        that is no longer the run's (a corpus file changed since it was
+        recorded), or a record or checkpoint that does not read or verify
+        (``CorruptCheckpoint``, naming the step; without ``step``, the newest
+        that verifies is loaded).
     """
     workdir = Path(workdir)
     record = workdir / RECORD
@@ -51,6 +53,7 @@ def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn 
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir: expected checkpoints in {str(workdir)!r}, got none")
     config, _ = read_record(workdir)  # imports the run's plugins first
+    make_task(config.task)  # the data must still be the run's (its recorded fingerprint)
     ckpt = Checkpointer(workdir, async_save=False)
     try:
         steps = ckpt.all_steps()
@@ -86,6 +89,10 @@ def run_batch(config, split: str = "test", step: int = 0, batch_size: int | None
 
     Returns:
       ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``.
+
+    Raises:
+      ValueError: the data is no longer the run's (``config.task.fingerprint``,
+        recorded when the run started, differs from the data's now).
     """
     B = config.batch_size if batch_size is None else batch_size
     return make_task(config.task).batch(config.seed, split, step, B)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import sysconfig
 import zlib
@@ -40,6 +42,7 @@ __all__ = [
     "SPLITS",
     "Corpus",
     "TaskConfig",
+    "data_fingerprint",
     "induction_batch",
     "load_corpus",
     "make_task",
@@ -94,6 +97,11 @@ class TaskConfig:
         file holds) followed by T - 1 bytes, all T of which are predicted; a
         fixed first token, as in corpora packed with a BOS per document. False:
         T bytes predict the next T.
+      fingerprint: the identity of the data the batches come from
+        (``data_fingerprint``), set by ``train`` when a run starts and kept in
+        its record: a run resumes, and ``train.load_run`` and
+        ``train.run_batch`` rebuild batches, only on data with this
+        fingerprint (``make_task`` refuses any other). None: not pinned.
     """
 
     name: Literal["mqar", "induction", "selective_copy", "bytes"] = "mqar"
@@ -107,6 +115,7 @@ class TaskConfig:
     data: str | None = None
     val_percent: int = 10
     bos: bool = False
+    fingerprint: str | None = None
 
     def __post_init__(self):
         if self.name not in TASK_NAMES:
@@ -144,6 +153,8 @@ class TaskConfig:
             raise ValueError(f"task.bos: expected False unless name is 'bytes', got {self.bos!r}")
         if self.name == "bytes" and not 0 < self.val_percent < 100:
             raise ValueError(f"task.val_percent: expected 1..99, got {self.val_percent}")
+        if self.fingerprint is not None and not isinstance(self.fingerprint, str):
+            raise ValueError(f"task.fingerprint: expected None or a str, got {self.fingerprint!r}")
 
     @property
     def vocab(self) -> int:
@@ -310,12 +321,15 @@ class Corpus:
       test: uint8 array, the held-out pieces.
       source: where the text came from.
       files: how many files were read.
+      fingerprint: SHA-256 (hex) of the split rule and of every file read,
+        name and bytes: another corpus, or one file changed, has another.
     """
 
     train: np.ndarray
     test: np.ndarray
     source: str
     files: int
+    fingerprint: str
 
 
 def stdlib_corpus_path() -> Path:
@@ -332,7 +346,6 @@ def _text_files(root: Path, skip_dirs: frozenset[str]) -> list[Path]:
     return files
 
 
-@functools.lru_cache(maxsize=4)
 def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     """Reads a text file or folder as bytes and splits it deterministically.
 
@@ -342,6 +355,9 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     files). Each file is cut into pieces of ``CORPUS_PIECE_BYTES``; a piece is
     held out when ``crc32(relative path : piece index) % 100 < val_percent``,
     a fixed rule, so the split is the same on every run and machine.
+
+    Reads are cached per path while no file changes (name, size and
+    modification time): a file replaced since is read again.
 
     Args:
       path: a text file, a folder, or None for the standard library.
@@ -361,13 +377,29 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
             files = _text_files(root, frozenset({"__pycache__"}))
         else:
             raise ValueError(f"data: expected an existing text file or folder, got {path!r}")
+    stats = tuple((str(f), *_stat(f)) for f in files)
+    return _read_corpus(str(root), stats, val_percent)
+
+
+def _stat(f: Path) -> tuple[int, int]:
+    st = f.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=4)
+def _read_corpus(root: str, stats: tuple, val_percent: int) -> Corpus:
+    """``load_corpus`` of the files in ``stats`` (``(path, size, mtime)``, the cache key)."""
+    root = Path(root)
+    digest = hashlib.sha256(f"pieces {CORPUS_PIECE_BYTES} val {val_percent}".encode())
     train, test, used = [], [], 0
-    for f in files:
+    for f in (Path(x[0]) for x in stats):
         data = f.read_bytes()
         if not data or b"\0" in data:
             continue  # empty or binary
         used += 1
         name = f.name if f == root else str(f.relative_to(root))
+        digest.update(f"\0{name}\0{len(data)}\0".encode())
+        digest.update(data)
         for i in range(0, len(data), CORPUS_PIECE_BYTES):
             tag = zlib.crc32(f"{name}:{i // CORPUS_PIECE_BYTES}".encode())
             (test if tag % 100 < val_percent else train).append(data[i : i + CORPUS_PIECE_BYTES])
@@ -378,7 +410,13 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     if not train:
         train.append(test.pop(0))
     as_array = lambda pieces: np.frombuffer(b"".join(pieces), np.uint8)  # noqa: E731
-    return Corpus(train=as_array(train), test=as_array(test), source=str(root), files=used)
+    return Corpus(
+        train=as_array(train),
+        test=as_array(test),
+        source=str(root),
+        files=used,
+        fingerprint=digest.hexdigest(),
+    )
 
 
 def bytes_batch(
@@ -425,6 +463,11 @@ class Task:
         """V the model needs."""
         return self.config.vocab
 
+    @property
+    def fingerprint(self) -> str:
+        """The data's identity (``data_fingerprint``)."""
+        return _fingerprint(self.config, self.corpus)
+
     def batch(self, seed: int, split: str, step: int, batch_size: int) -> dict[str, np.ndarray]:
         """The batch number ``step`` of ``split`` for ``seed``; always the same arrays.
 
@@ -462,6 +505,33 @@ class Task:
 
 
 def make_task(config: TaskConfig) -> Task:
-    """Binds a task config; reads the corpus for ``bytes`` (cached per path)."""
+    """Binds a task config; reads the corpus for ``bytes`` (cached while its files stay).
+
+    Raises:
+      ValueError: ``config.fingerprint`` is set and the data has another (one
+        line: the corpus changed since the run was recorded).
+    """
     corpus = load_corpus(config.data, config.val_percent) if config.name == "bytes" else None
-    return Task(config, corpus)
+    task = Task(config, corpus)
+    now = task.fingerprint
+    if config.fingerprint is not None and config.fingerprint != now:
+        where = "the task config" if corpus is None else f"the files under {corpus.source!r}"
+        raise ValueError(
+            f"task.fingerprint: expected the data the run was recorded with "
+            f"({config.fingerprint[:16]}), got other data: {where} now hash to {now[:16]}; "
+            "restore the recorded data, or start a new run (a new workdir) on this data"
+        )
+    return task
+
+
+def data_fingerprint(config: TaskConfig) -> str:
+    """The identity of a task's data: SHA-256 (hex) of the corpus's files and split rule
+    for ``bytes``, of the task config (its generator's settings) for the synthetic tasks."""
+    return make_task(dataclasses.replace(config, fingerprint=None)).fingerprint
+
+
+def _fingerprint(config: TaskConfig, corpus: Corpus | None) -> str:
+    if corpus is not None:
+        return corpus.fingerprint
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "fingerprint"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

@@ -21,7 +21,7 @@ try:
 except ImportError:  # Windows: no advisory locks; runs are not guarded there
     fcntl = None
 
-__all__ = ["LOCK", "check_writable", "lock", "write_atomic"]
+__all__ = ["LOCK", "check_writable", "lock", "saved_steps", "write_atomic"]
 
 LOCK = ".lock"
 
@@ -94,3 +94,12 @@ def lock(workdir: str | Path):
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def saved_steps(workdir: str | Path) -> list[int]:
+    """Steps of the checkpoint folders under ``workdir/checkpoints`` (sorted), read
+    from their names alone: whether a run has saved anything, without opening it."""
+    folder = Path(workdir) / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.is_dir() and p.name.isdigit())

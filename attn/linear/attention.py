@@ -37,8 +37,10 @@ Packing and padding are segment ids, as in ``attn.dot_product_attention``
 (``q_segment_ids [B,T]``, ``kv_segment_ids [B,S]``, both or neither): a query
 sees only keys with its id. Id 0 is padding (``masks.segment_ids_from_lengths``
 gives 1 for tokens, 0 for padding): a padding key adds nothing to any state
-and does not decay it, a padding query outputs 0 with zero gradients (dense
-attention lets id 0 see id 0; real tokens agree). Causal: a segment is a run
+and does not decay it, a padding query outputs 0 with zero gradients. Padding
+may hold anything, NaN and Inf included: its q, k, v (and gates) are selected
+away where they enter, so nothing reaches a real token (a NaN in a real key
+reaches every later query of its segment, as the recurrence says). Causal: a segment is a run
 of equal non-zero ids (padding inside it skipped), the state resets where the
 next one starts (a log decay of ``-inf``), and decays inside a segment are
 those of the segment run alone; so packed segments must be contiguous (an id
@@ -93,6 +95,7 @@ from attn import checks
 from attn.checks import as_arrays, concrete, fail, qkv_dims
 from attn.linear import forms, segments
 from attn.linear.features import output_dim, resolve, root_scale
+from attn.masks import drop_padding
 
 __all__ = [
     "LINEAR_FORMS",
@@ -294,6 +297,8 @@ def linear_attention(
     q_seg, kv_seg = _check_segments(
         q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state
     )
+    # Padding holds anything, NaN included: selected away where it enters.
+    q, k, v = drop_padding(q, q_seg), drop_padding(k, kv_seg), drop_padding(v, kv_seg)
     if initial_state is not None:
         _check_state(initial_state, "initial_state", B, N, F, E)
         kv0 = jnp.asarray(initial_state[0], jnp.float32).reshape(B, K, G, F, E)
@@ -396,6 +401,7 @@ def linear_attention_step(
     _check_state(state, "state", B, N, F, E)
     seg = checks.segment_ids(segment_id, "segment_id", B)
     real = None if seg is None else seg != segments.PADDING
+    q_t, k_t, v_t = (drop_padding(x, seg) for x in (q_t, k_t, v_t))
     log_a = _log_decay(decay, log_gate, B, 1, N)
     if log_a is not None and real is not None:
         log_a = jnp.where(real[:, None, None], log_a, 0.0)  # padding does not decay

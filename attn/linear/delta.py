@@ -47,7 +47,8 @@ state without NaN, forward or backward.
 Packing and padding are segment ids as in ``attn.linear_attention`` (causal
 only; ``q_segment_ids`` and ``kv_segment_ids`` are the same ids): id 0 is
 padding, which writes nothing (beta 0), does not decay the state and outputs
-0; a segment is a run of equal non-zero ids and the state is erased where the
+0, whatever its q, k, v and beta hold (NaN and Inf are selected away where
+they enter); a segment is a run of equal non-zero ids and the state is erased where the
 next one starts (a gate of 0 on all channels), so packed segments compute what
 each computes alone. The initial state is the first segment's past, the final
 state the last segment's.
@@ -63,6 +64,7 @@ import numpy as np
 from attn import checks
 from attn.checks import as_arrays, concrete, fail
 from attn.linear import delta_forms, segments
+from attn.masks import drop_padding
 
 __all__ = ["DELTA_FORMS", "delta_rule", "delta_rule_step", "init_delta_state"]
 
@@ -129,9 +131,7 @@ def _check_state(state, name: str, B: int, N: int, H: int, E: int):
 def _scale(scale, H: int) -> float:
     if scale is None:
         return H**-0.5
-    if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
-        fail("scale", "a positive Python number or None (1/sqrt(H))", repr(scale))
-    return float(scale)
+    return checks.positive_float(scale, "scale", "a positive finite number or None (1/sqrt(H))")
 
 
 def _segments(q_segment_ids, kv_segment_ids, B: int, T: int):
@@ -195,6 +195,8 @@ def delta_rule(
         fail("chunk_size", "a positive int", repr(chunk_size))
     _check_gates(log_gates, (B, T), N, H, "log_gates")
     q_seg, kv_seg = _segments(q_segment_ids, kv_segment_ids, B, T)
+    # Padding holds anything, NaN included: selected away where it enters.
+    q, k, v, beta = drop_padding(q, q_seg), *(drop_padding(x, kv_seg) for x in (k, v, beta))
     if initial_state is not None:
         _check_state(initial_state, "initial_state", B, N, H, E)
         initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)

@@ -10,14 +10,13 @@ by name with ``register_feature_map`` (then a layer config can name it).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 
-from attn.checks import fail
+from attn.checks import fail, positive_float
 from attn.registry import Registry
 
 __all__ = [
@@ -191,9 +190,7 @@ def root_scale(scale, feature_map, head_dim: int) -> float:
     """Returns the factor applied to q and to k before the map (sqrt of ``scale``)."""
     if scale is None:
         scale = head_dim**-0.5 if feature_map in EXP_KERNEL_MAPS else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not scale > 0:
-        fail("scale", "a positive Python number (static)", scale)
-    return math.sqrt(float(scale))
+    return math.sqrt(positive_float(scale, "scale", "a positive finite Python number (static)"))
 
 
 def linear_feature_dim(feature_map="elu1", head_dim: int = 64, *, projection=None) -> int:

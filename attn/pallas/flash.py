@@ -107,6 +107,7 @@ def flash_attention(
 def attend(call: Call, q, k, v, *, return_lse=False, block_q=None, block_k=None, interpret=None,
            platform=None):  # fmt: skip
     """``flash_attention`` of a checked call (see there)."""
+    q, k, v = call.isolate(q, k, v)
     config = _config(call, block_q, block_k, interpret, platform)
     ints = _kernel_ints(config, call)
     qp, kp, vp = _padded_operands(config, q, k, v)

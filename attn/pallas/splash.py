@@ -243,6 +243,7 @@ def attend(call: Call, q, k, v, *, return_lse=False, interpret=None, platform=No
     refusal = _refusal(call, None, False, return_lse)
     if refusal is not None:
         fail(refusal.arg, refusal.expected, refusal.got)
+    q, k, v = call.isolate(q, k, v)
     T, S, N = call.dims.T, call.dims.S, call.dims.N
     platform = jax.default_backend() if platform is None else platform
     if platform not in PLATFORMS:

@@ -102,6 +102,7 @@ def ring_attention(
     """
     q, k, v = as_arrays(q, k, v)
     call = _check(q, k, v, axis_name, call_args)
+    q, k, v = call.isolate(q, k, v)  # before K/V travel: the ring carries no padding
     config, tiles, inputs = _prepare(call, q, k, v, block_q, block_k)
     out, lse = ring_flash(config, axis_name, *tiles, inputs)
     out, lse = untile(config, out), untile(config, lse[..., None])[..., 0]

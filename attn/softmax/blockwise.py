@@ -120,6 +120,7 @@ def blockwise_attention(
 def attend(call: Call, q, k, v, *, block_q=DEFAULT_BLOCK_Q, block_k=DEFAULT_BLOCK_K,
            return_lse=False):  # fmt: skip
     """``blockwise_attention`` of a checked call (see there)."""
+    q, k, v = call.isolate(q, k, v)
     config, inputs, sink, mod = _prepare(call, q.dtype, block_q, block_k)
     sink, mod = vary_like(sink, q), jax.tree.map(lambda x: vary_like(x, q), mod)
     out, lse = flash(config, *qkv_tiles(config, q, k, v), sink, mod, inputs)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
 from typing import Any, TypedDict, Unpack
 
 import jax
@@ -34,7 +33,7 @@ import numpy as np
 
 from attn import checks, scores
 from attn.checks import fail
-from attn.masks import Full, Mask, full, same_segment
+from attn.masks import Full, Mask, drop_padding, full, same_segment
 
 __all__ = [
     "CALL_ARGS",
@@ -59,8 +58,8 @@ class CallArgs(TypedDict, total=False):
 
     Attributes:
       mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
-      scale: logit scale, default ``1/sqrt(H)``.
-      softcap: if given, logits become ``softcap * tanh(logits / softcap)``
+      scale: logit scale, a finite float > 0, default ``1/sqrt(H)``.
+      softcap: if given (finite, > 0), logits become ``softcap * tanh(logits / softcap)``
         (shorthand for ``scores.softcap``, applied before ``score_mod``).
       score_mod: an ``attn.scores`` modifier (ALiBi, T5 buckets, FoX, ...) of
         the scaled logits, evaluated on the absolute positions; gradients
@@ -71,11 +70,17 @@ class CallArgs(TypedDict, total=False):
         queries are the last T of the keys (bottom-right alignment, so a decode
         step or a prefill chunk is right without positions). With T > S, or
         with ``kv_positions`` and T != S, a mask other than ``full()`` needs them.
-      kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``.
-      q_segment_ids: ``[B,T]`` ints >= 0, with ``kv_segment_ids`` (both or
-        neither): queries see only keys with the same id (packing), and id 0
-        is padding: it sees no key, is seen by no query and outputs 0.
-      kv_segment_ids: ``[B,S]`` ints >= 0.
+      kv_positions: ``[S]`` or ``[B,S]`` ints, default ``arange(S)``. Positions
+        lie in ``[-2**30, 2**30)`` (``checks.MAX_POSITION``), so their
+        differences fit int32: a ``ValueError`` where they are concrete; under
+        a trace they are not checked, and values outside wrap.
+      q_segment_ids: ``[B,T]`` ints in ``[0, 2**31)``, with ``kv_segment_ids``
+        (both or neither): queries see only keys with the same id (packing),
+        and id 0 is padding: it sees no key, is seen by no query and outputs
+        0. Padding may hold anything, NaN and Inf included: it reaches no
+        other token (``Call.isolate``). Ids are checked where concrete (an
+        int64 id beyond int32 is refused, never wrapped into padding).
+      kv_segment_ids: ``[B,S]`` ints, as ``q_segment_ids``.
     """
 
     mask: Mask | None
@@ -160,6 +165,24 @@ class Call:
         given = self.positions[1]
         return checks.positions(None, "", d.B, d.S) if given is None else given
 
+    def isolate(self, q, k, v):
+        """``q``, ``k``, ``v`` with every padding token's entries (segment id 0) set to 0.
+
+        Every implementation calls it where the operands enter, so NaN or Inf
+        held by padding (a recycled page, a stale request, a cache's unused
+        tail) reaches no real token, forward or backward
+        (``attn.masks.drop_padding``); without segment ids nothing is padding.
+
+        What is not isolated: a NaN in a real key that a query cannot see but
+        other queries of its row can (a future token under the causal mask,
+        another packed document) reaches that query through ``P @ V``, as in
+        every matmul-based attention (``jax.nn``'s and FlashAttention's packed
+        forms included); hiding it would take a select per query and key pair.
+        Key blocks that block skipping never visits stay isolated for free.
+        """
+        q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
+        return drop_padding(q, q_seg), drop_padding(k, kv_seg), drop_padding(v, kv_seg)
+
     def spec(self) -> CallSpec:
         """The static part (``CallSpec``)."""
         d = self.dims
@@ -209,14 +232,11 @@ def check_static(mask, scale, softcap) -> tuple[Mask, float | None, float | None
         mask = full()
     elif not isinstance(mask, Mask):
         fail("mask", "an attn.masks.Mask (e.g. masks.causal()) or None", type(mask).__name__)
-    if scale is not None and (not isinstance(scale, numbers.Real) or scale <= 0):
-        fail("scale", "a positive float or None", repr(scale))
-    if softcap is not None and (not isinstance(softcap, numbers.Real) or softcap <= 0):
-        fail("softcap", "a positive float or None", repr(softcap))
+    expected = "a positive finite float or None"
     return (
         mask,
-        None if scale is None else float(scale),
-        None if softcap is None else float(softcap),
+        None if scale is None else checks.positive_float(scale, "scale", expected),
+        None if softcap is None else checks.positive_float(softcap, "softcap", expected),
     )
 
 

@@ -70,6 +70,7 @@ def attend(call: Call, q, k, v, *, bias=None, return_weights=False, return_lse=F
 @functools.partial(jax.jit, static_argnames=("return_weights", "return_lse"))
 def _dense(c: Call, q, k, v, bias, *, return_weights, return_lse):
     B, T, S, N, K, G, H, E = c.dims
+    q, k, v = c.isolate(q, k, v)
     qg = q.reshape(B, T, K, G, H)
     s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
     chex.assert_shape(s, (B, K, G, T, S))

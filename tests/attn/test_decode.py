@@ -154,3 +154,32 @@ def test_gradients_equal_one_dense_call_over_the_valid_keys():
     for g, w in zip(got, want, strict=True):
         assert rel_err(g, w) < 1e-5
     assert np.all(np.asarray(got[1])[3] == 0.0)  # the empty row's keys get nothing
+
+
+def test_slots_past_the_lengths_and_invalid_slots_may_hold_anything():
+    """NaN and Inf in slots past a row's length or marked invalid change nothing, bit for
+    bit: outputs, lse and the gradients of q, k, v and the sinks (zero on those slots)."""
+    q, k, v = qkv(10, B=4, T=1, S=S, N=4, K=2)
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])
+    kv_valid = np.ones((4, S), bool)
+    kv_valid[1, 2] = kv_valid[2, 11] = False  # e.g. pages freed behind a window
+    unused = (np.arange(S)[None] >= LENGTHS[:, None]) | ~kv_valid
+    junk = np.where(np.arange(S) % 2, np.nan, np.inf)[None, :, None, None]
+
+    @jax.jit
+    def run(q, k, v, sink):
+        def loss(q, k, v, sink):
+            out, lse = attn.decode_attention(
+                q, k, v, lengths=LENGTHS, num_splits=3, kv_valid=kv_valid, sink_logits=sink,
+                mask=masks.causal(), return_lse=True,
+            )  # fmt: skip
+            return jnp.sum(out * out), (out, lse)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sink)
+
+    clean = run(q, k, v, sink)
+    bad = jnp.asarray(unused[..., None, None])
+    dirty = run(q, jnp.where(bad, -junk, k), jnp.where(bad, junk, v), sink)
+    jax.tree.map(np.testing.assert_array_equal, dirty, clean)
+    (_, dk, dv, _), _ = dirty
+    assert not np.asarray(dk)[unused].any() and not np.asarray(dv)[unused].any()

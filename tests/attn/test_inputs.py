@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from flax import nnx
 
 import attn
 import models
@@ -78,3 +79,59 @@ def test_presets_build_lazily_so_one_bad_size_spoils_no_other():
     with pytest.raises(ValueError, match=r"^num_kv_heads: .*building preset 'gqa'"):
         sized["gqa"]
     assert "gqa" in list(sized)  # listed, built only when asked for
+
+
+NAN, INF = float("nan"), float("inf")
+Q4 = Q[:, :4]
+IDS = np.array([[1, 1, 2**40, 1]], np.int64)  # wraps to 0 (padding) as int32
+NEAR_2_31 = np.arange(4, dtype=np.int64) + 2**31 - 2  # crosses 2**31: wraps as int32
+
+
+@pytest.mark.parametrize(
+    ("call", "arg"),
+    [
+        (lambda: attn.dot_product_attention(Q4, Q4, Q4, scale=NAN), "scale"),
+        (lambda: attn.blockwise_attention(Q4, Q4, Q4, scale=INF), "scale"),
+        (lambda: attn.attention(Q4, Q4, Q4, softcap=NAN), "softcap"),
+        (lambda: attn.decode_attention(Q4, Q4, Q4, lengths=[4], softcap=INF), "softcap"),
+        (lambda: attn.scores.softcap(INF), "cap"),
+        (lambda: attn.linear_attention(Q4, Q4, Q4, scale=NAN), "scale"),
+        (lambda: attn.delta_rule(Q4, Q4, Q4, Q4[..., 0], scale=INF), "scale"),
+        (
+            lambda: attn.dot_product_attention(Q4, Q4, Q4, q_segment_ids=IDS, kv_segment_ids=IDS),
+            "q_segment_ids",
+        ),
+        (
+            lambda: attn.linear_attention(Q4, Q4, Q4, q_segment_ids=IDS, kv_segment_ids=IDS),
+            "q_segment_ids",
+        ),
+        (
+            lambda: attn.short_conv(Q4[..., 0], np.ones((2, 2), np.float32), segment_ids=IDS),
+            "segment_ids",
+        ),
+        (
+            lambda: attn.dot_product_attention(
+                Q4, Q4, Q4, mask=masks.causal(), q_positions=NEAR_2_31, kv_positions=NEAR_2_31
+            ),
+            "q_positions",
+        ),
+        (lambda: attn.decode_attention(Q4, Q4, Q4, lengths=np.array([2**32 + 3])), "lengths"),
+    ],
+)
+def test_values_that_cannot_be_right_are_refused_where_concrete(call, arg):
+    """NaN/Inf scales and caps; int64 ids, positions and lengths beyond what int32 holds
+    (which would wrap: an id of 2**40 into padding, positions into another order)."""
+    with pytest.raises(ValueError, match=rf"^{arg}: expected"):
+        call()
+
+
+def test_model_inputs_beyond_int32_are_refused():
+    model = models.Decoder(
+        models.ModelConfig(vocab_size=8, width=8, layers=(models.presets()["mha"],)),
+        rngs=nnx.Rngs(0),
+    )
+    tokens = np.zeros((1, 4), np.int32)
+    with pytest.raises(ValueError, match=r"^segment_ids: expected"):
+        model(tokens, segment_ids=IDS)
+    with pytest.raises(ValueError, match=r"^positions: expected"):
+        model(tokens, positions=NEAR_2_31[None])

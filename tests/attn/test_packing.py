@@ -1,7 +1,9 @@
 """One segment-id convention in every implementation: one packed, padded batch, per-sequence runs.
 
 Id 0 is padding (it sees no key, no query sees it, it outputs 0 and gets zero
-gradients), ids >= 1 are segments, negative ids are refused. The same batch
+gradients), ids >= 1 are segments, negative ids are refused. Padding holds
+whatever memory held: here NaN, +Inf and -Inf, which must reach no real token,
+forward or backward. The same batch
 (segments of 5 tokens, padding before, between and after them, ids that are
 not in order) goes through every softmax implementation (dense, blockwise,
 Pallas and splash in interpret mode), linear attention (its three forms) and
@@ -37,6 +39,7 @@ SEGMENTS = [(0, 0), (0, 7), (1, 3), (1, 9)]
 STREAMING = masks.causal() & (masks.sliding_window(3) | masks.initial_tokens(1))
 
 SOFTMAX = {
+    "auto": attn.attention,
     "dense": attn.dot_product_attention,
     "blockwise": functools.partial(attn.blockwise_attention, block_q=4, block_k=4),
     "pallas": functools.partial(attn.pallas.flash_attention, block_q=8, block_k=8),
@@ -58,6 +61,14 @@ def _packed(alone, fill=0.0):
     for (b, t), x in zip(SEGMENTS, alone, strict=True):
         out = out.at[b, t : t + L].set(x)
     return out
+
+
+def _poisoned(x):
+    """``x [B,T,...]`` with NaN, +Inf and -Inf at padding tokens (what a stale slot may hold)."""
+    junk = np.resize(np.array([np.nan, np.inf, -np.inf], np.float32), T)[None, :]
+    pad = (IDS == 0).reshape(IDS.shape + (1,) * (x.ndim - 2))
+    junk = junk.reshape(junk.shape + (1,) * (x.ndim - 2))
+    return jnp.where(pad, jnp.asarray(junk, x.dtype), x)
 
 
 def _out_and_grads(fn, q, k, v, cot):
@@ -85,7 +96,7 @@ def test_softmax_packed_equals_each_segment_alone(impl):
     fn = SOFTMAX[impl]
     packed = functools.partial(fn, **kw)
     alone = functools.partial(fn, mask=mask)
-    out, grads = _out_and_grads(packed, q, k, v, cot)
+    out, grads = _out_and_grads(packed, *map(_poisoned, (q, k, v)), cot)
     want, want_grads = _out_and_grads(alone, _alone(q), _alone(k), _alone(v), _alone(cot))
     assert rel_err(out, _packed(want)) <= RTOL  # padding rows: 0, as in want
     for g, w in zip(grads, want_grads, strict=True):
@@ -102,23 +113,66 @@ def restarted_positions():
     return jnp.asarray(np.arange(T) - starts, jnp.int32)
 
 
+def _packed_and_alone(fn, inputs, cot, **ids_as):
+    """``fn`` on the packed batch (padding poisoned) against ``fn`` on each segment alone.
+
+    ``fn(*inputs, **ids)`` maps ``[B,T,...]`` inputs to ``[B,T,...]`` outputs;
+    ``ids_as`` names its segment-id keywords. Compares the output and the
+    gradients of ``sum(out * cot)`` for every input (zero at padding).
+    """
+
+    def loss(fn, inputs, cot):
+        out = fn(*inputs)
+        return (out * cot).sum(), out
+
+    run = jax.jit(jax.grad(loss, argnums=1, has_aux=True), static_argnums=0)
+    ids = {name: jnp.asarray(IDS) for name in ids_as}
+    grads, out = run(functools.partial(fn, **ids), tuple(map(_poisoned, inputs)), cot)
+    want_grads, want = run(fn, tuple(map(_alone, inputs)), _alone(cot))
+    assert rel_err(out, _packed(want)) <= RTOL
+    for g, w in zip(grads, want_grads, strict=True):
+        assert rel_err(g, _packed(w)) <= RTOL  # zero at padding
+
+
+SEGMENT_IDS = dict(q_segment_ids=None, kv_segment_ids=None)
+
+
 @pytest.mark.parametrize("form", attn.LINEAR_FORMS)
 def test_linear_packed_equals_each_segment_alone(form):
-    q, k, v = normal(4, (B, T, N, H)), normal(5, (B, T, K, H)), normal(6, (B, T, K, H))
-    log_gates = -jnp.abs(normal(7, (B, T, N)))
-    ids = jnp.asarray(IDS)
-    fn = jax.jit(functools.partial(attn.linear_attention, form=form, chunk_size=4))
-    out = fn(q, k, v, log_gates=log_gates, q_segment_ids=ids, kv_segment_ids=ids)
-    want = fn(_alone(q), _alone(k), _alone(v), log_gates=_alone(log_gates))
-    assert rel_err(out, _packed(want)) <= RTOL
+    def fn(q, k, v, log_gates, **ids):
+        return attn.linear_attention(q, k, v, log_gates=log_gates, form=form, chunk_size=4, **ids)
+
+    inputs = normal(4, (B, T, N, H)), normal(5, (B, T, K, H)), normal(6, (B, T, K, H))
+    inputs += (-jnp.abs(normal(7, (B, T, N))),)
+    _packed_and_alone(fn, inputs, normal(8, (B, T, N, H)), **SEGMENT_IDS)
+
+
+@pytest.mark.parametrize("form", attn.DELTA_FORMS)
+def test_delta_rule_packed_equals_each_segment_alone(form):
+    def fn(q, k, v, beta, log_gates, **ids):
+        return attn.delta_rule(q, k, v, beta, log_gates=log_gates, form=form, chunk_size=4, **ids)
+
+    q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) for x in qk_pair(10))
+    beta = jax.nn.sigmoid(normal(12, (B, T, N)))
+    inputs = (q, k, normal(11, (B, T, N, H)), beta, -jnp.abs(normal(13, (B, T, N))))
+    _packed_and_alone(fn, inputs, normal(14, (B, T, N, H)), **SEGMENT_IDS)
+
+
+def qk_pair(seed):
+    return normal(seed, (B, T, K, H)), normal((seed, 1), (B, T, K, H))
 
 
 def test_short_conv_packed_equals_each_segment_alone():
-    x, weight = normal(8, (B, T, 6)), normal(9, (4, 6))
-    conv = jax.jit(attn.short_conv)
-    y, _ = conv(x, weight, segment_ids=jnp.asarray(IDS))
-    want, _ = conv(_alone(x), weight)
+    def loss(x, weight, cot, **ids):
+        y = attn.short_conv(x, weight, **ids)[0]
+        return (y * cot).sum(), y
+
+    run = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+    x, weight, cot = normal(8, (B, T, 6)), normal(9, (4, 6)), normal(15, (B, T, 6))
+    (dx, dw), y = run(_poisoned(x), weight, cot, segment_ids=jnp.asarray(IDS))
+    (want_dx, want_dw), want = run(_alone(x), weight, _alone(cot))
     assert rel_err(y, _packed(want)) <= RTOL
+    assert rel_err(dx, _packed(want_dx)) <= RTOL and rel_err(dw, want_dw) <= RTOL
 
 
 @pytest.mark.parametrize(

@@ -224,3 +224,37 @@ def test_extend_pages_gives_what_extend_slots_gives_a_full_cache():
                 np.testing.assert_array_equal(pool_k[page, slot], pools[0][page, slot])
     with pytest.raises(ValueError, match="block_tables: expected a page for every token"):
         paged.extend_pages(pools, tables, (new_k, new_v), start, np.array([5, 5]))  # row 1: 5
+
+
+def test_a_page_of_another_row_or_of_no_row_holding_nan_changes_nothing():
+    """Row 1 holds page 0 (the page an unused table entry used to read) and it holds NaN;
+    the free pages hold Inf; row 0 has unused entries past its length and a page freed
+    behind a window. Row 0's output and gradients are bit-identical to a clean pool's."""
+    table = attn.PageTable(PAGES, PAGE, 2, M)
+    table.grow(1, 3)  # page 0
+    table.grow(0, 14)
+    table.drop_before(0, 8)  # row 0's first two pages return to the pool: -1 entries
+    tables, lengths = table.arrays()
+    assert int(tables[1, 0]) == 0 and int(tables[0, 0]) == paged.UNUSED
+    pool = normal(6, (PAGES, PAGE, K, H))
+    q = normal(7, (2, 1, N, H))
+    kw = dict(mask=masks.causal() & masks.sliding_window(6), num_splits=2)
+
+    @jax.jit
+    def run(q, pool_k, pool_v):
+        def loss(q, pool_k, pool_v):
+            out = attn.paged_decode_attention(q, pool_k, pool_v, tables, lengths, **kw)
+            return jnp.sum(out[0] ** 2), out[0]
+
+        return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, pool_k, pool_v)
+
+    free = np.setdiff1d(np.arange(PAGES), np.asarray(tables)[np.asarray(tables) >= 0])
+    dirty = pool.at[0].set(jnp.nan).at[free].set(jnp.inf)
+    (dq, dk, dv), out = run(q, dirty, -dirty)
+    (want_dq, want_dk, want_dv), want = run(q, pool, -pool)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(dq[0], want_dq[0])
+    for page in np.asarray(tables[0])[np.asarray(tables[0]) >= 0]:
+        np.testing.assert_array_equal(dk[page], want_dk[page])
+        np.testing.assert_array_equal(dv[page], want_dv[page])
+    assert not np.asarray(dk)[free].any() and not np.asarray(dv)[free].any()  # pages of no row

@@ -335,7 +335,7 @@ def test_bad_modifiers_are_named():
         scores.relative_bias(jnp.ones((4, 16)))
     with pytest.raises(ValueError, match=r"^max_distance: expected more than"):
         scores.relative_bias(jnp.ones((4, 32)), max_distance=8)
-    with pytest.raises(ValueError, match=r"^cap: expected a positive float"):
+    with pytest.raises(ValueError, match=r"^cap: expected a positive finite float"):
         scores.softcap(0.0)
     with pytest.raises(ValueError, match=r"^score_mod: expected None or scores\.softcap"):
         splash_attention(q, k, v, score_mod=scores.alibi(jnp.ones(4)))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import attn
 import models
@@ -240,3 +241,27 @@ def test_generate_on_pages_sized_to_each_row():
 def test_init_cache_refuses_bad_pages(kwargs, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         model_for(SMALL).init_cache(2, 16, **kwargs)
+
+
+def test_a_request_whose_pages_hold_nan_and_inf_leaves_the_others_bit_identical():
+    """Request 0 reads two embedding rows no other request reads, one NaN and one Inf, so
+    every page it writes holds NaN. It finishes first and its pages return to the pool; the
+    next request takes them, with NaN in every slot it has not written yet. The other
+    requests' tokens and logits are bit-identical to a run with a clean request in its
+    place (same lengths, so the same rows, pages and steps)."""
+    model = nnx.clone(model_for(SMALL, tied_embeddings=False))  # the head reads no bad row
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, VOCAB, n) for n in (3, 6, 1, 9)]
+    new = [2, 6, 6, 6]
+    want, want_logits = models.serve(model, prompts, new, return_logits=True, **ROWS, **PAGED)
+    read = set(np.concatenate([*prompts[1:], *want[1:]]).tolist())
+    nan_id, inf_id = sorted(set(range(VOCAB)) - read)[:2]  # ids the clean requests never read
+    table = model.embed.embedding[...]
+    model.embed.embedding.set_value(table.at[nan_id].set(jnp.nan).at[inf_id].set(jnp.inf))
+    bad = [np.array([nan_id, inf_id, nan_id]), *prompts[1:]]
+    out, logits = models.serve(model, bad, new, return_logits=True, **ROWS, **PAGED)
+    assert np.isnan(logits[0]).all()  # the bad request's own logits
+    for r in range(1, 4):
+        assert np.isfinite(want_logits[r]).all()
+        np.testing.assert_array_equal(out[r], want[r])
+        np.testing.assert_array_equal(logits[r], want_logits[r])

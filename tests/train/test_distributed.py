@@ -1,10 +1,18 @@
 """Several hosts (``train.distributed``): start-up from the environment, each process's block.
 
-No second process is started: the environment and the process index are faked,
-and the slicing is checked against the mesh layout it must reproduce.
+The environment and the process index are faked, and the slicing is checked
+against the mesh layout it must reproduce. Two real processes on 127.0.0.1
+(gloo) check what the command line promises: one JSON summary on stdout, and
+processes given different runs refused in one line before training.
 """
 
 import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -122,3 +130,37 @@ def test_blocks_that_are_not_one_rectangle_raise():
         distributed.process_block(grid, 0, (4, 4))
     with pytest.raises(ValueError, match=r"^process_index:"):
         distributed.process_block(grid, 3, (4, 4))
+
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(Path(__file__).with_name("tiny_config.py"))
+
+
+def _two_processes(tmp_path, extra, timeout=180):
+    """``python -m train`` of the tiny run as processes 0 and 1 of one job: their
+    ``(returncode, stdout, stderr)``; ``extra[i]`` are process i's own flags."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        job = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2",
+               "JAX_PROCESS_ID": str(i)}  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), **job}
+        argv = [sys.executable, "-m", "train", "--config", TINY, "--workdir", str(tmp_path / "w"),
+                "--no-progress", "--steps", "2", "--eval-every", "2", *extra[i]]  # fmt: skip
+        procs.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    return [(p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
+
+
+def test_two_processes_print_only_json_and_refuse_different_arguments(tmp_path):
+    for code, out, err in _two_processes(tmp_path, [["--mesh", "data=2"]] * 2):
+        assert code == 0, err[-2000:]
+        assert json.loads(out)["step"] == 2  # gloo's connection line went to stderr
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["mesh"] == "data=2"
+    for code, out, err in _two_processes(tmp_path, [["--seed", "0"], ["--seed", "1"]]):
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert code == 2 and out == "" and len(errors) == 1, err[-2000:]
+        assert "arguments differ from process 0's (process 1)" in errors[0]

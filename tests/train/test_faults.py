@@ -233,6 +233,7 @@ def test_broken_or_incomplete_config_json_is_one_line_naming_it(
         ("", "invalid JSON"),
         (json.dumps({**data, "batch_size": -1}), "batch_size: expected an int >= 1"),
         (json.dumps({k: v for k, v in data.items() if k != "seed"}), "missing seed"),
+        (json.dumps({**data, "model": None}), "TrainConfig.model: expected a value, got null"),
     ):
         record.write_text(text)
         assert train_main(command(workdir)[3:]) == 2
@@ -285,19 +286,108 @@ def test_unwritable_folders_are_refused_before_training(tmp_path, env):
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_full_disk_is_one_line_naming_the_folder_and_step(tmp_path, monkeypatch):
-    ckpt = Checkpointer(tmp_path, keep=1, async_save=False)
+def test_a_full_disk_is_one_line_naming_the_folder_and_step(tmp_path, monkeypatch, capfd):
+    """Refused before writing when the free space cannot hold the checkpoint; where space is
+    tight the write is finished at once with stderr held back, so a disk that fills during
+    it (orbax's writer threads print their tracebacks, then raise tensorstore's ValueError)
+    is one line too; and a failed background write surfaces at the next save or close."""
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=False)
+    tree = {"step": np.asarray(7, np.int64), "w": np.zeros(1000, np.float32)}
+    ckpt.save(7, tree, {})
+
+    def check(e, step):
+        message = str(e.value)
+        assert f"could not save step {step}" in message and "(the disk is full)" in message
+        assert "the newest saved step is 7" in message
+        assert str(tmp_path / "checkpoints") in message and "\n" not in message
+
+    free = shutil.disk_usage(tmp_path)
+    need = int(1.1 * sum(p.stat().st_size for p in (tmp_path / "checkpoints" / "7").rglob("*")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: free._replace(free=need))
+    with pytest.raises(CheckpointWriteError) as e:
+        ckpt.save(8, tree, {})
+    check(e, 8)
+    assert "bytes free, a checkpoint needs about" in str(e.value)
 
     def full(*args, **kwargs):
+        os.write(2, b"Traceback (most recent call last):\nRuntimeError: Event loop is closed\n")
+        raise ValueError("RESOURCE_EXHAUSTED: Failed writing: [os_error_code='28']")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: free._replace(free=3 * need + (2 << 20)))
+    monkeypatch.setattr(ckpt._manager, "save", full)
+    capfd.readouterr()
+    with pytest.raises(CheckpointWriteError) as e:
+        ckpt.save(9, tree, {})
+    check(e, 9)
+    assert "Traceback" not in capfd.readouterr().err  # held back: the one line says it all
+
+    def failed_in_background(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt._manager, "save", full)
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", failed_in_background)
     with pytest.raises(CheckpointWriteError) as e:
-        ckpt.save(7, {"step": np.asarray(7, np.int64)}, {})
-    message = str(e.value)
-    assert "could not save step 7" in message and "(the disk is full)" in message
-    assert str(tmp_path / "checkpoints") in message and "\n" not in message
-    ckpt.close()
+        ckpt.wait()
+    assert "(the disk is full)" in str(e.value) and "newest saved step is 7" in str(e.value)
+    assert isinstance(ckpt.close(), CheckpointWriteError)  # returned, never raised
     with pytest.raises(ValueError, match=r"could not be written \(the disk is full\)"):
-        monkeypatch.setattr(Path, "write_text", full)
+        monkeypatch.setattr(Path, "write_text", failed_in_background)
         workdirs.write_atomic(tmp_path / "summary.json", "{}")
+
+
+def test_checkpoints_without_config_json_are_refused_unless_adopted(
+    tmp_path, env, reference, stopped_at_20
+):
+    """A deleted record: another lr and seed are refused (they used to resume silently and
+    rewrite the record); other shapes, even adopted, are refused without moving the intact
+    checkpoints aside; the same config adopted resumes the run bit for bit."""
+    workdir = stopped_at_20(tmp_path / "unrecorded")
+    (workdir / "config.json").unlink()
+    other = ["--optim.lr", "0.05", "--seed", "3"]
+    done = subprocess.run(command(workdir) + other, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "holds checkpoints (steps [15, 20]) but no config.json" in done.stderr
+    assert "--adopt-checkpoints" in done.stderr and not (workdir / "config.json").exists()
+    wider = ["--model.width", "32", "--adopt-checkpoints"]
+    done = subprocess.run(command(workdir) + wider, cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "checkpoint 20 in" in done.stderr and "holds other arrays" in done.stderr
+    assert not (workdir / "corrupt").exists()
+    assert workdirs.saved_steps(workdir) == [15, 20]
+    assert not (workdir / "config.json").exists()  # the refused run recorded nothing
+    done = subprocess.run([*command(workdir), "--adopt-checkpoints"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from step 20 of 30" in done.stderr
+    assert_same_run(workdir, reference)
+
+
+def test_damaged_metrics_are_reported_and_rebuilt_from_the_checkpoint(
+    tmp_path, env, reference, stopped_at_20
+):
+    """metrics.jsonl with a line cut in the middle, lines deleted and JSON lines that are not
+    records: one line names the damage, the records up to the checkpoint come back from it,
+    and the run ends as the reference did. A finished run whose metrics.jsonl is deleted
+    gets them back too (its summary was nulls)."""
+    workdir = stopped_at_20(tmp_path / "metrics")
+    path = workdir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]  # cut mid-line
+    del lines[4:6]
+    lines[6:6] = ['{"hello": 1}', "[1, 2]", '{"step": 3, "kind": "eval"}']
+    path.write_text("\n".join(lines) + "\n")
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = [line for line in done.stderr.splitlines() if line.startswith(str(path))]
+    assert len(report) == 1 and "4 lines that are not records dropped" in report[0], done.stderr
+    assert "3 records missing up to step 20 rebuilt from its checkpoint" in report[0]
+    assert_same_run(workdir, reference)
+    summary = json.loads((workdir / "summary.json").read_text())
+    path.unlink()
+    done = run(workdir, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    again = json.loads((workdir / "summary.json").read_text())
+    assert again["train_loss"] == summary["train_loss"] is not None
+    assert again["test_accuracy"] == summary["test_accuracy"] is not None
+    assert_same_run(workdir, reference)

@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 
 from tests.train.tiny_config import get_config
-from train import load_run
+from train import load_run, run_batch
 from train.checkpoint import Checkpointer, snapshot
-from train.config import OptimConfig
+from train.config import OptimConfig, read_record
 from train.loop import NonFiniteLossError, train
 from train.metrics import read_metrics
 from train.optimizer import make_optimizer
 from train.steps import build_model, evaluate, init_state, make_train_step
-from train.tasks import make_task
+from train.tasks import TaskConfig, data_fingerprint, make_task
 
 
 def _final_state(config, workdir):
@@ -89,6 +89,36 @@ def test_resume_refuses_a_different_config(tmp_path):
         train(changed, tmp_path, progress=False)
     # Bookkeeping fields may change.
     train(dataclasses.replace(config, log_every=2), tmp_path, stop_at=4, progress=False)
+
+
+def test_a_run_resumes_and_reloads_only_on_its_own_data(tmp_path):
+    """A corpus file replaced by one of the same size: the resume, load_run and run_batch
+    refuse it in one line; restored, all three work again (and a synthetic task's identity
+    is its config, which the record holds)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.txt").write_text(f"text {i} " * 200)
+    config = get_config()
+    config = dataclasses.replace(
+        config, task=TaskConfig(name="bytes", seq_len=16, data=str(corpus)), steps=4
+    )
+    train(config, tmp_path / "run", stop_at=2, progress=False)
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["task"]["fingerprint"]
+    assert recorded == data_fingerprint(config.task)
+    original = (corpus / "1.txt").read_bytes()
+    (corpus / "1.txt").write_bytes(original.upper())  # the same size
+    with pytest.raises(ValueError, match=r"holds a run of other data .* changed\); restore"):
+        train(config, tmp_path / "run", progress=False)
+    with pytest.raises(ValueError, match=r"^task\.fingerprint: expected the data the run"):
+        load_run(tmp_path / "run")
+    loaded, _ = read_record(tmp_path / "run")  # the record alone reads
+    with pytest.raises(ValueError, match=r"^task\.fingerprint: expected the data the run"):
+        run_batch(loaded, "test")
+    (corpus / "1.txt").write_bytes(original)
+    _, loaded = load_run(tmp_path / "run")
+    assert run_batch(loaded, "test")["tokens"].shape == (config.batch_size, 16)
+    assert train(config, tmp_path / "run", progress=False)["step"] == 4
 
 
 def test_more_steps_extend_a_finished_run_with_its_schedule(tmp_path):
@@ -175,7 +205,8 @@ def test_load_run_rebuilds_the_trained_model_from_its_record(tmp_path):
     )
     summary = train(config, tmp_path, progress=False)
     model, loaded = load_run(tmp_path)
-    assert loaded == config
+    pinned = dataclasses.replace(config.task, fingerprint=data_fingerprint(config.task))
+    assert loaded == dataclasses.replace(config, task=pinned)  # the config and its data's identity
     # The newest checkpoint is the trained model: it reproduces the run's last evaluation.
     again = evaluate(model, make_task(config.task), config)
     assert again["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-6)

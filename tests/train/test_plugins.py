@@ -31,6 +31,27 @@ def test_a_missing_plugin_is_one_line_naming_it(tmp_path):
         plugins.load([str(tmp_path / "nothing_here.py")])
 
 
+def test_a_plugin_that_does_not_import_is_one_line(tmp_path):
+    """A syntax error, an exception at import, an import of something missing: one line
+    (the command lines print it and exit 2), naming the plugin and where it failed."""
+    bodies = {
+        "plugin_syntax_x.py": ("def broken(:\n", "SyntaxError"),
+        "plugin_raises_x.py": (
+            "x = 1\nraise RuntimeError('no GPU\\nmore')\n",
+            "RuntimeError: no GPU",
+        ),
+        "plugin_missing_x.py": ("import not_a_module_anywhere\n", "ModuleNotFoundError"),
+    }
+    for name, (body, error) in bodies.items():
+        (tmp_path / name).write_text(body)
+        with pytest.raises(ValueError) as e:
+            plugins.load([str(tmp_path / name)])
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"--plugin '{tmp_path / name}'")
+        assert f"expected a plugin that imports, got {error}" in message
+        assert f"{name}:" in message and name[:-3] not in sys.modules
+
+
 def test_a_plugin_file_registers_and_is_recorded(tmp_path):
     path = tmp_path / "plugin_for_test_x.py"
     path.write_text(

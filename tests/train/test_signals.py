@@ -116,3 +116,23 @@ def test_ctrl_c_in_an_experiment(tmp_path):
     status, lines = interrupt(proc)
     assert status == 130 and len(lines) == 1, lines
     assert "interrupted" in lines[0]
+
+
+def test_ctrl_c_while_stderr_is_held_back_still_says_so(tmp_path):
+    """A checkpoint restore holds back file descriptor 2 (orbax's tracebacks of abandoned
+    reads); a Ctrl-C there used to exit 130 with its message lost in the held text."""
+    code = (
+        "import os, signal\n"
+        "from train.interrupt import exit_on_sigint\n"
+        "exit_on_sigint('python -m train')\n"
+        "from train.checkpoint import _stderr_kept_unless_failed\n"
+        "with _stderr_kept_unless_failed():\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    import time; time.sleep(5)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 130 and len(lines) == 1, done.stderr
+    assert lines[0].startswith("python -m train: interrupted; no checkpoint was being written")

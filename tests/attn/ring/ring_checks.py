@@ -118,6 +118,13 @@ def packed_segments(B, T):
     return jnp.asarray(q_seg), jnp.asarray(q_seg)
 
 
+def poisoned(x, ids):
+    """``x [B,T,...]`` with NaN at padding (id 0) in row 0 and +Inf in the other rows."""
+    junk = jnp.where(jnp.arange(x.shape[0]) == 0, jnp.nan, jnp.inf).astype(x.dtype)
+    pad = (ids == 0).reshape(ids.shape + (1,) * (x.ndim - 2))
+    return jnp.where(pad, junk.reshape((-1,) + (1,) * (x.ndim - 1)), x)
+
+
 def equal_case(
     num_devices,
     layout,
@@ -142,6 +149,8 @@ def equal_case(
         sink = None if sink_seed is None else normal(sink_seed, (N,))
         if kw.pop("segments", False):
             kw["q_segment_ids"], kw["kv_segment_ids"] = packed_segments(B, T)
+            # Padding holds anything: NaN and Inf there must reach no real token.
+            q, k, v = (poisoned(x, kw["q_segment_ids"]) for x in (q, k, v))
         fn = sharded(num_devices, layout, block, kw.pop("explicit", False))
         return compare(fn, q, k, v, sink, tol=tol, mask=mask, **kw)
 
