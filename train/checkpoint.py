@@ -323,12 +323,18 @@ class Checkpointer:
           CorruptCheckpoint: the checkpoint cannot be read (a missing or truncated
             file, invalid metadata), or an array's fingerprint differs from the
             one recorded at save time.
+          CheckpointMismatch: it reads, but holds other arrays than ``target``
+            (another config's run; never moved aside).
         """
         where = str(self.directory / str(step))
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _drop_empty(target))
-        self._check_shapes(step, where, abstract)
+        # The metadata read is inside the hold too: on a broken checkpoint its abandoned
+        # reads print tracebacks as they finish.
         with _stderr_kept_unless_failed() as failed:
             try:
+                mismatch = self._shape_mismatch(step, where, abstract)
+                if mismatch is not None:
+                    raise mismatch
                 out = self._manager.restore(
                     step,
                     args=ocp.args.Composite(
@@ -338,7 +344,7 @@ class Checkpointer:
                 meta, state = out["meta"], out["state"]
                 if not isinstance(meta, dict):
                     raise ValueError(f"metadata: expected a JSON object, got {type(meta).__name__}")
-            except (KeyboardInterrupt, SystemExit):
+            except (KeyboardInterrupt, SystemExit, CheckpointMismatch):
                 raise
             except Exception as e:  # orbax and tensorstore raise many kinds: all mean unreadable
                 failed.append(e)
@@ -356,9 +362,9 @@ class Checkpointer:
         tree = {**{k: {} for k in target}, **state}
         return tree, {k: v for k, v in meta.items() if k != "fingerprints"}
 
-    def _check_shapes(self, step: int, where: str, abstract) -> None:
-        """Refuses, as a ``CheckpointMismatch``, a checkpoint whose recorded arrays are
-        not the target's (names, shapes, dtypes). Unreadable metadata passes: the
+    def _shape_mismatch(self, step: int, where: str, abstract) -> CheckpointMismatch | None:
+        """A ``CheckpointMismatch`` if the checkpoint's recorded arrays are not the
+        target's (names, shapes, dtypes), else None. Unreadable metadata gives None: the
         restore then reports the checkpoint as corrupt."""
         try:
             state = self.directory / str(step) / "state"
@@ -366,13 +372,13 @@ class Checkpointer:
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception:
-            return
+            return None
         wanted = _shapes(abstract)
         if saved == wanted:
-            return
+            return None
         names = [n for n in {**wanted, **saved} if saved.get(n) != wanted.get(n)]
         got = lambda n, d: "none" if n not in d else f"{d[n][1]}{list(d[n][0])}"  # noqa: E731
-        raise CheckpointMismatch(
+        return CheckpointMismatch(
             f"checkpoint {step} in {where!r} holds other arrays than this config builds "
             f"({names[0]}: saved {got(names[0], saved)}, config gives {got(names[0], wanted)}; "
             f"{len(names)} differ): it is another config's run, resume it with that config"
