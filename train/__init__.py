@@ -5,7 +5,8 @@
 - ``train.loop``: ``train(config, workdir)``: AdamW, ``nnx.jit`` steps, evaluation,
   orbax checkpoints and exact resume, ``metrics.jsonl``.
 - ``train.run``: ``load_run(workdir, step=None) -> (model, config)``, a trained run
-  rebuilt from its own record, for analysis, and ``run_batch(config, split)``, its batches.
+  rebuilt from its own record, for analysis (in a folder of runs, ``variant=``, ``lr=``
+  and ``seed=`` pick one: ``find_run``), and ``run_batch(config, split)``, its batches.
 - ``train.plugins``: ``--plugin MODULE`` (modules of one's own that register layer
   kinds, presets, variants and feature maps; recorded with each run).
 - ``train.variants``: the comparison's variants (``register_variant`` adds one).
@@ -15,7 +16,7 @@ Command lines: ``python -m train --config configs/mqar.py --workdir runs/x`` and
 ``python -m train.compare``.
 """
 
-__all__ = ["load_run", "run_batch"]
+__all__ = ["find_run", "load_run", "run_batch"]
 
 
 def __getattr__(name: str):

@@ -15,6 +15,7 @@ from its record first, so a run of a plugin's kind loads like any other.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -23,33 +24,92 @@ from train.config import RECORD, from_json, read_record
 from train.steps import ModelFn, init_state
 from train.tasks import make_task
 
-__all__ = ["from_json", "load_run", "run_batch"]
+__all__ = ["find_run", "from_json", "load_run", "run_batch"]
+
+# A comparison's run folder: runs/<name>/<variant>/lr<lr>_seed<seed> (train.compare).
+_RUN_NAME = re.compile(r"^lr(?P<lr>[^_]+)_seed(?P<seed>-?\d+)$")
 
 
-def load_run(workdir: str | Path, step: int | None = None, *, model_fn: ModelFn | None = None):
+def find_run(folder: str | Path, *, variant=None, lr=None, seed=None) -> Path:
+    """The run folder ``folder`` names: itself if it holds a run, else the one run below it
+    (at most two levels: a comparison's ``<variant>/lr<lr>_seed<seed>``) that ``variant``,
+    ``lr`` and ``seed`` pick.
+
+    Raises:
+      ValueError: no run, or several, match; the message lists the runs found.
+    """
+    folder = Path(folder)
+    if (folder / RECORD).is_file() and variant is None and lr is None and seed is None:
+        return folder
+    runs = sorted(
+        p.parent.relative_to(folder)
+        for depth in ("*", "*/*")
+        for p in folder.glob(f"{depth}/{RECORD}")
+    )
+    picked = [r for r in runs if _matches(folder, r, variant, lr, seed)]
+    if len(picked) == 1:
+        return folder / picked[0]
+    shown = ", ".join(str(r) for r in runs[:12]) + (" and more" if len(runs) > 12 else "")
+    asked = ", ".join(f"{k}={v!r}" for k, v in dict(variant=variant, lr=lr, seed=seed).items()
+                      if v is not None)  # fmt: skip
+    if not runs:
+        raise ValueError(f"workdir: expected a run folder with config.json, got {str(folder)!r}")
+    which = (
+        f"{len(picked)} runs match {asked or 'nothing given'}"
+        if picked
+        else f"none matches {asked}"
+    )
+    raise ValueError(
+        f"workdir: expected one run, got {str(folder)!r}, which holds {len(runs)} runs ({shown}) "
+        f"and {which}: pick one with variant=, lr=, seed= (or pass its folder)"
+    )
+
+
+def _matches(folder: Path, run: Path, variant, lr, seed) -> bool:
+    parts = (folder.name, *run.parts)
+    if variant is not None and str(variant) not in parts[:-1] and str(variant) != run.name:
+        return False
+    name = _RUN_NAME.match(run.name)
+    if (lr is not None or seed is not None) and name is None:
+        return False
+    if lr is not None and float(name["lr"]) != float(lr):
+        return False
+    return seed is None or int(name["seed"]) == int(seed)
+
+
+def load_run(
+    workdir: str | Path,
+    step: int | None = None,
+    *,
+    model_fn: ModelFn | None = None,
+    variant: str | None = None,
+    lr: float | None = None,
+    seed: int | None = None,
+):
     """The model of the run in ``workdir`` at a checkpoint, and the run's config.
 
     Args:
       workdir: a folder written by ``train.loop.train`` (``config.json`` and
-        ``checkpoints/``).
+        ``checkpoints/``), or a folder of runs (a comparison's
+        ``runs/<name>`` or ``runs/<name>/<variant>``), of which ``variant``,
+        ``lr`` and ``seed`` pick one (``find_run``).
       step: which checkpoint; default the newest.
       model_fn: as in ``train.loop.train``, for runs of a custom model.
+      variant, lr, seed: pick a run in a folder of runs.
 
     Returns:
       ``(model, config)``: the ``nnx.Module`` with the checkpoint's parameters,
       and the ``TrainConfig`` the run recorded.
 
     Raises:
-      ValueError: no run there, no checkpoint, no checkpoint ``step``, data
+      ValueError: no run there (or not one: the runs found are listed), no
+        checkpoint, no checkpoint ``step``, data
         that is no longer the run's (a corpus file changed since it was
         recorded), or a record or checkpoint that does not read or verify
         (``CorruptCheckpoint``, naming the step; without ``step``, the newest
         that verifies is loaded).
     """
-    workdir = Path(workdir)
-    record = workdir / RECORD
-    if not record.is_file():
-        raise ValueError(f"workdir: expected a run folder with config.json, got {str(workdir)!r}")
+    workdir = find_run(workdir, variant=variant, lr=lr, seed=seed)
     if not (workdir / "checkpoints").is_dir():
         raise ValueError(f"workdir: expected checkpoints in {str(workdir)!r}, got none")
     config, _ = read_record(workdir)  # imports the run's plugins first

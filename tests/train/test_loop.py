@@ -15,6 +15,7 @@ from train.config import OptimConfig, read_record
 from train.loop import NonFiniteLossError, train
 from train.metrics import read_metrics
 from train.optimizer import make_optimizer
+from train.run import find_run
 from train.steps import build_model, evaluate, init_state, make_train_step
 from train.tasks import TaskConfig, data_fingerprint, make_task
 
@@ -272,3 +273,21 @@ def test_make_train_step_is_the_step_train_runs(tmp_path):
     test = task.batch(config.seed, "test", 0, config.batch_size)
     loss_sum, _, count = np.asarray(step.evaluate(leaves, test))
     assert np.isfinite(loss_sum) and count > 0
+
+
+def test_a_folder_of_runs_names_them_and_variant_lr_seed_pick_one(tmp_path):
+    """A comparison's ``runs/<name>``: ``<variant>/lr<lr>_seed<seed>`` folders."""
+    for variant in ("mha", "gqa"):
+        for lr, seed in (("0.001", 0), ("0.003", 0), ("0.003", 1)):
+            run = tmp_path / "cmp" / variant / f"lr{lr}_seed{seed}"
+            run.mkdir(parents=True)
+            (run / "config.json").write_text("{}")
+    cmp = tmp_path / "cmp"
+    assert find_run(cmp, variant="gqa", lr=1e-3) == cmp / "gqa" / "lr0.001_seed0"
+    assert find_run(cmp / "mha", lr=3e-3, seed=1) == cmp / "mha" / "lr0.003_seed1"
+    with pytest.raises(ValueError, match=r"6 runs \(gqa/lr0\.001_seed0, .*\) and 2 runs match"):
+        load_run(cmp, variant="mha", lr=0.003)
+    with pytest.raises(ValueError, match=r"holds 3 runs .* none matches seed=5: pick one with"):
+        load_run(cmp / "mha", seed=5)
+    with pytest.raises(ValueError, match=r"^workdir: expected a run folder with config\.json"):
+        load_run(tmp_path / "nothing")
