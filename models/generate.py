@@ -14,6 +14,7 @@ from attn.checks import fail, positive_int
 from attn.paged import PageTable, pages_for
 from models.cache import DecodeCache, cache_overflow, full_cache_slots, set_block_tables
 from models.inputs import check_lengths, check_tokens, pad_prompts
+from models.sampling import sample, sampling, token_logprobs
 
 
 def generate(
@@ -23,11 +24,14 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
     key=None,
     eos_id: int | None = None,
     prompt_lengths=None,
     cache: DecodeCache | None = None,
     page_size: int | None = None,
+    return_logprobs: bool = False,
 ):
     """Generates ``max_new_tokens`` tokens per row after a prompt.
 
@@ -43,9 +47,15 @@ def generate(
         then taken from them).
       max_new_tokens: how many tokens to generate (>= 1).
       temperature: 0 is greedy (argmax); otherwise sample from
-        ``softmax(logits / temperature)``.
+        ``softmax(logits / temperature)``, filtered (``models.sampling``).
       top_k: sample among the k most likely tokens only (None: all).
-      key: a ``jax.random`` key, required when ``temperature > 0``.
+      top_p: then among the smallest set whose probability reaches it (None: all).
+      min_p: then among the tokens at least this fraction as likely as the
+        most likely one (None: all). A filter at temperature 0 is a ``ValueError``.
+      key: a ``jax.random`` key, required when ``temperature > 0``; row b's
+        t-th token is drawn with ``fold_in(fold_in(key, b), t)`` (as ``serve``
+        draws request b's). Or ``[B]`` keys, one per row: row b's with
+        ``fold_in(key[b], t)``.
       eos_id: once a row emits it, the row's later tokens are ``eos_id``.
       prompt_lengths: ``[B]`` real prompt tokens per row (default T).
       cache: an empty ``DecodeCache`` to use; default ``model.init_cache(B, T +
@@ -57,9 +67,12 @@ def generate(
         whose pool holds exactly the pages each row needs, ``prompt_lengths[b]
         + max_new_tokens - 1`` tokens rounded up to a page: a ragged batch
         pays for its tokens, not ``B x (T + max_new_tokens)``.
+      return_logprobs: also return each token's log-probability under the
+        model (``[B, max_new_tokens]`` float32, before temperature and filters;
+        0 for the EOS a finished row repeats).
 
     Returns:
-      ``[B, max_new_tokens]`` int32 tokens.
+      ``[B, max_new_tokens]`` int32 tokens, and the log-probabilities if asked.
     """
     if isinstance(prompt, list | tuple):
         if prompt_lengths is not None:
@@ -72,7 +85,7 @@ def generate(
     if max_new_tokens < 1:
         fail("max_new_tokens", "a positive int", repr(max_new_tokens))
     V = model.config.vocab_size
-    check_sampling(temperature, top_k, key, eos_id, V)
+    options = sampling(temperature, top_k, top_p, min_p, key, eos_id, V)
     lengths = check_lengths(prompt_lengths, B, T, "prompt_lengths", minimum=1)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
@@ -86,45 +99,27 @@ def generate(
     if cache is not None:
         _check_room(cache, T + int(max_new_tokens) - 1)
         cache_overflow(cache, lengths + int(max_new_tokens) - 1)  # each row's pages, if paged
-    key = jax.random.PRNGKey(0) if key is None else key
+    keys = _row_keys(jax.random.PRNGKey(0) if key is None else key, B)
     graphdef, state = nnx.split(model)
     # Only shapes are static: sampling options are traced, so greedy, sampled
     # and EOS-stopped generation share one compiled program.
-    return _generate(
-        graphdef,
-        state,
-        prompt,
-        lengths,
-        key,
-        cache,
-        jnp.float32(temperature),
-        jnp.int32(V if top_k is None else top_k),
-        jnp.int32(NO_EOS if eos_id is None else eos_id),
+    tokens, logprobs = _generate(
+        graphdef, state, prompt, lengths, keys, cache, options,
         max_new_tokens=int(max_new_tokens),
-    )
+    )  # fmt: skip
+    return (tokens, logprobs) if return_logprobs else tokens
 
 
-NO_EOS = -1  # never a token id
-
-
-def check_sampling(temperature, top_k, key, eos_id, V: int) -> None:
-    """The sampling options of ``generate`` and ``serve``, checked against a vocabulary of V."""
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, numbers.Real)
-        or not temperature >= 0
-    ):
-        fail("temperature", "a number >= 0", repr(temperature))
-    if top_k is not None and (
-        isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= V
-    ):
-        fail("top_k", f"None or an int in [1, {V}]", repr(top_k))
-    if temperature > 0 and key is None:
-        fail("key", "a jax.random key when temperature > 0", None)
-    if eos_id is not None and (
-        isinstance(eos_id, bool) or not isinstance(eos_id, numbers.Integral) or not 0 <= eos_id < V
-    ):
-        fail("eos_id", f"None or an int in [0, {V})", repr(eos_id))
+def _row_keys(key, B: int):
+    """``[B]`` keys, one per row: ``fold_in(key, b)``, or ``key`` itself if it holds B."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    one = key.shape == (() if typed else (2,))
+    if one:
+        return jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    if key.shape[:1] != (B,) or key.shape[1:] != (() if typed else (2,)):
+        fail("key", f"a jax.random key or {B} of them (one per row)", f"shape {key.shape}")
+    return key
 
 
 def _paged_cache(model, fed, max_len: int, page_size) -> DecodeCache:
@@ -152,38 +147,31 @@ def _check_room(cache, needed: int):
         )
 
 
-def sample(logits, key, temperature, top_k):
-    """Tokens ``[B]`` from float32 logits ``[B,V]``: argmax if ``temperature == 0``, else a
-    sample from ``softmax(logits / temperature)`` restricted to the ``top_k`` largest."""
-    greedy = jnp.argmax(logits, axis=-1)
-    sampling = temperature > 0
-    scaled = logits / jnp.where(sampling, temperature, 1.0)
-    # The k-th largest logit by sorting, so k can be traced (lax.top_k needs it static).
-    kth = jnp.take(jnp.sort(scaled, axis=-1), logits.shape[-1] - top_k, axis=-1)
-    scaled = jnp.where(scaled < kth[:, None], -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1)
-    return jnp.where(sampling, sampled, greedy).astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
-def _generate(
-    graphdef, state, prompt, lengths, key, cache, temperature, top_k, eos_id, *, max_new_tokens
-):
+def _generate(graphdef, state, prompt, lengths, keys, cache, options, *, max_new_tokens):
     model = nnx.merge(graphdef, state)
     B, T = prompt.shape
     if cache is None:
         cache = model.init_cache(B, T + max_new_tokens)
     logits, cache = model.prefill(prompt, cache, lengths)
     last = logits[jnp.arange(B), lengths - 1]  # each row's next-token logits
-    first = sample(last, jax.random.fold_in(key, 0), temperature, top_k)
-    done = first == eos_id
+
+    def draw(logits, i):
+        step_keys = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
+        token = sample(logits, step_keys, options)
+        return token, token_logprobs(logits, token)
+
+    first, first_logp = draw(last, 0)
+    done = first == options.eos_id
 
     def step(carry, i):
         token, cache, done = carry
         logits, cache = model.decode_step(token, cache)
-        nxt = sample(logits, jax.random.fold_in(key, i), temperature, top_k)
-        nxt = jnp.where(done, eos_id, nxt)  # finished rows repeat EOS
-        return (nxt, cache, done | (nxt == eos_id)), nxt
+        nxt, logp = draw(logits, i)
+        nxt = jnp.where(done, options.eos_id, nxt)  # finished rows repeat EOS
+        logp = jnp.where(done, 0.0, logp)
+        return (nxt, cache, done | (nxt == options.eos_id)), (nxt, logp)
 
-    _, rest = jax.lax.scan(step, (first, cache, done), jnp.arange(1, max_new_tokens))
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    _, (rest, rest_logp) = jax.lax.scan(step, (first, cache, done), jnp.arange(1, max_new_tokens))
+    tokens = jnp.concatenate([first[:, None], rest.T], axis=1)
+    return tokens, jnp.concatenate([first_logp[:, None], rest_logp.T], axis=1)

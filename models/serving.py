@@ -35,8 +35,8 @@ from attn import checks
 from attn.checks import fail
 from attn.paged import PageTable, pages_for
 from models.cache import clear_rows, set_block_tables
-from models.generate import NO_EOS, check_sampling, sample
 from models.inputs import check_tokens, pad_prompts
+from models.sampling import Sampling, sample, sampling, token_logprobs
 from models.transformer import Decoder
 
 __all__ = ["serve"]
@@ -53,9 +53,12 @@ def serve(
     num_pages: int | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
     key=None,
     eos_id: int | None = None,
     return_logits: bool = False,
+    return_logprobs: bool = False,
 ):
     """Generates a continuation of each prompt, ``batch`` requests at a time.
 
@@ -70,16 +73,20 @@ def serve(
       num_pages: pages per pool (paged only); default enough for ``batch`` rows
         of ``max_len``. A request needing more pages than the pool has is a
         ``ValueError``.
-      temperature, top_k, key: as ``models.generate``; row b's t-th token is
-        drawn with ``fold_in(fold_in(key, request), t)``, so a request's tokens do
-        not depend on which others ran beside it.
+      temperature, top_k, top_p, min_p, key: as ``models.generate``
+        (``models.sampling``); request r's t-th token is drawn with
+        ``fold_in(fold_in(key, r), t)``, so a request's tokens do not depend on
+        which others ran beside it, and equal ``generate``'s for row r.
       eos_id: a request ends after emitting it (the token is kept).
       return_logits: also return each request's float32 logits ``[n, V]``, the
         distribution each of its n tokens was drawn from.
+      return_logprobs: also return each request's ``[n]`` float32
+        log-probabilities of its tokens under the model.
 
     Returns:
       One int32 array of new tokens per prompt (in the prompts' order); with
-      ``return_logits``, ``(tokens, logits)``.
+      ``return_logits`` and/or ``return_logprobs``, a tuple: the tokens, then
+      the logits, then the log-probabilities, as asked.
     """
     if not isinstance(model, Decoder):
         fail("model", "a Decoder", type(model).__name__)
@@ -89,7 +96,7 @@ def serve(
     R = tokens.shape[0]
     new = _per_request(max_new_tokens, R)
     batch = checks.positive_int(batch, "batch")
-    check_sampling(temperature, top_k, key, eos_id, V)
+    options = sampling(temperature, top_k, top_p, min_p, key, eos_id, V)
     fed = lengths + new - 1  # positions a request writes (its last token is not fed back)
     longest = int((lengths + new).max())
     max_len = longest if max_len is None else checks.positive_int(max_len, "max_len")
@@ -105,16 +112,11 @@ def serve(
             fail("num_pages", f"at least {need} (the largest request's pages)", table.num_pages)
     graphdef, state = nnx.split(model)
     run = _Run(graphdef, state, cache, table, batch, max_len, page_size, num_pages)
-    options = (
-        jax.random.PRNGKey(0) if key is None else key,
-        float(temperature),
-        V if top_k is None else int(top_k),
-        NO_EOS if eos_id is None else int(eos_id),
-    )
-    out_tokens, out_logits = run.loop(tokens, lengths, new, options)
-    if return_logits:
-        return out_tokens, out_logits
-    return out_tokens
+    key = jax.random.PRNGKey(0) if key is None else key
+    out_tokens, out_logits, out_logprobs = run.loop(tokens, lengths, new, key, options)
+    extras = [x for x, asked in ((out_logits, return_logits), (out_logprobs, return_logprobs))
+              if asked]  # fmt: skip
+    return (out_tokens, *extras) if extras else out_tokens
 
 
 def _per_request(max_new_tokens, R: int) -> np.ndarray:
@@ -144,16 +146,16 @@ class _Run:
         self.length = np.zeros(batch, np.int64)  # tokens each row holds
         self.reserved = np.zeros(batch, np.int64)  # pages each row's request will need
 
-    def loop(self, tokens, lengths, new, options):
+    def loop(self, tokens, lengths, new, key, options: Sampling):
         """Serves every request: ``tokens [R,T]`` padded prompts of ``lengths [R]``, ``new [R]``
-        tokens each; returns their tokens and logits (lists of R arrays)."""
-        key, temperature, top_k, eos_id = options
+        tokens each; returns their tokens, logits and log-probabilities (lists of R arrays)."""
+        eos_id = int(options.eos_id)
         R, T = tokens.shape
         waiting = collections.deque(range(R))
         out_tokens = [[] for _ in range(R)]
         out_logits = [[] for _ in range(R)]
+        out_logprobs = [[] for _ in range(R)]
         last = np.zeros(self.batch, np.int32)  # each row's newest token, fed next step
-        sampling = (jnp.float32(temperature), jnp.int32(top_k))
         while waiting or any(r is not None for r in self.request):
             busy = np.array([r is not None for r in self.request])
             joining = self._admit(waiting, lengths, new)
@@ -166,15 +168,17 @@ class _Run:
                 count = np.where(joining, lengths[self._request_ids()], busy).astype(np.int32)
             else:
                 chunk, count = last[:, None], busy.astype(np.int32)
-            logits = self._step(chunk, count, key, sampling, out_tokens, last)
+            logits, logprobs = self._step(chunk, count, key, options, out_tokens, last)
             for b, r in enumerate(self.request):
                 if r is None:
                     continue
                 out_logits[r].append(logits[b])
+                out_logprobs[r].append(logprobs[b])
                 if len(out_tokens[r]) == new[r] or out_tokens[r][-1] == eos_id:
                     self._finish(b)
         tokens_out = [np.asarray(t, np.int32) for t in out_tokens]
-        return tokens_out, [np.stack(x) for x in out_logits]
+        logprobs_out = [np.asarray(x, np.float32) for x in out_logprobs]
+        return tokens_out, [np.stack(x) for x in out_logits], logprobs_out
 
     def _request_ids(self) -> np.ndarray:
         """``[batch]`` the request each row holds (0 for a free row)."""
@@ -201,11 +205,11 @@ class _Run:
         if self.table is not None:
             self.table.release(b)
 
-    def _step(self, chunk, count, key, sampling, out_tokens, last):
+    def _step(self, chunk, count, key, options, out_tokens, last):
         """Runs ``count[b]`` tokens of ``chunk`` per row; samples each busy row's next token.
 
-        Returns ``[batch, V]`` each row's logits at its last token (meaningless
-        for a row that ran none).
+        Returns ``([batch, V], [batch])``: each row's logits at its last token and
+        the log-probability of the token drawn (meaningless for a row that ran none).
         """
         self.length += count
         if self.table is not None:
@@ -216,26 +220,27 @@ class _Run:
         for b, r in enumerate(self.request):
             if r is not None:
                 keys[b] = (r, len(out_tokens[r]))
-        logits, nxt, self.cache = _prefill_and_sample(
+        logits, nxt, logprobs, self.cache = _prefill_and_sample(
             self.graphdef, self.state, jnp.asarray(chunk), self.cache, jnp.asarray(count),
-            key, jnp.asarray(keys), *sampling,
+            key, jnp.asarray(keys), options,
         )  # fmt: skip
         logits, nxt = np.asarray(logits), np.asarray(nxt)
         for b in np.nonzero(count)[0]:
             out_tokens[self.request[b]].append(int(nxt[b]))
             last[b] = nxt[b]
-        return logits
+        return logits, np.asarray(logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _prefill_and_sample(graphdef, state, chunk, cache, count, key, keys, temperature, top_k):
-    """Prefills ``count[b]`` tokens per row; each row's logits at its last one and a sample."""
+def _prefill_and_sample(graphdef, state, chunk, cache, count, key, keys, options):
+    """Prefills ``count[b]`` tokens per row; each row's logits at its last one, a sample
+    and its log-probability. ``keys [B,2]``: (request, token index) per row."""
     logits, cache = nnx.merge(graphdef, state).prefill(chunk, cache, count)
     B = chunk.shape[0]
     last = logits[jnp.arange(B), jnp.maximum(count - 1, 0)]  # [B,V]
-    row_keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(key, k[0]), k[1]))(keys)
-    nxt = jax.vmap(lambda x, k: sample(x[None], k, temperature, top_k)[0])(last, row_keys)
-    return last, nxt, cache
+    step_keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.fold_in(key, k[0]), k[1]))(keys)
+    nxt = sample(last, step_keys, options)
+    return last, nxt, token_logprobs(last, nxt), cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "page_size", "num_pages"))
