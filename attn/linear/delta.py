@@ -209,7 +209,7 @@ def delta_rule(
     log_g = None if log_gates is None else log_gates.astype(jnp.float32)
     q_read = None
     if q_seg is not None:
-        log_g, beta32, k32, q_read = _apply_segments(q_seg, kv_seg, log_g, beta32, k32, N)
+        log_g, q_read = _apply_segments(q_seg, kv_seg, log_g, N)
     if log_g is not None:
         log_g = log_g.reshape(B, T, K, G, *log_g.shape[3:])
 
@@ -225,13 +225,13 @@ def delta_rule(
     return (out, state.reshape(B, N, H, E)) if return_state else out
 
 
-def _apply_segments(q_seg, kv_seg, log_g, beta, k, N: int):
-    """Segment ids as writes, gates and reads (``attn.linear.segments.causal``).
+def _apply_segments(q_seg, kv_seg, log_g, N: int):
+    """Segment ids as gates and reads (``attn.linear.segments.causal``).
 
-    Padding keys write nothing (beta 0, key 0) and do not decay the state
-    (gate 0 in log space); a segment's first key erases the state (log gate
-    ``-inf`` on every channel); a query reads only the segment the state holds.
-    Returns ``(log_g [B,T,N(,H)], beta, k, q_read [B,T])``.
+    Padding keys (whose k, v and beta ``drop_padding`` has zeroed: they write
+    nothing) do not decay the state (gate 0 in log space); a segment's first
+    key erases the state (log gate ``-inf`` on every channel); a query reads
+    only the segment the state holds. Returns ``(log_g [B,T,N(,H)], q_read [B,T])``.
     """
     rules = segments.causal(q_seg, kv_seg, None, 1)
     real, starts = rules.key_real, jnp.isneginf(rules.log_a[..., 0])  # [B,T]
@@ -241,9 +241,7 @@ def _apply_segments(q_seg, kv_seg, log_g, beta, k, N: int):
     extra = (None,) * (log_g.ndim - 2)
     log_g = jnp.where(real[(..., *extra)], log_g, 0.0)
     log_g = jnp.where(starts[(..., *extra)], -jnp.inf, log_g)
-    beta = jnp.where(real[:, :, None, None], beta, 0.0)
-    k = jnp.where(real[:, :, None, None], k, 0.0)
-    return log_g, beta, k, rules.q_read
+    return log_g, rules.q_read
 
 
 def delta_rule_step(q, k, v, beta, state, *, log_gates=None, scale: float | None = None):
