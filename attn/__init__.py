@@ -40,9 +40,12 @@ beside the pieces every family uses: ``masks`` (which keys a query sees),
 (partial results), ``rope``, ``conv`` (short convolutions), ``latent`` (MLA),
 ``cache`` (cache sizes and slots), ``decode`` (split-K decode attention over
 rows of their own lengths), ``paged`` (a paged KV cache: a page pool,
-block tables, their allocator), ``dispatch`` (``attention(impl=...)``) and
-``registry`` (the named registries feature maps, and the models' layer kinds,
-presets and variants, are added to).
+block tables, their allocator), ``dispatch`` (``attention(impl=...)``, which
+takes ``jax.nn.dot_product_attention``'s arguments too), ``interop`` (an
+``attention_fn`` for Flax's attention layers), ``functions`` (attention
+functions beside softmax: sigmoid, softpick) and ``registry`` (the named
+registries feature maps, and the models' layer kinds, presets and variants,
+are added to).
 """
 
 from attn import checks, linear, masks, paged, pallas, registry, ring, scores, softmax
@@ -51,6 +54,8 @@ from attn.conv import short_conv, short_conv_step
 from attn.decode import decode_attention
 from attn.deprecation import deprecated_names
 from attn.dispatch import IMPLS, attention
+from attn.functions import sigmoid_attention, softpick_attention
+from attn.interop import flax_attention_fn
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
     DELTA_FORMS,
@@ -93,6 +98,7 @@ __all__ = [
     "delta_rule_step",
     "dot_product_attention",
     "favor_projection",
+    "flax_attention_fn",
     "init_delta_state",
     "init_linear_state",
     "kv_cache_bytes",
@@ -116,7 +122,9 @@ __all__ = [
     "sharded_attention",
     "short_conv",
     "short_conv_step",
+    "sigmoid_attention",
     "softmax",
+    "softpick_attention",
 ]
 
 

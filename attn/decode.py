@@ -105,7 +105,7 @@ def decode_attention(
         impl = "dense"
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
-    for name in ("q_segment_ids", "kv_segment_ids"):
+    for name in ("q_segment_ids", "kv_segment_ids", "query_seq_lengths", "key_value_seq_lengths"):
         if call_args.get(name) is not None:
             fail(name, "None for decode_attention (lengths and kv_valid say which slots hold keys)",
                  "an array")  # fmt: skip
@@ -118,6 +118,7 @@ def decode_attention(
     kv_positions = checks.positions(call_args.get("kv_positions"), "kv_positions", d.B, d.S)
     call = check_call(q, k, v, **{**call_args, "q_positions": q_positions,
                                   "kv_positions": kv_positions})  # fmt: skip
+    call.refuse_pairs("decode_attention")
     valid = jnp.arange(d.S)[None, :] < lengths[:, None]
     if kv_valid is not None:
         kv_valid = jnp.asarray(kv_valid)

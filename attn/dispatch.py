@@ -6,6 +6,7 @@ It picks an implementation and never changes the math: every ``impl`` computes
 
 from __future__ import annotations
 
+import functools
 from typing import Unpack
 
 import jax
@@ -15,7 +16,7 @@ from attn import masks, scores
 from attn.checks import Dims, as_arrays, fail
 from attn.pallas import flash, splash
 from attn.softmax import blockwise, dense
-from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
+from attn.softmax.call import Call, CallArgs, check_call, takes_call_args, visible
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
@@ -49,14 +50,18 @@ IMPLEMENTATIONS = {
 
 @takes_call_args
 def attention(
-    q,
-    k,
-    v,
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
     *,
     impl: str = "auto",
-    bias=None,
+    implementation: str | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_residual: bool = False,
+    empty_rows: str = "zero",
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | None = None,
@@ -65,29 +70,40 @@ def attention(
 ):
     """Softmax attention through the implementation ``impl``.
 
+    A superset of ``jax.nn.dot_product_attention``: its arguments (a boolean
+    ``mask`` array, ``bias``, ``scale``, ``is_causal``, ``query_seq_lengths``,
+    ``key_value_seq_lengths``, ``local_window_size``, rank-3 inputs) keep their
+    meaning in every implementation (``attn.softmax.jax_nn``), beside ours.
+
     Args:
-      q, k, v: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]`` as in ``dot_product_attention``.
+      query, key, value: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]`` as in
+        ``dot_product_attention`` (or ``[T,N,H]``, ``[S,K,H]``, ``[S,K,E]``).
+      bias, mask: the call's (``CallArgs``), in ``jax.nn``'s positions.
       impl: ``"dense"`` (ours, materialized); ``"blockwise"`` (ours, FlashAttention:
-        memory linear in T and S, skips masked blocks; no ``bias`` or
-        ``return_weights``); ``"xla"`` or ``"cudnn"``
-        (``jax.nn.dot_product_attention``, only where its semantics equal ours:
-        no learned sink logits, soft-cap, segment ids or explicit positions, and causal or
-        window masks only with T == S, since jax.nn aligns them to the top-left
-        corner while our default queries are the last T key positions);
+        memory linear in T and S, skips masked blocks; no ``return_weights``);
+        ``"xla"`` or ``"cudnn"`` (``jax.nn.dot_product_attention``: what it has no
+        argument for, segment ids, explicit positions and masks other than
+        causal and band ones, goes to it as a boolean mask array, and the rows
+        that see nothing are set as ours are; refused: learned sink logits, a
+        soft-cap, returned weights or lse, which it cannot compute);
         ``"pallas"`` (``attn.pallas.flash_attention``: our fused kernel for every
-        mask, interpret mode on a CPU; no ``bias`` or ``return_weights``); ``"splash"``
+        mask, interpret mode on a CPU; no ``return_weights``); ``"splash"``
         (TPU splash attention through ``attn.pallas.splash_attention``, where our
         mask maps, else a ``ValueError`` naming why);
         ``"auto"`` picks the fastest correct one for the platform (on CPU:
         blockwise where it measured faster than dense, from T = 128 on; see
         ``BLOCKWISE_MIN_T``; on GPU: cuDNN where its semantics, dtype and head
-        dim fit, else pallas; on TPU: splash where the call maps, else blockwise;
-        a ``bias`` goes to jax.nn where its semantics match, else to dense;
-        returned weights always to dense). A ``score_mod`` runs in every
-        implementation of ours; jax.nn and cuDNN take it only when it is
-        additive (no soft-cap), as a materialized ``[B,N,T,S]`` bias, so auto
-        sends it to pallas on a GPU.
-      bias, return_weights, return_lse: as in ``attn.dot_product_attention``.
+        dim fit without a materialized mask, else pallas; on TPU: splash where
+        the call maps, else blockwise; returned weights always to dense). A
+        ``score_mod`` runs in every implementation of ours; jax.nn and cuDNN
+        take it only when it is additive (no soft-cap), as a materialized
+        ``[B,N,T,S]`` bias, so auto sends it to pallas on a GPU.
+      implementation: ``jax.nn``'s: None (``impl`` decides), ``"xla"`` or ``"cudnn"``
+        (the same as ``impl=``); given with another ``impl`` than ``"auto"``, a ``ValueError``.
+      return_weights, return_lse, return_residual: as in ``attn.dot_product_attention``
+        (the residual of ``impl="xla"`` and ``"cudnn"`` is ``jax.nn``'s own).
+      empty_rows: ``"zero"`` (ours) or ``"mean"`` (``jax.nn``'s mean of V): the output
+        of a real query that sees no key.
       block_q, block_k: tile sizes of ``"blockwise"`` and ``"pallas"``;
         interpret, platform: of ``"pallas"`` and ``"splash"``. None: each
         implementation's default. Another implementation refuses them, except
@@ -98,33 +114,46 @@ def attention(
     Returns:
       What ``attn.dot_product_attention`` returns for the same arguments.
     """
-    q, k, v = as_arrays(q, k, v)
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
-    call = check_call(q, k, v, **call_args)
+    if implementation is not None:
+        if implementation not in ("xla", "cudnn") or impl not in ("auto", implementation):
+            fail("implementation", f"None, 'xla' or 'cudnn', agreeing with impl={impl!r}",
+                 repr(implementation))  # fmt: skip
+        impl = implementation
     given = dict(block_q=block_q, block_k=block_k, interpret=interpret, platform=platform)
     given = {name: value for name, value in given.items() if value is not None}
-    chosen = _choose(call, q.dtype, bias, return_weights, return_lse) if impl == "auto" else impl
-    takes = OPTIONS.get(chosen, ())
-    for name, value in given.items():
-        if impl != "auto" and name not in takes:
-            fail(name, f"None for impl={impl!r} (a setting of {_takers(name)})", repr(value))
-    options = {name: value for name, value in given.items() if name in takes}
-    if chosen in ("xla", "cudnn"):
-        return _jax_nn(call, q, k, v, chosen, bias, return_weights, return_lse)
-    if chosen != "dense":
-        _fused_only(chosen, bias, return_weights)
-        return IMPLEMENTATIONS[chosen](call, q, k, v, return_lse=return_lse, **options)
-    return dense.attend(call, q, k, v, bias=bias, return_weights=return_weights,
-                        return_lse=return_lse)  # fmt: skip
+
+    def run(call, q, k, v, empty_rows, *, return_weights=False, return_lse=False, residual=False):
+        # jax.nn's residual is its own lse, which the jax.nn route may return.
+        wants_lse = return_lse and not residual
+        chosen = _choose(call, q.dtype, return_weights, wants_lse) if impl == "auto" else impl
+        takes = OPTIONS.get(chosen, ())
+        for name, value in given.items():
+            if impl != "auto" and name not in takes:
+                fail(name, f"None for impl={impl!r} (a setting of {_takers(name)})", repr(value))
+        options = {name: value for name, value in given.items() if name in takes}
+        if chosen in ("xla", "cudnn"):
+            return _jax_nn(call, q, k, v, chosen, return_weights, wants_lse, empty_rows, residual)
+        returns = dict(return_lse=return_lse)
+        if chosen == "dense":
+            returns["return_weights"] = return_weights
+        elif return_weights:
+            fail("return_weights", f"False for impl={impl!r} (it never forms the weights)", True)
+        fn = functools.partial(IMPLEMENTATIONS[chosen], **options)
+        return dense.with_empty_rows(fn, call, q, k, v, empty_rows, **returns)
+
+    call_args = dict(call_args, bias=bias, mask=mask)
+    return dense.batched(run, query, key, value, call_args, empty_rows, return_residual,
+                         return_weights=return_weights, return_lse=return_lse)  # fmt: skip
 
 
 @takes_call_args
-def choose_impl(q, k, v, *, bias=None, return_weights=False, return_lse=False,
+def choose_impl(q, k, v, *, return_weights=False, return_lse=False,
                 **call_args: Unpack[CallArgs]) -> str:  # fmt: skip
     """The implementation ``attention(..., impl="auto")`` picks for these arguments.
 
-    Args: as ``attention``'s (q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]``, ``bias``,
+    Args: as ``attention``'s (q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]``,
     the returns asked for and the call), checked as it checks them.
 
     Returns:
@@ -132,19 +161,11 @@ def choose_impl(q, k, v, *, bias=None, return_weights=False, return_lse=False,
     """
     q, k, v = as_arrays(q, k, v)
     call = check_call(q, k, v, **call_args)
-    return _choose(call, q.dtype, bias, return_weights, return_lse)
+    return _choose(call, q.dtype, return_weights, return_lse)
 
 
 def _takers(option: str) -> str:
     return " and ".join(repr(impl) for impl, names in OPTIONS.items() if option in names)
-
-
-def _fused_only(impl: str, bias, return_weights) -> None:
-    """Refuses what only the materialized implementations compute."""
-    if bias is not None:
-        fail("bias", f"None for impl={impl!r} (use impl='dense' for a bias)", "an array")
-    if return_weights:
-        fail("return_weights", f"False for impl={impl!r} (it never forms the weights)", True)
 
 
 def _backend() -> str:
@@ -152,22 +173,21 @@ def _backend() -> str:
     return jax.default_backend()
 
 
-def _choose(call: Call, dtype, bias, return_weights, return_lse) -> str:
+def _choose(call: Call, dtype, return_weights, return_lse) -> str:
     backend = _backend()
-    fused_ok = bias is None and not return_weights
     if backend == "gpu":
-        jax_nn_ok = _jax_nn_reason(call, return_weights, return_lse) is None
+        native = _jax_nn_reason(call, return_weights, return_lse) is None and _native(call)
         # A modifier would be materialized for cuDNN: the fused kernel evaluates it per tile.
-        if jax_nn_ok and call.score is None and _cudnn_fits(call.dims, dtype, bias):
+        if native and call.score is None and _cudnn_fits(call.dims, dtype, call.bias):
             return "cudnn"
-        if fused_ok:
-            return "pallas"
-        return "xla" if jax_nn_ok else "dense"  # a bias: materialized either way
-    if backend == "tpu" and fused_ok:
+        return "dense" if return_weights else "pallas"
+    if return_weights:
+        return "dense"
+    if backend == "tpu":
         # Our Pallas kernel's blocks do not meet Mosaic TPU's (8, 128) tiling: what
         # splash cannot run goes to blockwise, which XLA compiles for the TPU.
         return "splash" if splash.reason(call, return_lse=return_lse) is None else "blockwise"
-    if backend == "cpu" and fused_ok and _blockwise_faster(call.dims):
+    if backend == "cpu" and _blockwise_faster(call.dims):
         return "blockwise"
     return "dense"
 
@@ -193,30 +213,27 @@ def _blockwise_faster(dims: Dims) -> bool:
 
 
 def _jax_nn_reason(call: Call, return_weights, return_lse) -> str | None:
-    """Why ``jax.nn.dot_product_attention`` would compute another function, or None."""
+    """Why ``jax.nn.dot_product_attention`` cannot compute the call, or None."""
     if call.sink_logits is not None:
         return "sink_logits (jax.nn has no equivalent)"
     if call.softcap is not None:
         return "softcap (jax.nn has no equivalent)"
-    q_positions, kv_positions, q_segment_ids, _ = call.given
-    for name, x in (("q_positions", q_positions), ("kv_positions", kv_positions)):
-        if x is not None:
-            return f"{name} (jax.nn has no equivalent)"
     if not scores.additive(call.score):
         return "a score_mod with a soft-cap (jax.nn takes additive biases only)"
-    if q_segment_ids is not None:
-        return "segment ids (jax.nn returns the mean of V on rows they fully mask)"
     if return_weights or return_lse:
         return "return_weights/return_lse"
-    if _window_args(call.mask) is None:
-        return f"mask {call.mask!r} (jax.nn has full, causal and band masks only)"
-    causal, window = _window_args(call.mask)
-    if (causal or window is not None) and call.dims.T != call.dims.S:
-        return (
-            "a causal or banded mask with T != S (jax.nn aligns it to the top-left corner; "
-            "ours puts the T queries at the last T key positions)"
-        )
     return None
+
+
+def _native(call: Call) -> bool:
+    """Whether the call's visibility is jax.nn's own arguments (no materialized mask)."""
+    if call.keep is not None or any(x is not None for x in call.given):
+        return False
+    if _window_args(call.mask) is None:
+        return False
+    causal, window = _window_args(call.mask)
+    # jax.nn aligns causal and band masks to the top-left corner, ours to the bottom right.
+    return call.dims.T == call.dims.S or not (causal or window is not None)
 
 
 def _window_args(mask) -> tuple[bool, tuple[int, int] | None] | None:
@@ -235,10 +252,18 @@ def _window_args(mask) -> tuple[bool, tuple[int, int] | None] | None:
             return True, (w - 1, 0)
         case masks.BidirectionalWindow(radius=r):
             return False, (r, r)
+        case masks.Band(left=left, right=right):
+            return False, (left, right)
+        case masks.And(masks.Causal(), masks.Band(left=left)) | masks.And(
+            masks.Band(left=left), masks.Causal()
+        ):
+            return True, (left, 0)
     return None
 
 
-def _jax_nn(call: Call, q, k, v, impl, bias, return_weights, return_lse):
+def _jax_nn(call: Call, q, k, v, impl, return_weights, return_lse, empty_rows, residual=False):
+    """``jax.nn.dot_product_attention`` computing the call: natively where its arguments
+    say it, else with the visibility as a boolean ``[B,1,T,S]`` mask array."""
     reason = _jax_nn_reason(call, return_weights, return_lse)
     if reason is not None:
         fail("impl", f"an impl computing our semantics for {reason}", repr(impl))
@@ -247,17 +272,31 @@ def _jax_nn(call: Call, q, k, v, impl, bias, return_weights, return_lse):
             fail("impl", "'cudnn' only on a GPU backend", f"backend {_backend()!r}")
         if q.dtype not in _CUDNN_DTYPES:
             fail("q", "bfloat16 or float16 inputs for impl='cudnn'", q.dtype)
-    is_causal, window = _window_args(call.mask)
+    bias = call.bias
     if call.score is not None:  # additive (checked above): one [B,N,T,S] bias
         extra = dense.modifier_bias(call).astype(q.dtype)
         bias = extra if bias is None else bias + extra
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        bias=bias,
-        scale=call.scale,
-        is_causal=is_causal,
-        local_window_size=window,
-        implementation=impl,
-    )
+    q, k, v = call.isolate(q, k, v)
+    if _native(call):
+        is_causal, window = _window_args(call.mask)
+        return jax.nn.dot_product_attention(
+            q, k, v, bias=bias, scale=call.scale, is_causal=is_causal, local_window_size=window,
+            implementation=impl, return_residual=residual,
+        )  # fmt: skip
+    ok = visible(call.mask, call.q_positions, call.kv_positions, call.q_segment_ids,
+                 call.kv_segment_ids)[:, None]  # fmt: skip
+    ok = ok if call.keep is None else ok & call.keep
+    out = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=ok, scale=call.scale,
+                                       implementation=impl, return_residual=residual)  # fmt: skip
+    out, *lse = out if residual else (out,)
+    # jax.nn gives a row that sees nothing the mean of V: ours is 0, and so is a
+    # padding query's under empty_rows="mean" (as jax.nn's query_seq_lengths give).
+    empty = ~ok.any(-1)  # [B|1, N|1, T]
+    empty = jnp.broadcast_to(empty, (call.dims.B, call.dims.N, call.dims.T)).transpose(0, 2, 1)
+    lse = [jnp.where(empty, -jnp.inf, x) for x in lse]  # ours: -inf on those rows
+    if empty_rows == "mean" and call.q_segment_ids is not None:
+        empty = empty & (call.q_segment_ids == masks.PADDING)[:, :, None]
+    elif empty_rows == "mean":
+        empty = jnp.zeros_like(empty)
+    out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out)
+    return (out, *lse) if lse else out

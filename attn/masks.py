@@ -170,6 +170,23 @@ class BidirectionalWindow(Mask):
 
 
 @dataclasses.dataclass(frozen=True)
+class Band(Mask):
+    """Query ``q`` sees keys ``q - left <= k <= q + right`` (``jax.nn``'s ``local_window_size``)."""
+
+    left: int
+    right: int
+
+    def _allowed(self, xp, q, k):
+        d = q - k
+        return (d <= self.left) & (d >= -self.right)
+
+    def _bounds(self, xp, q_lo, q_hi, k_lo, k_hi):
+        nonempty = (q_lo - k_hi <= self.left) & (q_hi - k_lo >= -self.right)
+        full = (q_hi - k_lo <= self.left) & (q_lo - k_hi >= -self.right)
+        return xp.asarray(nonempty), xp.asarray(full)
+
+
+@dataclasses.dataclass(frozen=True)
 class InitialTokens(Mask):
     """Every query sees the first ``n`` positions (``k < n``).
 
@@ -298,6 +315,16 @@ def bidirectional_window(radius: int) -> Mask:
     if isinstance(radius, bool) or not isinstance(radius, int | np.integer) or radius < 0:
         fail("radius", "a non-negative int", repr(radius))
     return BidirectionalWindow(int(radius))
+
+
+def band(left: int, right: int) -> Mask:
+    """Query ``q`` sees keys ``q - left <= k <= q + right``: ``jax.nn``'s
+    ``local_window_size=(left, right)`` on our positions (not causal unless
+    ``right == 0``; ``band(w - 1, 0)`` is ``sliding_window(w)``)."""
+    for name, x in (("left", left), ("right", right)):
+        if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 0:
+            fail(name, "a non-negative int", repr(x))
+    return Band(int(left), int(right))
 
 
 def initial_tokens(n: int) -> Mask:

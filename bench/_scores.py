@@ -6,6 +6,10 @@ modifier's own arrays):
 
 * blockwise with no modifier, ALiBi (learnable slopes), FoX (per-token log
   forget gates, through their running sum) and T5 buckets (a 32-bucket table);
+  and jax.nn's arrays, read per tile: ``mask``, the causal mask as a boolean
+  ``[T,T]`` array (an argument of the jitted step, so its block schedule is
+  built at run time), and ``bias``, a ``[1,1,T,T]`` float32 bias beside
+  ``masks.causal()`` (its gradient too);
 * the overhead of each as its time over blockwise's without one, in the same run;
 * memory: XLA's temporary bytes of the compiled program (its buffer assignment,
   ``memory_analysis()``), whose growth from 4K to 8K shows it linear in T;
@@ -25,7 +29,7 @@ import dataclasses
 import os
 import time
 
-SCORES = ("none", "alibi", "fox", "t5")
+SCORES = ("none", "alibi", "fox", "t5", "mask", "bias")
 LENGTHS = (4096, 8192)
 QUICK_LENGTHS = (1024,)
 DENSE_LENGTHS = (1024, 2048)  # dense before/after (it materializes [N,T,T])
@@ -33,7 +37,7 @@ TARGET_OVERHEAD = 1.3  # ALiBi or FoX over no modifier, blockwise, at 4K and 8K
 
 
 def modifier(name: str, B: int, T: int, N: int):
-    """The modifier ``name`` and its arrays (leaves), or ``(None, ())``."""
+    """``(build, leaves)``: ``build(*leaves)`` gives the call's extra keyword arguments."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -41,16 +45,23 @@ def modifier(name: str, B: int, T: int, N: int):
 
     rng = np.random.default_rng(1)
     if name == "none":
-        return (lambda: None), ()
+        return (lambda: {}), ()
+    if name == "mask":
+        return (lambda m: {"mask": m}), (jnp.asarray(np.tril(np.ones((T, T), bool))),)
+    if name == "bias":
+        bias = 0.1 * rng.standard_normal((1, 1, T, T)).astype(np.float32)
+        return (lambda b: {"bias": b}), (jnp.asarray(bias),)
     if name == "alibi":
-        return scores.alibi, (jnp.asarray(scores.alibi_slopes(N)),)
-    if name == "fox":
+        make, leaves = scores.alibi, (jnp.asarray(scores.alibi_slopes(N)),)
+    elif name == "fox":
         log_f = np.log(rng.uniform(0.9, 1.0, (B, T, N))).astype(np.float32)
-        return scores.forgetting, (jnp.asarray(log_f),)
-    if name == "t5":
+        make, leaves = scores.forgetting, (jnp.asarray(log_f),)
+    elif name == "t5":
         table = rng.standard_normal((N, 32)).astype(np.float32)
-        return scores.relative_bias, (jnp.asarray(table),)
-    raise ValueError(f"score: expected one of {SCORES}, got {name!r}")
+        make, leaves = scores.relative_bias, (jnp.asarray(table),)
+    else:
+        raise ValueError(f"score: expected one of {SCORES}, got {name!r}")
+    return (lambda *leaves: {"score_mod": make(*leaves)}), leaves
 
 
 def time_scores(spec: dict) -> dict:
@@ -69,17 +80,17 @@ def time_scores(spec: dict) -> dict:
     call = attn.blockwise_attention if spec["impl"] == "blockwise" else attn.dot_product_attention
 
     def fn(q, k, v, *leaves):
-        kw = {} if spec["score"] == "none" else {"score_mod": build(*leaves)}
-        return call(q, k, v, mask=masks.causal(), **kw)
+        return call(q, k, v, **{"mask": masks.causal(), **build(*leaves)})
 
     args = (q, k, v, *leaves)
     if spec["mode"] == "fwd":
         step = fn
     else:
+        floats = tuple(i for i, x in enumerate(args) if jnp.issubdtype(x.dtype, jnp.floating))
 
         def step(*args):
             loss = lambda *a: (fn(*a) * ct).sum()  # noqa: E731
-            return jax.grad(loss, argnums=tuple(range(len(args))))(*args)
+            return jax.grad(loss, argnums=floats)(*args)
 
     compiled = jax.jit(step).lower(*args).compile()
     memory = compiled.memory_analysis()
@@ -196,7 +207,7 @@ def memory_growth(rows) -> list[dict]:
 def markdown(result: dict) -> str:
     rows = result["rows"]
     lines = [
-        f"# Score modifiers in blockwise attention ({result['platform']})",
+        f"# Score modifiers and jax.nn's arrays in blockwise attention ({result['platform']})",
         "",
         f"B={result['config']['batch']}, N={result['config']['heads']}, "
         f"H={result['config']['head_dim']}, float32, causal; best of "

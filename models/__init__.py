@@ -75,6 +75,7 @@ from models.config import (
 )
 from models.delta import DeltaAttention, DeltaCache, DeltaConfig
 from models.diff import DiffAttention, DiffConfig, depth_lambda_init
+from models.functions import FunctionAttention, FunctionConfig, attention_kind
 from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention, LatentConfig
@@ -121,6 +122,8 @@ __all__ = [
     "DiffConfig",
     "Encoder",
     "EncoderDecoder",
+    "FunctionAttention",
+    "FunctionConfig",
     "HeadGate",
     "Heads",
     "KVCache",
@@ -137,6 +140,7 @@ __all__ = [
     "ShortConv",
     "SlotCache",
     "SoftmaxConfig",
+    "attention_kind",
     "attention_modules",
     "bookkeeping_bytes",
     "cache_bytes",

@@ -55,8 +55,11 @@ class LayerKind:
         surface of ``models.heads.Heads``: ``__call__(x, *, positions, segment_ids)``,
         ``init_cache(batch, max_len)`` (its decode cache, a pytree) and
         ``extend(x, cache, start, lengths)`` (prefill and decode steps).
-      family: ``"softmax"`` for a layer that keeps keys (a full cache or a window;
-        the comparison's "softmax layers"), ``"linear"`` for a fixed recurrent state.
+      family: what the kind is reported as (the comparison's table counts the layers
+        of family ``"softmax"`` as its "softmax layers"): ``"softmax"`` for softmax
+        attention over kept keys (MHA/GQA/MQA, MLA, windows, Diff), ``"linear"`` for a
+        fixed recurrent state (linear attention, the delta rule), another name for
+        another attention function (``"sigmoid"``, ``"softpick"``).
       config: the config class of the kind's layers: ``AttentionConfig`` or a
         frozen dataclass subclass of it holding the fields the kind reads.
       check: ``check(cfg)`` raising ``ValueError`` for values the kind cannot take, or None.
@@ -67,7 +70,7 @@ class LayerKind:
 
     name: str
     module: type
-    family: str = "softmax"
+    family: str
     config: type | None = None
     check: Callable[[AttentionConfig], None] | None = None
     sequence_parallel: bool | str = False
@@ -95,7 +98,7 @@ def register_kind(
     module: type | None = None,
     *,
     config: type | None = None,
-    family: str = "softmax",
+    family: str | None = None,
     check=None,
     sequence_parallel: bool | str = False,
     fields=None,
@@ -107,6 +110,10 @@ def register_kind(
     the built-in kinds (``softmax``, ``mla``, ``linear``, ``delta``, ``diff``) are
     added the same way, beside their modules. Several kinds may share a config
     class (a plugin attending with softmax masks may take ``models.MaskedConfig``).
+
+    ``family`` (``LayerKind.family``) is required, except for a module deriving from
+    a registered kind's module, whose family it inherits (``models.SelfAttention``:
+    ``"softmax"``); a kind that computes another function than its base's says so.
 
     ``fields=`` (the field names a kind read of the old union config) is
     deprecated and removed in attnlab 0.2: a kind without ``config`` then gets
@@ -136,8 +143,10 @@ def register_kind(
             cls = _config_holding(tuple(fields)) if config is None else config
         if cls is not None and not _is_config(cls):
             fail("config", "a dataclass subclass of AttentionConfig or None", repr(cls))
-        if not isinstance(family, str) or not family:
-            fail("family", "a non-empty string such as 'softmax' or 'linear'", repr(family))
+        kind_family = _inherited_family(module) if family is None else family
+        if not isinstance(kind_family, str) or not kind_family:
+            why = f"required: {module.__name__} derives from no registered kind's module"
+            fail("family", f"a non-empty string such as 'softmax' or 'linear' ({why})", family)
         if check is not None and not callable(check):
             fail("check", "a callable check(cfg) or None", repr(check))
         if not isinstance(sequence_parallel, bool | str):
@@ -146,11 +155,20 @@ def register_kind(
                 "a bool or the reason it cannot (a str)",
                 repr(sequence_parallel),
             )
-        entry = LayerKind(name, module, family, cls, check, sequence_parallel)
+        entry = LayerKind(name, module, kind_family, cls, check, sequence_parallel)
         KINDS.add(name, entry, defined_by=module)
         return module
 
     return add if module is None else add(module)
+
+
+def _inherited_family(module: type) -> str | None:
+    """The family of the registered kind whose module is ``module`` or its nearest base, or None."""
+    for base in module.__mro__:
+        families = {kind.family for kind in KINDS.values() if kind.module is base}
+        if families:
+            return min(families)
+    return None
 
 
 def _config_holding(names: tuple[str, ...]) -> type:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from attn.checks import fail
 from attn.deprecation import deprecated_names, warn
 from attn.registry import Registry
-from models.config import AttentionConfig
+from models.config import KINDS, AttentionConfig
 from models.latent import LatentConfig
 from models.linear import LinearConfig
 from models.softmax import SoftmaxConfig
@@ -85,6 +85,11 @@ class PresetSizes:
         """Linear attention (elu+1, no RoPE, chunks of C) of N heads of dim H."""
         fields = {"rope": False, "chunk_size": self.chunk_size, **fields}
         return LinearConfig(**self._heads(fields))
+
+    def function(self, kind: str, **fields):
+        """A layer of the function kind ``kind`` (``models.attention_kind``): N heads of dim H
+        with the softmax layer's defaults (causal, RoPE), ``fields`` replaced."""
+        return KINDS.lookup(kind, "kind").config_class(**self._heads(fields))
 
     def _heads(self, fields: dict) -> dict:
         return {"num_heads": self.num_heads, "head_dim": self.head_dim, **fields}

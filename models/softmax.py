@@ -161,7 +161,7 @@ class SelfAttention(Softmax):
         mod = self._score_mod(x)
         if self.sow_weights:  # the tap needs the dense weights [B,N,T,S], unsharded
             arrays = dict(self._whole(positions, segment_ids), score_mod=mod)
-            out = self._softmax(attn.attention, q, k, v, impl="auto", tap=True, **arrays)
+            out = self._softmax(self._attention, q, k, v, impl="auto", tap=True, **arrays)
             return self._output(out)
         on_ring, axes = self._on_ring(T), batch_axes(B)
         if on_ring and positions is None:  # the ring attends by the tokens' positions
@@ -178,10 +178,15 @@ class SelfAttention(Softmax):
             local = functools.partial(_attend, static=static, ring_blocks=blocks)
             split = PartitionSpec(axes or None, SEQ_AXIS)
             return self._output(shard_rows(local, arrays, split, {SEQ_AXIS, *axes}))
-        local = functools.partial(_attend, static=static, impl=self._impl())
+        local = functools.partial(_attend, static=static, impl=self._impl(), fn=self._attention)
         if not axes:
             return self._output(local(arrays))
         return self._output(shard_rows(local, arrays, PartitionSpec(axes), set(axes)))
+
+    def _attention(self, q, k, v, **call):
+        """The layer's attention call: ``attn.attention`` (a function kind's own function:
+        ``models.functions``)."""
+        return attn.attention(q, k, v, **call)
 
     def _on_ring(self, T: int) -> bool:
         """Whether this call runs as ring attention (see the module docstring).
@@ -236,7 +241,7 @@ class SelfAttention(Softmax):
             (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
             mod = self._score_mod(x)
         out = self._softmax(
-            attn.attention, q, keys, values, impl=self._impl(cached=True), score_mod=mod,
+            self._attention, q, keys, values, impl=self._impl(cached=True), score_mod=mod,
             **self._cached(positions, kv_pos),
         )  # fmt: skip
         return self._output(out), cache
@@ -257,15 +262,16 @@ class SelfAttention(Softmax):
         return (keys, values), kv_pos, cache, scores.Forgetting(c, c_kv)
 
 
-def _attend(arrays: dict, *, static: dict, impl: str = "auto", ring_blocks=None):
+def _attend(arrays: dict, *, static: dict, impl: str = "auto", ring_blocks=None,
+            fn=attn.attention):  # fmt: skip
     """One call of a layer on ``arrays`` (q, k, v and the call's arrays, named as
-    ``attn.attention`` names them): ``attn.attention``, or with ``ring_blocks``
-    ``(block_q, block_k)`` ``attn.ring_attention`` over ``SEQ_AXIS``. The plain call,
-    and the body of the per-shard and ring calls."""
+    ``attn.attention`` names them): ``fn`` (``attn.attention``, or a function kind's),
+    or with ``ring_blocks`` ``(block_q, block_k)`` ``attn.ring_attention`` over
+    ``SEQ_AXIS``. The plain call, and the body of the per-shard and ring calls."""
     arrays = dict(arrays)
     q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
     if ring_blocks is None:
-        return attn.attention(q, k, v, impl=impl, **static, **arrays)
+        return fn(q, k, v, impl=impl, **static, **arrays)
     block_q, block_k = ring_blocks
     return attn.ring_attention(
         q, k, v, axis_name=SEQ_AXIS, block_q=block_q, block_k=block_k, **static, **arrays

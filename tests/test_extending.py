@@ -67,10 +67,14 @@ def commands() -> list[list[str]]:
 
 
 def test_page_parts():
-    """The page holds the four examples and the commands the test runs."""
+    """The page holds the five examples and the commands the test runs."""
     text = PAGE.read_text()
-    for call in ("register_feature_map", "register_preset", "register_kind", "register_variant"):
+    for call in ("register_feature_map", "register_preset", "register_kind", "register_variant",
+                 "attention_kind"):  # fmt: skip
         assert f"{call}(" in text
+    # The attention function example is at most ~25 lines, as printed.
+    example = next(b for b in blocks("python") if "def relu_attention" in b)
+    assert len(example.strip().splitlines()) <= 25
     names = [c[1:3] for c in commands()]
     assert ["-m", "train"] in names and ["-m", "train.compare"] in names
 
@@ -101,8 +105,8 @@ def test_plugin_trains_compares_reloads_and_decodes(tmp_path):
     record = json.loads((folder / "runs" / "gated" / "config.json").read_text())
     assert record["plugins"] == ["my_variants"]
     layers = record["model"]["layers"]
-    assert [x["kind"] for x in layers] == ["gated", "gated"]
-    assert [x["gate"] for x in layers] == ["sigmoid", "silu"]
+    assert [x["kind"] for x in layers] == ["gated", "gated", "relu"]
+    assert [x["gate"] for x in layers[:2]] == ["sigmoid", "silu"]
     softplus = json.loads((folder / "runs" / "softplus" / "config.json").read_text())
     assert softplus["model"]["layers"][1]["feature_map"] == "softplus"
     results = json.loads((folder / "results" / "gated_quick" / "results.json").read_text())
@@ -112,7 +116,7 @@ def test_plugin_trains_compares_reloads_and_decodes(tmp_path):
     kinds = [x["kind"] for x in variants["gated"]["model"]["layers"]]
     assert kinds == ["gated", "gated"]
     assert all(r["summary"]["step"] == 4 for r in results["runs"])  # the workers trained them
-    assert "prefill + decode == forward for gated layers" in outputs[-1]
+    assert "prefill + decode == forward for gated, relu layers" in outputs[-1]
     # Without the plugin on the path, the run's record names what it needs, in one line.
     assert "my_variants" not in sys.modules
     with pytest.raises(ValueError, match=r"config\.json plugins: .*'my_variants'") as e:

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 
 from attn import masks, scores
 from attn.checks import fail
+from attn.softmax import pairs
 from attn.softmax.call import MASKED, CallSpec
 from attn.softmax.schedule import BlockSpec, Schedule
 
@@ -63,6 +64,7 @@ class KernelInts(NamedTuple):
     kv_pos: jax.Array  # [B,Sp] int32
     q_seg: jax.Array | None  # [B,Tp] int32
     kv_seg: jax.Array | None  # [B,Sp] int32
+    keep: jax.Array | None = None  # the boolean mask array as int8 in pair_layout
 
 
 # jax.export's platform names, and jax.default_backend()'s, to the kernels' platforms.
@@ -231,3 +233,58 @@ def mod_specs(mod: dict, head, q, k):
         specs.append(pl.BlockSpec((rows, *x.shape[1:]), lambda *g, _r=rest: (head_index(*g), *_r)))
     specs += [pl.BlockSpec(*q) for _ in mod["q"]] + [pl.BlockSpec(*k) for _ in mod["k"]]
     return specs, [*mod["head"], *mod["q"], *mod["k"]]
+
+
+def pair_layout(x, K: int, G: int, Tp: int, Sp: int, fill):
+    """A pair array ``[B|1, N|1, T|1, S|1]`` (``attn.softmax.pairs``) as the kernels read it:
+    padded to ``Tp`` and ``Sp`` and ``[B|1, K|1, G|1, Tp|1, Sp|1]``, never broadcast."""
+    return pairs.grouped(pairs.padded(x, Tp, Sp, fill), K, G)
+
+
+def pair_by_query(config: FlashConfig, x):
+    """BlockSpec of a pair array on the grid ``(b, n, i)``: block ``[bq|1, Sp|1]``."""
+    B, K, _, T, _ = x.shape
+    G, bq = config.call.G, config.block_q
+
+    def index(b, n, i):
+        return (b if B > 1 else 0, n // G if K > 1 else 0, n % G if K > 1 else 0,
+                i if T > 1 else 0, 0)  # fmt: skip
+
+    return pl.BlockSpec((None, None, None, bq if T > 1 else 1, x.shape[-1]), index)
+
+
+def pair_by_key(config: FlashConfig, x):
+    """BlockSpec of a pair array on the grid ``(b, h, j)``: block ``[G|1, Tp|1, bk|1]``."""
+    B, K, G, T, S = x.shape
+    bk = config.bwd_block_k
+
+    def index(b, h, j):
+        return b if B > 1 else 0, h if K > 1 else 0, 0, 0, j if S > 1 else 0
+
+    return pl.BlockSpec((None, None, G, T, bk if S > 1 else 1), index)
+
+
+def pair_rows(ref, keys, shape):
+    """A ``[Q, J]`` tile from a ``pair_by_query`` block ``[bq|1, Sp|1]`` at ``keys``."""
+    return jnp.broadcast_to(ref[:, keys] if ref.shape[1] > 1 else ref[...], shape)
+
+
+def pair_columns(ref, g, rows, shape):
+    """A ``[Q, J]`` tile from a ``pair_by_key`` block ``[G|1, Tp|1, bk|1]``: head g, ``rows``."""
+    G, T, _ = ref.shape
+    return jnp.broadcast_to(ref[g if G > 1 else 0, rows if T > 1 else slice(None), :], shape)
+
+
+def pair_count(config: FlashConfig) -> int:
+    """How many pair arrays (bias, boolean mask) the kernels take."""
+    return (config.call.bias_shape is not None) + (config.call.keep_shape is not None)
+
+
+def take_pairs(config: FlashConfig, refs):
+    """``(bias_ref or None, keep_ref or None, rest)`` from the head of ``refs``."""
+    bias = keep = None
+    if config.call.bias_shape is not None:
+        bias, *refs = refs
+    if config.call.keep_shape is not None:
+        keep, *refs = refs
+    return bias, keep, refs

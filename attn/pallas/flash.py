@@ -48,7 +48,11 @@ from attn.pallas.common import (
     matmul,
     mod_specs,
     modify,
+    pair_by_query,
+    pair_layout,
+    pair_rows,
     score_leaves,
+    take_pairs,
     take_views,
     tile_visible,
 )
@@ -114,7 +118,11 @@ def attend(call: Call, q, k, v, *, return_lse=False, block_q=None, block_k=None,
     N = call.dims.N
     sink = call.sink_logits.reshape(N) if config.call.has_sink else jnp.zeros((N,), jnp.float32)
     mod = score_leaves(config, scores.split(call.score)[1], *_padded_lengths(config))
-    out, lse = _flash(config, qp, kp, vp, sink, mod, ints)
+    bias = None
+    if call.bias is not None:
+        bias = pair_layout(call.bias.astype(jnp.float32), call.dims.K, call.dims.G,
+                           *_padded_lengths(config), 0.0)  # fmt: skip
+    out, lse = _flash(config, qp, kp, vp, sink, mod, bias, ints)
     T, E = call.dims.T, call.dims.E
     out = out[:, :T, :, :E].astype(q.dtype)
     return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
@@ -163,7 +171,7 @@ def _padded_lengths(config: FlashConfig) -> tuple[int, int]:
 def _kernel_ints(config: FlashConfig, call: Call) -> KernelInts:
     """Both schedules, and the positions and segment ids padded to ``_padded_lengths``."""
     rows = call.rows()
-    plan = schedules(config, rows, call.static_rows())
+    plan = schedules(config, rows, call.static_rows(), call.keep)
     Tp, Sp = _padded_lengths(config)
     # Padding repeats the last entry: the blocks' bounds, and so the schedule, stay those
     # of the real rows; padding keys are masked by index (tile_visible).
@@ -171,7 +179,10 @@ def _kernel_ints(config: FlashConfig, call: Call) -> KernelInts:
         _pad(x, length, "edge") for x, length in zip(rows, (Tp, Sp) * 2, strict=False)
     )
     q_seg, kv_seg = segments if segments else (None, None)
-    return KernelInts(plan.by_query, plan.by_key, q_pos, kv_pos, q_seg, kv_seg)
+    keep = None
+    if call.keep is not None:  # int8: Triton loads no bool from memory
+        keep = pair_layout(call.keep.astype(jnp.int8), call.dims.K, call.dims.G, Tp, Sp, 0)
+    return KernelInts(plan.by_query, plan.by_key, q_pos, kv_pos, q_seg, kv_seg, keep)
 
 
 def _padded_operands(config: FlashConfig, q, k, v):
@@ -215,7 +226,7 @@ def _pad(x, length: int, mode: str, last: int | None = None):
     return jnp.pad(x, widths, mode=mode)
 
 
-def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
+def forward(config: FlashConfig, q, k, v, sink, mod: dict, bias, ints: KernelInts):
     """``(out [B,Tp,N,E], lse [B,N,Tp] float32)`` over the ``by_query`` schedule.
 
     Rows past the last scheduled query block are left unwritten (they are padding).
@@ -251,6 +262,9 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
     )
     in_specs += [*specs, pl.BlockSpec((None, 1), lambda b, n, i: (n, 0))]
     args += [*leaves, sink[:, None]]
+    pair_args = [x for x in (bias, ints.keep) if x is not None]
+    in_specs += [pair_by_query(config, x) for x in pair_args]
+    args += pair_args
     return pl.pallas_call(
         functools.partial(_forward_kernel, config),
         grid=(B, N, nq),
@@ -273,7 +287,8 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
                     q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    mod_refs, (sink_ref, o_ref, lse_ref) = take_views(config, refs)
+    mod_refs, (sink_ref, *refs) = take_views(config, refs)
+    bias_ref, keep_ref, (o_ref, lse_ref) = take_pairs(config, refs)
     bq, bk = config.block_q, config.block_k
     q, q_pos = q_ref[...], q_pos_ref[...]
     q_seg = q_seg_ref[...] if config.call.has_segments else None
@@ -285,10 +300,13 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
         keys = pl.ds(start, bk)
         tile = dict(views, k=[r[keys] for r in mod_refs["k"]])
         s = modify(config, logits(config, q, k_ref[keys, :]), tile, q_pos, kv_pos_ref[keys])
+        if bias_ref is not None:
+            s = s + pair_rows(bias_ref, keys, s.shape)
 
         def visible():
             k_seg = kv_seg_ref[keys] if config.call.has_segments else None
-            return tile_visible(config, q_pos, kv_pos_ref[keys], start, q_seg, k_seg)
+            ok = tile_visible(config, q_pos, kv_pos_ref[keys], start, q_seg, k_seg)
+            return ok if keep_ref is None else ok & (pair_rows(keep_ref, keys, ok.shape) != 0)
 
         s = masked_unless_full(config, s, kind_ref[t], visible)
         m_new = jnp.maximum(m, s.max(-1))
@@ -314,20 +332,20 @@ def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(config: FlashConfig, q, k, v, sink, mod: dict, ints: KernelInts):
-    return forward(config, q, k, v, sink, mod, ints)
+def _flash(config: FlashConfig, q, k, v, sink, mod: dict, bias, ints: KernelInts):
+    return forward(config, q, k, v, sink, mod, bias, ints)
 
 
-def _flash_fwd(config, q, k, v, sink, mod, ints):
-    out, lse = forward(config, q, k, v, sink, mod, ints)
-    return (out, lse), (q, k, v, sink, mod, ints, out, lse)
+def _flash_fwd(config, q, k, v, sink, mod, bias, ints):
+    out, lse = forward(config, q, k, v, sink, mod, bias, ints)
+    return (out, lse), (q, k, v, sink, mod, bias, ints, out, lse)
 
 
 def _flash_bwd(config, residuals, cotangents):
-    q, k, v, sink, mod, ints, out, lse = residuals
+    q, k, v, sink, mod, bias, ints, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dsink, dmod = backward(config, q, k, v, sink, mod, ints, out, lse, d_out, d_lse)
-    return dq, dk, dv, dsink, dmod, None  # the integer inputs get no cotangent
+    grads = backward(config, q, k, v, sink, mod, bias, ints, out, lse, d_out, d_lse)
+    return *grads, None  # the integer inputs get no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

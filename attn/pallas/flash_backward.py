@@ -38,14 +38,21 @@ from attn.pallas.common import (
     matmul,
     mod_specs,
     modify_vjp,
+    pair_by_key,
+    pair_by_query,
+    pair_columns,
+    pair_rows,
     store_head,
+    take_pairs,
     take_views,
     tile_visible,
 )
 
 
-def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse, d_out, d_lse):
-    """``(dq, dk, dv, dsink, dmod)`` in the padded layouts of q, k, v, ``[N]`` and ``mod``."""
+def backward(config: FlashConfig, q, k, v, sink, mod, bias, ints: KernelInts, out, lse, d_out,
+             d_lse):  # fmt: skip
+    """``(dq, dk, dv, dsink, dmod, dbias)`` in the padded layouts of q, k, v, ``[N]``,
+    ``mod`` and the bias (None without one)."""
     Tp, T = q.shape[1], config.call.T
     # Rows past T are padding: their outputs may be unwritten, so D is formed
     # on the real rows only and is zero on the rest, as is their dO.
@@ -56,8 +63,8 @@ def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse
     # +inf gives P = 0: rows that see nothing (lse = -inf) and padding rows.
     real = (jnp.arange(Tp) < T)[None, None, :]
     lse = jnp.where(real & ~jnp.isneginf(lse), lse, jnp.inf)
-    dq, d_head, d_q = _dq(config, q, k, v, d_out, lse, delta, mod, ints)
-    dk, dv, d_k = _dkdv(config, q, k, v, d_out, lse, delta, mod, ints)
+    dq, d_head, d_q, dbias = _dq(config, q, k, v, d_out, lse, delta, mod, bias, ints)
+    dk, dv, d_k = _dkdv(config, q, k, v, d_out, lse, delta, mod, bias, ints)
     # Per (batch, head, query block) partials -> [N, 1, ...].
     dmod = dict(head=[d.sum((0, 2)) for d in d_head], q=d_q, k=d_k)
     if config.call.has_sink:
@@ -66,10 +73,13 @@ def backward(config: FlashConfig, q, k, v, sink, mod, ints: KernelInts, out, lse
         dsink = -(p_sink * delta[:, :, :T]).sum((0, 2))
     else:
         dsink = jnp.zeros_like(sink)
-    return dq, dk, dv, dsink, dmod
+    if bias is not None:  # [B,N,Tp,Sp] -> summed over the axes the bias broadcasts over
+        dbias = dbias.reshape(dbias.shape[0], config.call.K, config.call.G, *dbias.shape[2:])
+        dbias = dbias.sum(tuple(a for a, n in enumerate(bias.shape) if n == 1), keepdims=True)
+    return dq, dk, dv, dsink, dmod, dbias
 
 
-def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
+def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: KernelInts):
     B, _, N, H = q.shape
     Sp, E = k.shape[1], v.shape[-1]
     G, bq = config.call.G, config.block_q
@@ -111,6 +121,11 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_shape += [jax.ShapeDtypeStruct((B, N, nq, *x.shape[1:]), jnp.float32) for x in mod["head"]]
     out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in mod["q"]]
+    pair_args = [x for x in (bias, ints.keep) if x is not None]
+    specs += [pair_by_query(config, x) for x in pair_args]
+    if bias is not None:  # every (b, n, i) writes its own rows: summed over broadcasts outside
+        out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda b, n, i: (b, n, i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, N, q.shape[1], Sp), jnp.float32))
     dq, *rest = pl.pallas_call(
         functools.partial(_dq_kernel, config),
         grid=(B, N, nq),
@@ -120,18 +135,30 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
         interpret=config.interpret,
         compiler_params=compiler_params(config),
         name="attn_flash_dq",
-    )(*args, *leaves)
+    )(*args, *leaves, *pair_args)
+    dbias = rest.pop() if bias is not None else None
     n_head = len(mod["head"])
-    return dq, rest[:n_head], rest[n_head:]
+    return dq, rest[:n_head], rest[n_head:], dbias
 
 
 def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref, do_ref,
                lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    mod_refs, (dq_ref, *refs) = take_views(config, refs)
+    mod_refs, refs = take_views(config, refs)
+    bias_ref, keep_ref, (dq_ref, *refs) = take_pairs(config, refs)
+    dbias_ref = refs.pop() if bias_ref is not None else None
     d_head_refs, d_q_refs = refs[: len(mod_refs["head"])], refs[len(mod_refs["head"]) :]
     bk = config.block_k
+    if dbias_ref is not None:  # tiles the schedule skips have a zero cotangent
+
+        def clear(t, carry):
+            dbias_ref[:, pl.ds(pl.multiple_of(t * bk, bk), bk)] = jnp.zeros(
+                (dbias_ref.shape[0], bk), jnp.float32
+            )
+            return carry
+
+        lax.fori_loop(0, dbias_ref.shape[1] // bk, clear, 0)
     q, do, q_pos = q_ref[...], do_ref[...], q_pos_ref[...]
     lse, delta = lse_ref[...][:, None], delta_ref[...][:, None]
     q_seg = q_seg_ref[...] if config.call.has_segments else None
@@ -146,11 +173,15 @@ def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, 
 
         def visible():
             k_seg = kv_seg_ref[keys] if config.call.has_segments else None
-            return tile_visible(config, q_pos, k_pos, start, q_seg, k_seg)
+            ok = tile_visible(config, q_pos, k_pos, start, q_seg, k_seg)
+            return ok if keep_ref is None else ok & (pair_rows(keep_ref, keys, ok.shape) != 0)
 
         s = logits(config, q, k)
-        ds, _, d_tile = _ds(config, s, kind_ref[t], visible, lse, delta, do, v_ref[keys, :],
-                            tile, q_pos, k_pos)  # fmt: skip
+        bias = None if bias_ref is None else pair_rows(bias_ref, keys, s.shape)
+        ds, _, dx, d_tile = _ds(config, s, bias, kind_ref[t], visible, lse, delta, do,
+                             v_ref[keys, :], tile, q_pos, k_pos)  # fmt: skip
+        if dbias_ref is not None:
+            dbias_ref[:, keys] = dx
         d_head = jax.tree.map(jnp.add, d_head, d_tile["head"])
         d_q = [a + b for a, b in zip(d_q, d_tile["q"], strict=True)]
         return dq + matmul(ds.astype(k.dtype), k), d_head, d_q
@@ -165,17 +196,23 @@ def _dq_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, 
         ref[...] = d
 
 
-def _ds(config: FlashConfig, s, kind, visible, lse, delta, do, v, views, q_pos, k_pos):
-    """``(dS, P, the views' cotangents)`` of a tile from its scaled logits s ``[Q,J]``."""
+def _ds(config: FlashConfig, s, bias, kind, visible, lse, delta, do, v, views, q_pos, k_pos):
+    """``(dS, P, dX, the views' cotangents)`` of a tile from its scaled logits s ``[Q,J]``.
+
+    ``dX = P * (dP - D)`` is the cotangent of the logits after the modifier and
+    the bias (so the bias's own); ``P`` is ``exp`` of those logits less the lse.
+    """
     # The modifier's derivative, from the unmasked logits: finite everywhere.
     x, vjp = modify_vjp(config, s, views, q_pos, k_pos)
+    x = x if bias is None else x + bias
     x = masked_unless_full(config, x, kind, visible)
     p = jnp.exp(x - lse)  # masked logits give exp(MASKED - lse) = 0
-    ds, d_views = vjp(p * (matmul(do, v, (1, 1)) - delta))
-    return ds, p, d_views
+    dx = p * (matmul(do, v, (1, 1)) - delta)
+    ds, d_views = vjp(dx)
+    return ds, p, dx, d_views
 
 
-def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts):
+def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: KernelInts):
     B, Tp, _, H = q.shape
     K, E = k.shape[2], v.shape[-1]
     G, bk = config.call.G, config.bwd_block_k
@@ -215,6 +252,8 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts
     out_specs += [pl.BlockSpec(*k_block) for _ in mod["k"]]
     out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in mod["k"]]
+    pair_args = [x for x in (bias, ints.keep) if x is not None]
+    specs += [pair_by_key(config, x) for x in pair_args]
     dk, dv, *d_k = pl.pallas_call(
         functools.partial(_dkdv_kernel, config),
         grid=(B, K, nk),
@@ -224,7 +263,7 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, ints: KernelInts
         interpret=config.interpret,
         compiler_params=compiler_params(config),
         name="attn_flash_dkdv",
-    )(*args, *leaves)
+    )(*args, *leaves, *pair_args)
     return dk, dv, d_k
 
 
@@ -232,7 +271,8 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
                  lse_ref, delta_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     if config.call.has_segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    mod_refs, (dk_ref, dv_ref, *d_k_refs) = take_views(config, refs)
+    mod_refs, refs = take_views(config, refs)
+    bias_ref, keep_ref, (dk_ref, dv_ref, *d_k_refs) = take_pairs(config, refs)
     bq, bk = config.bwd_block_q, config.bwd_block_k
     k, v, kv_pos = k_ref[...], v_ref[...], kv_pos_ref[...]
     k_seg = kv_seg_ref[...] if config.call.has_segments else None
@@ -246,10 +286,14 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
         q_seg = q_seg_ref[rows] if config.call.has_segments else None
         kind = kind_ref[t]
 
-        def visible():
-            return tile_visible(config, q_pos, kv_pos, start_k, q_seg, k_seg)
-
         def head(g, carry):  # the G query heads of this kv head
+
+            def visible():
+                ok = tile_visible(config, q_pos, kv_pos, start_k, q_seg, k_seg)
+                if keep_ref is None:
+                    return ok
+                return ok & (pair_columns(keep_ref, g, rows, ok.shape) != 0)
+
             dk, dv = carry
             q, do = q_ref[rows, g, :], do_ref[rows, g, :]
             lse, delta = lse_ref[g, rows][:, None], delta_ref[g, rows][:, None]
@@ -259,7 +303,9 @@ def _dkdv_kernel(config: FlashConfig, query_ref, kind_ref, count_ref, q_ref, k_r
                 k=[r[g, :] for r in mod_refs["k"]],
             )
             s = logits(config, q, k)
-            ds, p, d_views = _ds(config, s, kind, visible, lse, delta, do, v, views, q_pos, kv_pos)
+            bias = None if bias_ref is None else pair_columns(bias_ref, g, rows, s.shape)
+            ds, p, _, d_views = _ds(config, s, bias, kind, visible, lse, delta, do, v, views,
+                                    q_pos, kv_pos)  # fmt: skip
             for ref, d in zip(d_k_refs, d_views["k"], strict=True):
                 ref[g, :] = ref[g, :] + d
             dv = dv + matmul(p.astype(do.dtype), do, (0, 0))

@@ -34,7 +34,8 @@ class Schedules(NamedTuple):
     by_key: Schedule  # key_tile [nk, W']: query block indices
 
 
-def schedules(config: FlashConfig, rows: Sequence, static: Sequence | None) -> Schedules:
+def schedules(config: FlashConfig, rows: Sequence, static: Sequence | None,
+              keep=None) -> Schedules:  # fmt: skip
     """The forward schedule (``config``'s blocks) and the dk/dv one (its backward blocks).
 
     Args:
@@ -43,13 +44,14 @@ def schedules(config: FlashConfig, rows: Sequence, static: Sequence | None) -> S
         and, with segment ids, the q and kv ids.
       static: the same in NumPy when known at trace time
         (``attn.softmax.call.Call.static_rows``), or None.
+      keep: the call's boolean mask array, or None.
     """
-    by_query = _layout(config.blocks, rows, static, transpose=False)
-    return Schedules(by_query, _layout(config.bwd_blocks, rows, static, transpose=True))
+    by_query = _layout(config.blocks, rows, static, keep, transpose=False)
+    return Schedules(by_query, _layout(config.bwd_blocks, rows, static, keep, transpose=True))
 
 
-def _layout(blocks: BlockSpec, rows, static, transpose: bool) -> Schedule:
-    xp, kinds = block_kind_table(blocks, rows, static)  # [nq, nk]
+def _layout(blocks: BlockSpec, rows, static, keep, transpose: bool) -> Schedule:
+    xp, kinds = block_kind_table(blocks, rows, static, keep)  # [nq, nk]
     schedule = compact(xp, kinds.T if transpose else kinds)
     # Triton tiles are powers of two; the extra entries are never visited.
     width = schedule.key_tile.shape[1]

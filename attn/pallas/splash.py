@@ -9,6 +9,7 @@ default ones, or explicit ones that are ranges) a mask maps as:
     causal()                        CausalMask(offset = first q position - first k position)
     sliding_window(w) [& causal()]  LocalMask(window (w - 1, 0), same offset)
     bidirectional_window(r)         LocalMask(window (r, r), same offset)
+    band(l, r) [& causal()]         LocalMask(window (l, r), or (l, 0) with causal())
     causal() & chunked(c)           ChunkedCausalMask(c), when q and k start at one multiple of c
 
 and anything else (initial tokens, global tokens, unions, other positions)
@@ -67,28 +68,28 @@ class Refusal:
         return f"{self.arg}: expected {self.expected}, got {self.got}"
 
 
-def splash_reason(q, k, v, *, bias=None, return_weights=False, return_lse=False,
+def splash_reason(q, k, v, bias=None, mask=None, *, return_weights=False, return_lse=False,
                   **call_args) -> str | None:  # fmt: skip
     """Why ``splash_attention`` would refuse these arguments, or None where they map.
 
-    Takes ``attn.attention``'s keyword arguments (``bias`` and ``return_weights``
-    included); checks nothing that splash would not refuse (a malformed call
-    is ``splash_attention``'s to report).
+    Takes ``attn.attention``'s arguments (``bias`` and ``mask`` in ``jax.nn``'s
+    positions, ``return_weights``); checks nothing that splash would not refuse
+    (a malformed call is ``splash_attention``'s to report).
     """
     try:
-        call = check_call(*as_arrays(q, k, v), **call_args)
+        call = check_call(*as_arrays(q, k, v), bias=bias, mask=mask, **call_args)
     except ValueError:
         return None
-    return reason(call, bias=bias, return_weights=return_weights, return_lse=return_lse)
+    return reason(call, return_weights=return_weights, return_lse=return_lse)
 
 
-def reason(call: Call, *, bias=None, return_weights=False, return_lse=False) -> str | None:
+def reason(call: Call, *, return_weights=False, return_lse=False) -> str | None:
     """``splash_reason`` of a checked call."""
-    refusal = _refusal(call, bias, return_weights, return_lse)
+    refusal = _refusal(call, return_weights, return_lse)
     return None if refusal is None else str(refusal)
 
 
-def _refusal(call: Call, bias, return_weights, return_lse) -> Refusal | None:
+def _refusal(call: Call, return_weights, return_lse) -> Refusal | None:
     score = call.score
     if score is not None and not isinstance(score, scores.Softcap):
         return Refusal(
@@ -97,8 +98,10 @@ def _refusal(call: Call, bias, return_weights, return_lse) -> Refusal | None:
             "logits but its soft-cap; impl='pallas' evaluates any modifier)",
             type(score).__name__,
         )
-    if bias is not None:
-        return Refusal("bias", "None for impl='splash' (use impl='dense' for a bias)", "an array")
+    for name, x in (("bias", call.bias), ("mask", call.keep)):
+        if x is not None:  # splash's masks are static, and it has no bias input
+            return Refusal(name, f"no {name} array for impl='splash' (impl='pallas' reads one "
+                           "per tile)", f"shape {x.shape}")  # fmt: skip
     if return_weights:
         return Refusal("return_weights", "False for impl='splash' (it never forms the weights)",
                        True)  # fmt: skip
@@ -172,6 +175,12 @@ def _computable(mask, offset: int, q0: int, k0: int):
             return "local", (w - 1, 0)
         case masks.BidirectionalWindow(radius=r):
             return "local", (r, r)
+        case masks.Band(left=left, right=right):
+            return "local", (left, right)
+        case masks.And(masks.Causal(), masks.Band(left=left)) | masks.And(
+            masks.Band(left=left), masks.Causal()
+        ):
+            return "local", (left, 0)
         case masks.And(masks.Causal(), masks.Chunked(c=c)) | masks.And(
             masks.Chunked(c=c), masks.Causal()
         ):
@@ -240,7 +249,7 @@ def attend(call: Call, q, k, v, *, return_lse=False, interpret=None, platform=No
     """``splash_attention`` of a checked call (see there)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
-    refusal = _refusal(call, None, False, return_lse)
+    refusal = _refusal(call, False, return_lse)
     if refusal is not None:
         fail(refusal.arg, refusal.expected, refusal.got)
     q, k, v = call.isolate(q, k, v)

@@ -153,7 +153,9 @@ def _check(q, k, v, axis_name, call_args: dict):
     except NameError:
         fail("axis_name", "a mesh axis bound by an enclosing jax.shard_map", f"{axis_name!r}")
     positions = _default_positions(d, mask, axis_name, num_devices, call_args)
-    return check_call(q, k, v, **{**call_args, **positions})
+    call = check_call(q, k, v, **{**call_args, **positions})
+    call.refuse_pairs("ring attention (a Mask, positions and segment ids travel with the shards)")
+    return call
 
 
 def _prepare(call: Call, q, k, v, block_q, block_k):

@@ -65,6 +65,7 @@ def sharded_attention(
     if layout not in LAYOUTS:
         fail("layout", f"one of {LAYOUTS}", repr(layout))
     call = check_call(q, k, v, **call_args)
+    call.refuse_pairs("sharded_attention (a Mask, positions and segment ids are sharded)")
     d, num_devices = call.dims, mesh.shape[axis_name]
     per = 2 * num_devices if layout == "zigzag" else num_devices
     for name, length, letter in (("q", d.T, "T"), ("k", d.S, "S")):

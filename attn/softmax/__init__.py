@@ -6,7 +6,11 @@ Modules, in the order a reader needs them:
   arguments, declared once (``CallArgs``), checked once into the one call
   object every implementation receives (``Call``), the visibility rule, and
   the static spec kernels are traced with;
-* ``dense``: ``dot_product_attention``, the reference with ``[T,S]`` materialized;
+* ``dense``: ``dot_product_attention``, the reference with ``[T,S]`` materialized,
+  and ``logits``, its front (the logits and which keys each query sees), which
+  attention functions beside softmax build on (``attn.functions``);
+* ``jax_nn``: ``jax.nn.dot_product_attention``'s arguments in the call's terms;
+* ``pairs``: a bias and a boolean mask array, read per tile;
 * ``schedule``: which (query block, key block) pairs to visit, from the
   masks' block classification (shared with ``attn.ring`` and ``attn.pallas``);
 * ``tiles``: the tile layout of the blockwise kernels' operands, a score
@@ -25,15 +29,18 @@ from attn.softmax.blockwise import (
     blockwise_attention,
     count_blocks,
 )
-from attn.softmax.call import CallArgs
-from attn.softmax.dense import dot_product_attention
+from attn.softmax.call import Call, CallArgs, check_call
+from attn.softmax.dense import dot_product_attention, logits
 
 __all__ = [
     "DEFAULT_BLOCK_K",
     "DEFAULT_BLOCK_Q",
     "BlockCounts",
+    "Call",
     "CallArgs",
     "blockwise_attention",
+    "check_call",
     "count_blocks",
     "dot_product_attention",
+    "logits",
 ]

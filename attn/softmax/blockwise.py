@@ -168,9 +168,9 @@ def _prepare(call: Call, dtype, block_q, block_k):
     """A checked call's tile configuration, integer inputs, ``[K,G]`` sink logits and
     the modifier's leaves in tile layout."""
     config = tile_config(call, block_q, block_k, dtype, TILE_SCORES)
-    inputs = kernel_inputs(config, call.rows(), call.static_rows())
+    inputs = kernel_inputs(config, call.rows(), call.static_rows(), call.keep)
     if config.call.has_sink:
         sink = call.sink_logits
     else:
         sink = jnp.zeros((call.dims.K, call.dims.G), jnp.float32)
-    return config, inputs, sink, score_tiles(config, scores.split(call.score)[1])
+    return config, inputs, sink, score_tiles(config, scores.split(call.score)[1], call.bias)

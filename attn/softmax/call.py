@@ -34,6 +34,8 @@ import numpy as np
 from attn import checks, scores
 from attn.checks import fail
 from attn.masks import Full, Mask, drop_padding, full, same_segment
+from attn.softmax.jax_nn import translate
+from attn.softmax.pairs import check_pair
 
 __all__ = [
     "CALL_ARGS",
@@ -57,7 +59,11 @@ class CallArgs(TypedDict, total=False):
     """The keyword arguments of every softmax implementation (``**call_args``), all optional.
 
     Attributes:
-      mask: an ``attn.masks.Mask`` on absolute positions; None is bidirectional.
+      mask: an ``attn.masks.Mask`` on absolute positions, or (as ``jax.nn`` takes it)
+        a boolean array broadcastable to ``[B,N,T,S]`` (rank <= 4, leading axes
+        added), True where the query sees the key, read per tile by the
+        blockwise and Pallas kernels (a block it hides entirely is skipped);
+        None is bidirectional.
       scale: logit scale, a finite float > 0, default ``1/sqrt(H)``.
       softcap: if given (finite, > 0), logits become ``softcap * tanh(logits / softcap)``
         (shorthand for ``scores.softcap``, applied before ``score_mod``).
@@ -81,6 +87,17 @@ class CallArgs(TypedDict, total=False):
         other token (``Call.isolate``). Ids are checked where concrete (an
         int64 id beyond int32 is refused, never wrapped into padding).
       kv_segment_ids: ``[B,S]`` ints, as ``q_segment_ids``.
+      bias: additive logits broadcastable to ``[B,N,T,S]`` (rank <= 4), added after
+        the score modifier; it gets gradients. Read per tile, never broadcast
+        in memory.
+      is_causal: ``jax.nn``'s: ``masks.causal()`` joined to the mask, with the
+        queries at the top-left corner (``q_positions`` default ``arange(T)``).
+      local_window_size: ``jax.nn``'s ``w`` or ``(left, right)``: ``masks.band(left, right)``
+        joined to the mask, top-left aligned like ``is_causal``.
+      query_seq_lengths: ``[B]`` ints: queries at or past a row's length are
+        padding (segment id 0, output 0, as in ``jax.nn``).
+      key_value_seq_lengths: ``[B]`` ints: keys at or past a row's length are
+        padding, seen by no query.
     """
 
     mask: Mask | None
@@ -92,9 +109,15 @@ class CallArgs(TypedDict, total=False):
     kv_positions: Any
     q_segment_ids: Any
     kv_segment_ids: Any
+    bias: Any
+    is_causal: bool
+    local_window_size: Any
+    query_seq_lengths: Any
+    key_value_seq_lengths: Any
 
 
 CALL_ARGS = tuple(CallArgs.__annotations__)
+_DEFAULTS = {"is_causal": False}
 
 
 def takes_call_args(fn):
@@ -106,7 +129,9 @@ def takes_call_args(fn):
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     params += [
-        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in CALL_ARGS
+        inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=_DEFAULTS.get(n))
+        for n in CALL_ARGS
+        if n not in sig.parameters  # jax.nn's positional bias and mask are named already
     ]
     fn.__signature__ = sig.replace(parameters=params)
     return fn
@@ -127,6 +152,8 @@ class CallSpec:
     S: int
     K: int
     G: int
+    bias_shape: tuple | None = None  # the bias's rank-4 shape (1 on broadcast axes), or None
+    keep_shape: tuple | None = None  # the boolean mask array's, or None
 
 
 @jax.tree_util.register_dataclass
@@ -148,6 +175,8 @@ class Call:
     sink_logits: jax.Array | None  # [K, G] float32
     q_segment_ids: jax.Array | None  # [B, T] int32
     kv_segment_ids: jax.Array | None  # [B, S] int32
+    bias: jax.Array | None  # [B|1, N|1, T|1, S|1] as given
+    keep: jax.Array | None  # [B|1, N|1, T|1, S|1] bool
     positions: tuple  # q [B, T] and kv [B, S] int32 positions, each None where defaulted
     given: tuple  # q_positions, kv_positions, q_segment_ids, kv_segment_ids as passed
 
@@ -183,6 +212,14 @@ class Call:
         q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
         return drop_padding(q, q_seg), drop_padding(k, kv_seg), drop_padding(v, kv_seg)
 
+    def refuse_pairs(self, where: str) -> None:
+        """A ``ValueError`` where an implementation that cannot read a bias or a boolean mask
+        array (``attn.softmax.pairs``) is given one: never a silent wrong answer."""
+        for name, x in (("bias", self.bias), ("mask", self.keep)):
+            if x is not None:
+                takers = "dense, blockwise, pallas and jax.nn's implementations of attn.attention"
+                fail(name, f"no {name} array for {where} ({takers} take one)", f"shape {x.shape}")
+
     def spec(self) -> CallSpec:
         """The static part (``CallSpec``)."""
         d = self.dims
@@ -193,6 +230,8 @@ class Call:
             score=scores.split(self.score)[0],
             has_sink=self.sink_logits is not None,
             has_segments=self.q_segment_ids is not None,
+            bias_shape=None if self.bias is None else tuple(self.bias.shape),
+            keep_shape=None if self.keep is None else tuple(self.keep.shape),
             B=d.B,
             T=d.T,
             S=d.S,
@@ -276,21 +315,27 @@ def check_call(q, k, v, **call_args: Unpack[CallArgs]) -> Call:
     unknown = sorted(set(call_args) - set(CALL_ARGS))
     if unknown:
         raise TypeError(f"got unexpected keyword arguments {unknown} (the call takes {CALL_ARGS})")
-    mask, scale, softcap, score_mod, sink_logits, *rows = (call_args.get(n) for n in CALL_ARGS)
-    q_positions, kv_positions, q_segment_ids, kv_segment_ids = rows
+    a = {name: call_args.get(name, _DEFAULTS.get(name)) for name in CALL_ARGS}
     d = checks.qkv_dims(q, k, v)
+    mask, keep, q_positions, q_segment_ids, kv_segment_ids = translate(
+        d, a["mask"], a["is_causal"], a["local_window_size"], a["query_seq_lengths"],
+        a["key_value_seq_lengths"], a["q_positions"], a["q_segment_ids"], a["kv_segment_ids"],
+    )  # fmt: skip
+    kv_positions = a["kv_positions"]
     if (q_segment_ids is None) != (kv_segment_ids is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
-    mask, scale, softcap = check_static(mask, scale, softcap)
+    mask, scale, softcap = check_static(mask, a["scale"], a["softcap"])
     if q_positions is None:
         check_default_queries(d.T, d.S, mask, kv_positions is not None)
     scale = d.H**-0.5 if scale is None else scale
+    sink_logits = a["sink_logits"]
     if sink_logits is not None:
         sink_logits = jnp.asarray(sink_logits)
         if sink_logits.shape != (d.N,):
             fail("sink_logits", f"shape ({d.N},), one logit per query head", sink_logits.shape)
         sink_logits = sink_logits.astype(jnp.float32).reshape(d.K, d.G)
-    score_mod = scores.check_score_mod(score_mod, d)
+    score_mod = scores.check_score_mod(a["score_mod"], d)
+    bias = None if a["bias"] is None else check_pair(a["bias"], "bias", d, boolean=False)
     return Call(
         dims=d,
         mask=mask,
@@ -300,6 +345,8 @@ def check_call(q, k, v, **call_args: Unpack[CallArgs]) -> Call:
         sink_logits=sink_logits,
         q_segment_ids=checks.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
         kv_segment_ids=checks.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),
+        bias=bias,
+        keep=keep,
         positions=(
             _given_positions(q_positions, "q_positions", d.B, d.T),
             _given_positions(kv_positions, "kv_positions", d.B, d.S),

@@ -14,20 +14,26 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from attn import checks, scores
+from attn import scores
 from attn.checks import as_arrays, fail
 from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args, visible
+from attn.softmax.jax_nn import EMPTY_ROWS, mean_where_empty
+from attn.softmax.pairs import grouped
 
 
 @takes_call_args
 def dot_product_attention(
-    q,
-    k,
-    v,
-    *,
+    query,
+    key,
+    value,
     bias=None,
+    mask=None,
+    *,
+    implementation: str | None = None,
     return_weights: bool = False,
     return_lse: bool = False,
+    return_residual: bool = False,
+    empty_rows: str = "zero",
     **call_args: Unpack[CallArgs],
 ):
     """Softmax attention with the ``[T,S]`` weights materialized.
@@ -36,49 +42,112 @@ def dot_product_attention(
     ``w = softmax_s(mod(cap(scale * q.k)) + bias)`` over the keys the mask, the
     positions and the segment ids make visible. A query with no visible key
     gets zeros (and zero gradients), unlike ``jax.nn.dot_product_attention``,
-    which returns the mean of V. Statistics are float32 for every input dtype.
+    which returns the mean of V (``empty_rows="mean"`` gives its). Statistics
+    are float32 for every input dtype.
+
+    Takes every argument of ``jax.nn.dot_product_attention`` with its meaning
+    (``attn.softmax.jax_nn``), in its order (query, key, value, bias, mask), and
+    rank-3 ``[T,N,H]`` inputs as it does.
 
     Args:
-      q: ``[B,T,N,H]`` queries.
-      k: ``[B,S,K,H]`` keys, ``N % K == 0`` (MHA, GQA, MQA).
-      v: ``[B,S,K,E]`` values.
-      bias: additive logits, rank 4, broadcastable to ``[B,N,T,S]``.
+      query: ``[B,T,N,H]`` queries (or ``[T,N,H]``).
+      key: ``[B,S,K,H]`` keys, ``N % K == 0`` (MHA, GQA, MQA).
+      value: ``[B,S,K,E]`` values.
+      bias, mask: the call's (``CallArgs``): a bias and a ``Mask`` or boolean array.
+      implementation: ``jax.nn``'s: None or ``"xla"`` (this is XLA's materialized
+        attention); ``"cudnn"`` is ``attn.attention(impl="cudnn")``'s.
       return_weights: also return the float32 weights ``[B,N,T,S]``.
       return_lse: also return the float32 log-sum-exp ``[B,T,N]`` of the visible
         logits (and sink); ``-inf`` for a row that sees nothing.
+      return_residual: ``jax.nn``'s: also return the lse ``[B,T,N]`` in the keys' dtype,
+        without a gradient (``-inf`` on rows that see nothing, where ``jax.nn``'s
+        is a large negative number); ``return_lse`` gives a differentiable one.
+      empty_rows: ``"zero"`` (ours) or ``"mean"`` (``jax.nn``'s): what a real
+        query that sees no key outputs.
       **call_args: the call's keyword arguments, those of every softmax
-        implementation (``attn.softmax.call.CallArgs``): ``mask``, ``scale``,
-        ``softcap``, ``score_mod``, ``sink_logits``, ``q_positions``,
-        ``kv_positions``, ``q_segment_ids``, ``kv_segment_ids``.
+        implementation (``attn.softmax.call.CallArgs``): ``mask`` (a
+        ``Mask`` or a boolean array), ``bias``, ``scale``, ``softcap``,
+        ``score_mod``, ``sink_logits``, positions, segment ids, and
+        ``jax.nn``'s ``is_causal``, ``local_window_size``, ``query_seq_lengths``
+        and ``key_value_seq_lengths``.
 
     Returns:
       ``out [B,T,N,E]`` in q's dtype, then the weights and/or the lse if asked.
     """
+
+    if implementation not in (None, "xla"):
+        fail("implementation", "None or 'xla' (use attn.attention(impl='cudnn') for cuDNN)",
+             repr(implementation))  # fmt: skip
+
+    def run(call, q, k, v, empty_rows, residual=False, **returns):
+        return with_empty_rows(attend, call, q, k, v, empty_rows, **returns)
+
+    call_args = dict(call_args, bias=bias, mask=mask)
+    return batched(run, query, key, value, call_args, empty_rows, return_residual,
+                   return_weights=return_weights, return_lse=return_lse)  # fmt: skip
+
+
+def batched(attend_fn, q, k, v, call_args, empty_rows, residual, **returns):
+    """``attend_fn(call, q, k, v, empty_rows, **returns)`` on rank-4 or rank-3 inputs.
+
+    The entry points' shared front: the call checked once; rank-3 ``[T,N,H]``
+    inputs (as ``jax.nn`` takes them) given a batch axis of 1 that every output
+    loses again; ``jax.nn``'s residual (``residual``) asked for as the lse
+    (``attend_fn`` gets ``residual=True`` with it) and returned without a
+    gradient in the keys' dtype.
+    """
     q, k, v = as_arrays(q, k, v)
-    call = check_call(q, k, v, **call_args)
-    return attend(call, q, k, v, bias=bias, return_weights=return_weights, return_lse=return_lse)
+    if empty_rows not in EMPTY_ROWS:
+        fail("empty_rows", f"one of {EMPTY_ROWS}", repr(empty_rows))
+    if residual and any(returns.values()):
+        fail("return_residual", "False with return_weights or return_lse (return_lse is the "
+             "same lse, differentiable)", True)  # fmt: skip
+    if residual:
+        returns = dict(returns, return_lse=True, residual=True)
+    rank3 = getattr(q, "ndim", None) == 3
+    for name, x in (("k", k), ("v", v)):
+        if rank3 and getattr(x, "ndim", None) != 3:
+            fail(name, "rank 3 like q (rank-3 q, k, v are one sequence)", getattr(x, "shape", x))
+    if rank3:
+        q, k, v = (jnp.asarray(x)[None] for x in (q, k, v))
+        call_args = {
+            n: (jnp.asarray(x)[None] if n.endswith("segment_ids") and x is not None else x)
+            for n, x in call_args.items()
+        }
+    result = attend_fn(check_call(q, k, v, **call_args), q, k, v, empty_rows, **returns)
+    if residual:
+        out, lse = result
+        result = out, jax.lax.stop_gradient(lse).astype(k.dtype)
+    if rank3:
+        result = tuple(x[0] for x in result) if isinstance(result, tuple) else result[0]
+    return result
 
 
-def attend(call: Call, q, k, v, *, bias=None, return_weights=False, return_lse=False):
+def with_empty_rows(attend_fn, call, q, k, v, empty_rows, **returns):
+    """``attend_fn(call, q, k, v, **returns)``, with ``jax.nn``'s mean of V on empty rows
+    where ``empty_rows == "mean"`` (found from the lse, asked for if not already)."""
+    if empty_rows == "zero":
+        return attend_fn(call, q, k, v, **returns)
+    result = attend_fn(call, q, k, v, **dict(returns, return_lse=True))
+    out, *rest = result
+    out = mean_where_empty(call, out, rest[-1], v)
+    rest = rest if returns.get("return_lse") else rest[:-1]
+    return (out, *rest) if rest else out
+
+
+def attend(call: Call, q, k, v, *, return_weights=False, return_lse=False):
     """``dot_product_attention`` of a checked call (see there)."""
-    return _dense(call, q, k, v, bias, return_weights=bool(return_weights),
+    return _dense(call, q, k, v, return_weights=bool(return_weights),
                   return_lse=bool(return_lse))  # fmt: skip
 
 
 # Jitted at the boundary so eager callers compile once per shape instead of
 # dispatching op by op; inside a caller's jit it is inlined.
 @functools.partial(jax.jit, static_argnames=("return_weights", "return_lse"))
-def _dense(c: Call, q, k, v, bias, *, return_weights, return_lse):
-    B, T, S, N, K, G, H, E = c.dims
+def _dense(c: Call, q, k, v, *, return_weights, return_lse):
+    B, T, S, N, K, G, _, E = c.dims
     q, k, v = c.isolate(q, k, v)
-    qg = q.reshape(B, T, K, G, H)
-    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-    chex.assert_shape(s, (B, K, G, T, S))
-    s = _modified(c, s * c.scale)
-    if bias is not None:
-        s = s + _grouped_bias(bias, c.dims)
-    ok = visible(c.mask, c.q_positions, c.kv_positions, c.q_segment_ids, c.kv_segment_ids)
-    ok = ok[:, None, None]  # [B,1,1,T,S]
+    s, ok = logits(c, q, k)
     s = jnp.where(ok, s, MASKED)
 
     m = s.max(-1, keepdims=True)
@@ -102,6 +171,25 @@ def _dense(c: Call, q, k, v, bias, *, return_weights, return_lse):
         lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
         extras.append(lse[..., 0].reshape(B, N, T).transpose(0, 2, 1))
     return (out, *extras) if extras else out
+
+
+def logits(c: Call, q, k):
+    """``(s, ok)``: a call's float32 logits ``[B,K,G,T,S]`` (scaled, through the modifier,
+    plus the bias) and which are visible, boolean ``[B,1|K,1|G,T,S]`` (the mask on the
+    positions, the segments, the mask array). The materialized front of every dense
+    attention function (``attn.functions`` too)."""
+    B, T, S, _, K, G, H, _ = c.dims
+    qg = q.reshape(B, T, K, G, H)
+    s = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+    chex.assert_shape(s, (B, K, G, T, S))
+    s = _modified(c, s * c.scale)
+    if c.bias is not None:
+        s = s + grouped(c.bias, K, G).astype(jnp.float32)
+    ok = visible(c.mask, c.q_positions, c.kv_positions, c.q_segment_ids, c.kv_segment_ids)
+    ok = ok[:, None, None]  # [B,1,1,T,S]
+    if c.keep is not None:
+        ok = ok & grouped(c.keep, K, G)
+    return s, ok
 
 
 def modifier_bias(c):
@@ -140,16 +228,3 @@ def _at_most_zero(x):
     above 0, i.e. at the max itself.
     """
     return x - jax.lax.stop_gradient(jnp.maximum(x, 0.0))
-
-
-def _grouped_bias(bias, d: checks.Dims):
-    """Float32 ``[B|1, K, G, T|1, S|1]`` view of a bias broadcastable to ``[B,N,T,S]``."""
-    bias = jnp.asarray(bias)
-    if bias.ndim != 4:
-        fail("bias", f"a rank-4 array broadcastable to ({d.B}, {d.N}, {d.T}, {d.S})", bias.shape)
-    try:
-        jnp.broadcast_shapes(bias.shape, (d.B, d.N, d.T, d.S))
-    except ValueError:
-        fail("bias", f"a shape broadcastable to ({d.B}, {d.N}, {d.T}, {d.S})", bias.shape)
-    bias = jnp.broadcast_to(bias, (bias.shape[0], d.N, bias.shape[2], bias.shape[3]))
-    return bias.reshape(bias.shape[0], d.K, d.G, *bias.shape[2:]).astype(jnp.float32)

@@ -33,7 +33,16 @@ from attn.masks import BlockKind
 from attn.merge import merge_unnormalized
 from attn.softmax.call import MASKED, visible
 from attn.softmax.schedule import Schedule, build_schedule, num_blocks
-from attn.softmax.tiles import ScoreTiles, TileConfig, modify, row_tiles, tile_of
+from attn.softmax.tiles import (
+    ScoreTiles,
+    TileConfig,
+    add_pair_tile,
+    modify,
+    padded_pair,
+    pair_tile,
+    row_tiles,
+    tile_of,
+)
 
 
 class KernelInputs(NamedTuple):
@@ -48,9 +57,11 @@ class KernelInputs(NamedTuple):
     kv_valid: jax.Array  # [groups*nk, J] bool: False on padding keys
     q_seg: jax.Array | None  # [groups*nq, X, C] int32
     kv_seg: jax.Array | None  # [groups*nk, X, J] int32
+    keep: jax.Array | None = None  # the boolean mask array padded (read per tile: pair_tile)
 
 
-def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None) -> KernelInputs:
+def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None,
+                  keep=None) -> KernelInputs:  # fmt: skip
     """Per-tile positions, segment ids and padding, and the schedule of every query tile.
 
     Args:
@@ -59,8 +70,9 @@ def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None) -
         ids, q ids ``[B,T]`` and kv ids ``[B,S]``.
       static: the same in NumPy when known at trace time (the schedule is then
         computed when tracing), or None (at run time).
+      keep: the call's boolean mask array ``[B|1, N|1, T|1, S|1]``, or None.
     """
-    schedule = _for_groups(config, build_schedule(config.blocks, rows, static))
+    schedule = _for_groups(config, build_schedule(config.blocks, rows, static, keep))
     lengths, blocks = (config.call.T, config.call.S) * 2, (config.block_q, config.block_k) * 2
     tiles = [row_tiles(config, *row) for row in zip(rows, lengths, blocks, strict=False)]
     q_pos, kv_pos, *segments = tiles
@@ -68,7 +80,8 @@ def kernel_inputs(config: TileConfig, rows: Sequence, static: Sequence | None) -
     nk = num_blocks(config.call.S, config.block_k)
     kv_valid = (np.arange(nk * config.block_k) < config.call.S).reshape(nk, config.block_k)
     kv_valid = jnp.asarray(np.tile(kv_valid, (config.groups, 1)))
-    return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg)
+    keep = None if keep is None else padded_pair(config, keep, False)
+    return KernelInputs(schedule, q_pos, kv_pos, kv_valid, q_seg, kv_seg, keep)
 
 
 def _for_groups(config: TileConfig, blocks: Schedule) -> Schedule:
@@ -83,16 +96,56 @@ def _for_groups(config: TileConfig, blocks: Schedule) -> Schedule:
     return Schedule(key_tile, kind, jnp.tile(blocks.count, config.groups))
 
 
-def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, j, keys_major: bool):
-    """Boolean visibility of tile (i, j): ``[X,Q,J]``, or ``[X,J,Q]`` keys-major."""
+def _tile_mask(config: TileConfig, inputs: KernelInputs, q_pos_i, q_seg_i, at, keys_major: bool):
+    """Boolean visibility of tile ``at = (group, i, j)``: ``[X,Q,J]``, or ``[X,J,Q]`` keys-major.
+
+    ``j`` is the key tile's index among all tiles, ``i`` the query block's in its group.
+    """
+    group, i, j = at
     k_seg_j = None if inputs.kv_seg is None else inputs.kv_seg[j]
     ok = visible(config.call.mask, q_pos_i, inputs.kv_pos[j], q_seg_i, k_seg_j)
     ok = ok & inputs.kv_valid[j][None, None, :]  # [X,C,J]
     X, C, J = ok.shape
-    if keys_major:  # the G query heads of a kv head share its visibility
-        ok = jnp.broadcast_to(ok.transpose(0, 2, 1)[:, :, None, :], (X, J, config.call.G, C))
-        return ok.reshape(X, J, config.call.G * C)
-    return jnp.broadcast_to(ok[:, None], (X, config.call.G, C, J)).reshape(X, config.call.G * C, J)
+    G = config.call.G
+    ok = jnp.broadcast_to(ok[:, None], (X, G, C, J))  # the G query heads of a kv head share it
+    if inputs.keep is not None:
+        ok = ok & pair_tile(config, inputs.keep, group, i, j % _key_blocks(config))
+    return _oriented(ok, keys_major)
+
+
+def _oriented(x, keys_major: bool):
+    """A tile ``[X,G,C,J]`` as the kernels hold it: ``[X,Q,J]``, or ``[X,J,Q]`` keys-major."""
+    X, G, C, J = x.shape
+    if keys_major:
+        return x.transpose(0, 3, 1, 2).reshape(X, J, G * C)
+    return x.reshape(X, G * C, J)
+
+
+def _unoriented(config: TileConfig, x, keys_major: bool):
+    """Inverse of ``_oriented``: ``[X,Q,J]`` or ``[X,J,Q]`` -> ``[X,G,C,J]``."""
+    G, C = config.call.G, config.block_q
+    if keys_major:
+        X, J, _ = x.shape
+        return x.reshape(X, J, G, C).transpose(0, 2, 3, 1)
+    X, _, J = x.shape
+    return x.reshape(X, G, C, J)
+
+
+def _key_blocks(config: TileConfig) -> int:
+    return num_blocks(config.call.S, config.block_k)
+
+
+def _query_blocks(config: TileConfig) -> int:
+    return num_blocks(config.call.T, config.block_q)
+
+
+def _bias_tile(config: TileConfig, mod: ScoreTiles, at, keys_major: bool):
+    """The bias's float32 tile at ``(group, i, j)`` (oriented), or None without a bias."""
+    if not mod.pair:
+        return None
+    group, i, j = at
+    tile = pair_tile(config, mod.pair[0], group, i, j % _key_blocks(config))
+    return _oriented(tile.astype(jnp.float32), keys_major)
 
 
 def _visit(key_tile, kind, count, tile, combine, carry):
@@ -163,14 +216,16 @@ def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelI
     sink_rows = _sink_rows(config, sink)
 
     def q_tile(counts, xs):
-        q_i, group, q_pos_i, q_seg_i, mod_i, key_tile, kind, count = xs
+        q_i, group, i, q_pos_i, q_seg_i, mod_i, key_tile, kind, count = xs
 
         def tile(j, masked):
             s = jnp.einsum("XQH,XHJ->XQJ", q_i, kT[j], preferred_element_type=jnp.float32)
             tile_mod = tile_of(mod, group, mod_i, j)  # q is pre-scaled:
             s = modify(config, s, tile_mod, q_pos_i, inputs.kv_pos[j], keys_major=False)
+            bias = _bias_tile(config, mod, (group, i, j), keys_major=False)
+            s = s if bias is None else s + bias
             if masked:
-                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=False)
+                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, (group, i, j), keys_major=False)
                 s = jnp.where(ok, s, MASKED)
             m_j = s.max(-1)
             # Masked logits give exp(MASKED - m_j) = 0, except in rows with no
@@ -202,8 +257,9 @@ def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelI
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         return counts + tile_counts, (out.astype(config.dtype), lse)
 
-    groups = jnp.arange(n_tiles) // (n_tiles // config.groups)  # head group of each query tile
-    xs = (q, groups, inputs.q_pos, inputs.q_seg, mod.q, *inputs.schedule)
+    nq = _query_blocks(config)
+    groups, blocks = jnp.arange(n_tiles) // nq, jnp.arange(n_tiles) % nq  # of each query tile
+    xs = (q, groups, blocks, inputs.q_pos, inputs.q_seg, mod.q, *inputs.schedule)
     counts, (out, lse) = lax.scan(q_tile, _new(q, (2,), 0, jnp.int32), xs)
     return out, lse, (counts[0], counts[1])
 
@@ -242,12 +298,12 @@ def backward(
     # A row that sees nothing has lse = -inf; +inf makes its P = exp(x - inf) = 0.
     lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
-    n_tiles = q.shape[0]
-    groups = jnp.arange(n_tiles) // (n_tiles // config.groups)
+    n_tiles, nq = q.shape[0], _query_blocks(config)
+    groups, blocks = jnp.arange(n_tiles) // nq, jnp.arange(n_tiles) % nq
 
     def q_tile(carry, xs):
-        q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, group, mod_i = xs[:9]
-        key_tile, kind, count = xs[9:]
+        q_i, qT_i, do_i, lse_i, delta_i, q_pos_i, q_seg_i, group, i, mod_i = xs[:10]
+        key_tile, kind, count = xs[10:]
         doT_i = do_i.swapaxes(-1, -2)  # [X,E,Q]
         lse_i, delta_i = lse_i[:, None], delta_i[:, None]  # [X,1,Q]: one per column
 
@@ -259,23 +315,27 @@ def backward(
 
             # The modifier's derivative, from the unmasked logits (finite everywhere).
             xT, mod_vjp = jax.vjp(modified, sT, tile_of(mod, group, mod_i, j))
+            bias = _bias_tile(config, mod, (group, i, j), keys_major=True)
+            xT = xT if bias is None else xT + bias
             if masked:  # exp(MASKED - lse) = 0: no need to mask P itself
-                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, j, keys_major=True)
+                ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, (group, i, j), keys_major=True)
                 xT = jnp.where(ok, xT, MASKED)
             pT = jnp.exp(xT - lse_i)
             dv_j = jnp.einsum(
                 "XJQ,XQE->XJE", pT.astype(do_i.dtype), do_i, preferred_element_type=jnp.float32
             )
             dpT = jnp.einsum("XJE,XEQ->XJQ", v[j], doT_i, preferred_element_type=jnp.float32)
-            dsT, dmod_j = mod_vjp(pT * (dpT - delta_i))
+            dxT = pT * (dpT - delta_i)  # the bias's cotangent, as it is added after the modifier
+            dsT, dmod_j = mod_vjp(dxT)
             dsT = dsT.astype(q.dtype)
             dk_j = jnp.einsum("XJQ,XQH->XJH", dsT, q_i, preferred_element_type=jnp.float32)
             dqT_j = jnp.einsum("XHJ,XJQ->XHQ", kT[j], dsT, preferred_element_type=jnp.float32)
-            return dqT_j, dk_j, dv_j, dmod_j
+            dbias_j = () if bias is None else (dxT,)
+            return dqT_j, dk_j, dv_j, dmod_j, dbias_j
 
         def combine(state, j, full, part):
-            dqT_i, dmod_i, dk, dv, dmod_k = state
-            dqT_j, dk_j, dv_j, dmod_j = part
+            dqT_i, dmod_i, dk, dv, dmod_k, dbias = state
+            dqT_j, dk_j, dv_j, dmod_j, dbias_j = part
             dk = lax.dynamic_update_index_in_dim(dk, dk[j] + dk_j, j, 0)
             dv = lax.dynamic_update_index_in_dim(dv, dv[j] + dv_j, j, 0)
             dmod_k = tuple(
@@ -283,20 +343,30 @@ def backward(
                 for d, d_j in zip(dmod_k, dmod_j.k, strict=True)
             )
             dmod_i = jax.tree.map(jnp.add, dmod_i, dmod_j._replace(k=()))
-            return dqT_i + dqT_j, dmod_i, dk, dv, dmod_k
+            dbias = tuple(
+                add_pair_tile(config, acc, _unoriented(config, d, keys_major=True), group, i,
+                              j % _key_blocks(config))
+                for acc, d in zip(dbias, dbias_j, strict=True)
+            )  # fmt: skip
+            return dqT_i + dqT_j, dmod_i, dk, dv, dmod_k, dbias
 
         dqT_i = _new(q_i, (X, H, Q))
-        dmod_i = jax.tree.map(lambda x: _new(q_i, x.shape[1:]), mod._replace(k=()))
+        dmod_i = jax.tree.map(lambda x: _new(q_i, x.shape[1:]), mod._replace(k=(), pair=()))
         state = (dqT_i, dmod_i, *carry)
         dqT_i, dmod_i, *carry = _visit(key_tile, kind, count, tile, combine, state)
         return tuple(carry), (dqT_i.swapaxes(-1, -2).astype(grad_dtype or q.dtype), dmod_i)
 
-    carry0 = (_new(q, k.shape), _new(q, v.shape), tuple(_new(q, x.shape) for x in mod.k))
-    xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, groups, mod.q, *inputs.schedule)
-    (dk, dv, dmod_k), (dq, dmod_q) = lax.scan(q_tile, carry0, xs)
+    carry0 = (
+        _new(q, k.shape),
+        _new(q, v.shape),
+        tuple(_new(q, x.shape) for x in mod.k),
+        tuple(_new(q, x.shape) for x in mod.pair),
+    )
+    xs = (q, qT, d_out, lse, delta, inputs.q_pos, inputs.q_seg, groups, blocks, mod.q)
+    (dk, dv, dmod_k, dbias), (dq, dmod_q) = lax.scan(q_tile, carry0, (*xs, *inputs.schedule))
     # Per query tile -> per head group: the head leaves' cotangents summed over query tiles.
     dmod_head = tuple(d.reshape(config.groups, -1, *d.shape[1:]).sum(1) for d in dmod_q.head)
-    dmod = ScoreTiles(dmod_head, dmod_q.q, dmod_k)
+    dmod = ScoreTiles(dmod_head, dmod_q.q, dmod_k, dbias)
     dsink = None
     if config.call.has_sink:
         # d lse / d sink = P_sink = exp(sink - lse), so d sink = -sum_rows P_sink * (D - d_lse).

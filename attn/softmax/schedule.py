@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn.masks import PADDING, BlockKind
+from attn.softmax import pairs
 from attn.softmax.call import CallSpec
 
 
@@ -59,7 +60,7 @@ def num_blocks(length: int, block: int) -> int:
     return -(-length // block)
 
 
-def build_schedule(spec: BlockSpec, rows: Sequence, static: Sequence | None) -> Schedule:
+def build_schedule(spec: BlockSpec, rows: Sequence, static: Sequence | None, keep=None) -> Schedule:
     """The schedule of every query block.
 
     Args:
@@ -68,16 +69,24 @@ def build_schedule(spec: BlockSpec, rows: Sequence, static: Sequence | None) -> 
         and, with segment ids, the q ids ``[B,T]`` and kv ids ``[B,S]``.
       static: the same in NumPy when known at trace time
         (``attn.softmax.call.Call.static_rows``), or None: computed at run time.
+      keep: the call's boolean mask array (``attn.softmax.pairs``), or None: a
+        block it hides entirely is EMPTY, one it hides in part is PARTIAL.
     """
-    return compact(*block_kind_table(spec, rows, static))
+    return compact(*block_kind_table(spec, rows, static, keep))
 
 
-def block_kind_table(spec: BlockSpec, rows: Sequence, static: Sequence | None):
-    """``(xp, [nq, nk] BlockKind)``: NumPy when ``static`` is given, else jax.numpy."""
+def block_kind_table(spec: BlockSpec, rows: Sequence, static: Sequence | None, keep=None):
+    """``(xp, [nq, nk] BlockKind)``: NumPy when all is known at trace time, else jax.numpy."""
     xp, values = (jnp, rows) if static is None else (np, static)
     lengths, blocks = (spec.call.T, spec.call.S) * 2, (spec.block_q, spec.block_k) * 2
     bounds = [block_bounds(xp, x, n, b) for x, n, b in zip(values, lengths, blocks, strict=False)]
-    return xp, block_kinds(xp, spec, *bounds)
+    kinds = block_kinds(xp, spec, *bounds)
+    if keep is None:
+        return xp, kinds
+    keep_xp, some, every = pairs.block_any_all(keep, spec.call.T, spec.call.S, *blocks[:2])
+    xp = jnp if jnp in (xp, keep_xp) else np
+    kinds = xp.where(every | (kinds != BlockKind.FULL), kinds, BlockKind.PARTIAL)
+    return xp, xp.where(some, kinds, BlockKind.EMPTY)
 
 
 def block_bounds(xp, x, length: int, block: int):

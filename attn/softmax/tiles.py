@@ -41,6 +41,7 @@ import numpy as np
 
 from attn import scores
 from attn.checks import positive_int
+from attn.softmax import pairs
 from attn.softmax.call import Call, CallSpec
 from attn.softmax.schedule import BlockSpec, num_blocks
 
@@ -179,23 +180,70 @@ def row_tiles(config: TileConfig, x, length: int, block: int):
 
 
 class ScoreTiles(NamedTuple):
-    """A modifier's leaves by role, in tile layout (all of a call's, or one tile's)."""
+    """A modifier's leaves by role, in tile layout (all of a call's, or one tile's), and
+    the call's bias (``attn.softmax.pairs``), which is differentiated the same way."""
 
     head: tuple = ()  # [groups, X, G, ...] each (one tile: [X, G, ...])
     q: tuple = ()  # [groups*nq, X, Q] each (one tile: [X, Q])
     k: tuple = ()  # [groups*nk, X, G, J] each (one tile: [X, G, J])
+    pair: tuple = ()  # the bias padded, [B|1, N|1, Tp|1, Sp|1] (read per tile: pair_tile)
 
 
-def score_tiles(config: TileConfig, leaves) -> ScoreTiles:
-    """The leaves of the call's modifier (``config.call.score``) in tile layout."""
+def score_tiles(config: TileConfig, leaves, bias=None) -> ScoreTiles:
+    """The leaves of the call's modifier (``config.call.score``) in tile layout, and its bias."""
+    pair = () if bias is None else (padded_pair(config, bias, 0.0),)
     if config.call.score is None:
-        return ScoreTiles()
+        return ScoreTiles(pair=pair)
     groups = config.call.score.by_role(leaves)
     return ScoreTiles(
         tuple(_head_tiles(config, x) for x in groups["head"]),
         tuple(_q_tiles(config, x) for x in groups["q"]),
         tuple(kv_score_tiles(config, x) for x in groups["k"]),
+        pair,
     )
+
+
+def padded_pair(config: TileConfig, x, fill):
+    """A pair array ``[B|1, N|1, T|1, S|1]`` padded to whole blocks with ``fill``."""
+    nq, nk = num_blocks(config.call.T, config.block_q), num_blocks(config.call.S, config.block_k)
+    return pairs.padded(x, nq * config.block_q, nk * config.block_k, fill)
+
+
+def _pair_heads(config: TileConfig, group, shape):
+    """Index arrays ``[X]`` of the tile's kv heads into a pair array's B and K|1 axes."""
+    heads = group * config.tile_heads + jnp.arange(config.tile_heads)
+    zero = jnp.zeros_like(heads)
+    B, N = shape[:2]
+    return (heads // config.call.K if B > 1 else zero), (heads % config.call.K if N > 1 else zero)
+
+
+def pair_tile(config: TileConfig, x, group, i, j):
+    """Tile ``(i, j)`` of head group ``group`` of a padded pair array: ``[X, G, C, J]``.
+
+    ``i`` and ``j`` are the query and key block within the group; only the
+    tile is read, whatever the array broadcasts over.
+    """
+    c, C, J = config.call, config.block_q, config.block_k
+    t = pairs.tile(x, i * C, j * J, C, J)  # [B|1, N|1, C|1, J|1]
+    t = pairs.grouped(t, c.K, c.G)
+    b, k = _pair_heads(config, group, x.shape)
+    return jnp.broadcast_to(t[b, k], (config.tile_heads, c.G, C, J))
+
+
+def add_pair_tile(config: TileConfig, acc, d, group, i, j):
+    """``acc`` (a padded pair array's shape) plus tile ``(i, j)``'s cotangent ``d [X, G, C, J]``,
+    summed over the axes the array broadcasts over."""
+    c, C, J = config.call, config.block_q, config.block_k
+    B, N, Tb, Sb = acc.shape
+    d = d.sum(axis=tuple(a for a, n in ((1, N), (2, Tb), (3, Sb)) if n == 1), keepdims=True)
+    b, k = _pair_heads(config, group, acc.shape)
+    g = jnp.arange(c.G if N > 1 else 1)
+    t = i * C + jnp.arange(C) if Tb > 1 else jnp.zeros(1, jnp.int32)
+    s = j * J + jnp.arange(J) if Sb > 1 else jnp.zeros(1, jnp.int32)
+    grouped = acc.reshape(B, c.K if N > 1 else 1, c.G if N > 1 else 1, Tb, Sb)
+    index = (b[:, None, None, None], k[:, None, None, None], g[None, :, None, None],
+             t[None, None, :, None], s[None, None, None, :])  # fmt: skip
+    return grouped.at[index].add(d.astype(acc.dtype)).reshape(acc.shape)
 
 
 def _head_tiles(config: TileConfig, x):

@@ -78,11 +78,14 @@ def test_keys_at_explicit_positions_need_query_positions_too():
 
 
 @pytest.mark.parametrize("mask", [masks.causal(), masks.sliding_window(3)])
-def test_xla_refuses_t_ne_s_because_it_aligns_top_left(mask):
+def test_xla_keeps_our_alignment_where_jax_nn_aligns_top_left(mask):
     q, k, v = qkv(7, B=1, T=3, S=8, N=2)
-    with pytest.raises(ValueError, match="top-left"):
-        attn.attention(q, k, v, impl="xla", mask=mask)
     # The top-left alignment is really another function: query 0 would see key 0 only.
     top_left = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    ours = attn.attention(q, k, v, mask=masks.causal())
-    assert rel_err(top_left, ours) > 0.1
+    ours = attn.attention(q, k, v, mask=mask)
+    assert rel_err(top_left, attn.attention(q, k, v, mask=masks.causal())) > 0.1
+    # impl="xla" gives jax.nn the visibility as a mask array, so it computes ours...
+    assert rel_err(attn.attention(q, k, v, impl="xla", mask=mask), ours) <= 1e-6
+    # ...and is_causal=True is jax.nn's own top-left mask, in every implementation.
+    for impl in ("dense", "blockwise", "xla"):
+        assert rel_err(attn.attention(q, k, v, impl=impl, is_causal=True), top_left) <= 1e-6

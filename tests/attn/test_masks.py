@@ -20,6 +20,8 @@ PRIMITIVES = {
     "window1": masks.sliding_window(1),
     "window5": masks.sliding_window(5),
     "band3": masks.bidirectional_window(3),
+    "band_3_2": masks.band(3, 2),
+    "band_0_4": masks.band(0, 4),
     "initial2": masks.initial_tokens(2),
     "chunked4": masks.chunked(4),
     "global": masks.global_tokens((0, 5, 6, 7, 19)),
@@ -147,6 +149,8 @@ def test_block_schedule_handles_ragged_edges():
         (masks.initial_tokens, 0, "n"),
         (masks.chunked, True, "c"),
         (masks.bidirectional_window, -2, "radius"),
+        (lambda x: masks.band(x, 0), -1, "left"),
+        (lambda x: masks.band(2, x), 1.5, "right"),
         (masks.global_tokens, [], "positions"),
         (masks.global_tokens, [-1], "positions"),
         (masks.global_tokens, ["a"], "positions"),
@@ -236,3 +240,11 @@ def test_masks_are_static_pytrees_through_jax_transforms():
         out_specs=spec,
     )(q, k, v, mask)
     assert rel_err(sharded, want) <= 1e-6
+
+
+def test_band_is_jax_nn_local_window_and_our_windows():
+    q, k = np.arange(12), np.arange(12)
+    qq, kk = q[:, None], k[None, :]
+    assert (masks.band(3, 2).allowed(q, k) == ((qq - 3 <= kk) & (kk <= qq + 2))).all()
+    assert (masks.band(4, 0).allowed(q, k) == masks.sliding_window(5).allowed(q, k)).all()
+    assert (masks.band(2, 2).allowed(q, k) == masks.bidirectional_window(2).allowed(q, k)).all()

@@ -105,3 +105,16 @@ def test_a_tiny_sweep_writes_the_report(bench, tmp_path):
     assert not any("peak_device_bytes" in r for r in result["rows"])  # on a CPU: the host's RSS
     assert result["matmul_gflops"] > 0
     assert (tmp_path / "attention-cpu.md").read_text().startswith("#")
+
+
+@pytest.mark.parametrize("score", ["mask", "bias"])
+def test_scores_times_jax_nn_arrays_with_their_gradients(score):
+    """``--scores``' child measurement of a boolean mask array and a bias (a tiny T): the
+    step differentiates the float arguments only (the mask has no gradient)."""
+    from bench import _scores
+
+    spec = dict(impl="blockwise", score=score, mode="fwd+bwd", T=64, batch=1, heads=2,
+                head_dim=8, repeats=1)  # fmt: skip
+    result = _scores.time_scores(spec)
+    assert result["seconds"] > 0
+    assert score in _scores.SCORES

@@ -58,6 +58,8 @@ REGISTRY["kda_recurrent_conv"] = dataclasses.replace(
 REGISTRY["fox_window"] = dataclasses.replace(REGISTRY["fox"], window=4)
 REGISTRY["t5_gqa"] = dataclasses.replace(REGISTRY["t5"], num_kv_heads=2)
 REGISTRY["alibi_softcap"] = dataclasses.replace(REGISTRY["alibi"], softcap=20.0)
+# Attention functions as kinds (models.attention_kind): softpick over a window's ring buffer.
+REGISTRY["softpick_window"] = dataclasses.replace(REGISTRY["softpick"], window=4)
 # Differential attention with GQA over a window's ring buffer, at the first layer's lambda_init.
 REGISTRY["diff_window_gqa"] = dataclasses.replace(
     REGISTRY["diff"], window=4, num_kv_heads=2, lambda_init=models.depth_lambda_init(1)
@@ -80,6 +82,7 @@ KINDS = {
     "delta_hybrid": ("gated_deltanet", "gated_deltanet_grouped", "mha"),
     "scores": ("alibi_softcap", "fox_window", "t5_gqa"),
     "diff": ("diff", "diff_window_gqa"),
+    "functions": ("sigmoid", "softpick_window"),
 }
 
 

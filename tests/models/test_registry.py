@@ -196,3 +196,29 @@ def test_model_pattern_lists_sized_presets_and_refuses_encoder_ones():
     # The comparison's layer names are --model.pattern names.
     hybrid = cli.with_pattern(model, "mha_conv,linear_conv", None).layers
     assert [c.short_conv for c in hybrid] == [4, 4] and hybrid[1].kind == "linear"
+
+
+def test_family_is_inherited_from_a_registered_base_or_required(scratch):
+    """A kind reported in the comparison's table as softmax is one that says so, or derives
+    from a softmax kind's module; a module of its own must name its family."""
+
+    class Own(nnx.Module):
+        def __call__(self, x, *, positions=None, segment_ids=None):
+            return x
+
+        def init_cache(self, batch, max_len):
+            return None
+
+        def extend(self, x, cache, start, lengths=None):
+            return x, cache
+
+    with pytest.raises(ValueError, match=r"^family: .*required: Own derives from no registered"):
+        models.register_kind("test_own", Own)
+    models.register_kind("test_own", Own, family="identity")
+    scratch.append((models.KINDS, "test_own"))
+    models.register_kind("test_doubled", _Doubled, config=_FactorConfig)
+    scratch.append((models.KINDS, "test_doubled"))
+    assert models.KINDS["test_own"].family == "identity"
+    assert models.KINDS["test_doubled"].family == "softmax"  # _Doubled is a SelfAttention
+    assert models.KINDS["sigmoid"].family == "sigmoid"
+    assert models.KINDS["softpick"].family == "softpick"

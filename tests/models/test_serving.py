@@ -9,6 +9,7 @@ teacher-forced forward pass over its prompt and tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -265,3 +266,35 @@ def test_a_request_whose_pages_hold_nan_and_inf_leaves_the_others_bit_identical(
         assert np.isfinite(want_logits[r]).all()
         np.testing.assert_array_equal(out[r], want[r])
         np.testing.assert_array_equal(logits[r], want_logits[r])
+
+
+def _relu_over_length(q, k, v, *, kv_length, **call):
+    """ReLU attention over the sequence length (Wortsman et al. 2023): a kind whose math
+    reads ``kv_length``, so a cache's capacity or page size must never reach it."""
+    c = attn.softmax.check_call(q, k, v, **call)
+    q, k, v = c.isolate(q, k, v)
+    s, ok = attn.softmax.logits(c, q, k)
+    w = jnp.where(ok, jax.nn.relu(s), 0.0) / kv_length[:, None, None, :, None]
+    out = jnp.einsum("BKGTS,BSKE->BTKGE", w, v.astype(jnp.float32))
+    return out.reshape(*q.shape[:3], -1).astype(q.dtype)
+
+
+def test_function_kinds_serve_on_pages_as_they_generate_and_train():
+    """Sigmoid attention (its -log n) and a kind dividing by ``kv_length``: served on
+    pages of 4 (rows joining and leaving), generated on contiguous caches, and teacher
+    forced, the logits agree; a window's ring buffer (softpick) too."""
+    models.attention_kind("test_over_length", _relu_over_length, family="relu")
+    try:
+        layers = models.pattern(("sigmoid", "softpick"), dict(models.presets()))
+        over = models.KINDS["test_over_length"].config_class(num_heads=4, head_dim=8)
+        layers = (layers[0], over, dataclasses.replace(layers[1], window=3))
+        config = models.ModelConfig(vocab_size=VOCAB, width=32, layers=layers)
+        model = models.Decoder(config, rngs=nnx.Rngs(0))
+        prompts = _requests(4)[:4]
+        out, logits = models.serve(model, prompts, 6, return_logits=True, **ROWS, **PAGED)
+        _check_against_forward(model, prompts, out, logits)
+        generated = models.generate(model, prompts, 6)
+        for r, tokens_r in enumerate(out):
+            np.testing.assert_array_equal(tokens_r, generated[r])
+    finally:
+        models.KINDS.remove("test_over_length")

@@ -336,6 +336,12 @@ def test_registered_variant_is_compared_and_reported(scratch_variant):
     from train.variants import softmax_layers
 
     assert softmax_layers(config, "test_window_global") == [1, 2]
+    # Attention functions other than softmax are never counted as softmax layers.
+    register_variant("test_sigmoid", lambda L: ("sigmoid", "mha", "softpick")[:L], description="x")
+    try:
+        assert softmax_layers(dataclasses.replace(config, num_layers=3), "test_sigmoid") == [2]
+    finally:
+        VARIANTS.remove("test_sigmoid")
     with pytest.raises(ValueError, match=r"already a comparison variant"):
         register_variant("test_window_global", "mha", description="again")
     bad = CompareConfig(variants=("test_short",), num_heads=4)

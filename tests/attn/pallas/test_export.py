@@ -7,7 +7,7 @@ device is lent.
   128, lengths that are and are not powers of two, masks, dtypes and score
   modifiers. Launch parameters and interpret mode follow ``platform``, not
   the host (a CPU host would otherwise pick Mosaic GPU, which refuses these
-  kernels).
+  kernels); and with ``jax.nn``'s bias and boolean mask arrays.
 * Splash attention for ``tpu``: a ``tpu_custom_call`` per kernel.
 * Blockwise attention for ``tpu`` with modifiers: what ``impl="auto"`` runs on
   a TPU where splash cannot (our Pallas kernel's blocks do not meet Mosaic
@@ -101,6 +101,29 @@ def test_pallas_lowers_to_triton_for_cuda(K, H, T, mask, dtype, mod, backward):
     for name in names:
         assert f'name = "{name}"' in text, name
     assert "num_warps" in text  # Triton's launch parameters, not Mosaic GPU's defaults
+
+
+@pytest.mark.parametrize(
+    ("bias_shape", "mask_shape", "T"),
+    [((1, 8, 1024, 1024), (2, 1, 1024, 1024), 1024), ((2, 1, 1, 1000), (1000, 1000), 1000)],
+)
+def test_bias_and_mask_arrays_lower_to_triton_for_cuda(bias_shape, mask_shape, T):
+    """jax.nn's bias and boolean mask read per tile in all three kernels (the bias's
+    gradient written by the dq kernel), forward and backward."""
+
+    def both(q, k, v, bias, keep):
+        def loss(q, k, v, bias):
+            out = flash_attention(q, k, v, bias=bias, mask=keep, platform="cuda")
+            return out.astype(jnp.float32).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+    shapes = [(2, T, 8, 64), (2, T, 2, 64), (2, T, 2, 64), bias_shape, mask_shape]
+    dtypes = [jnp.bfloat16] * 3 + [jnp.float32, jnp.bool_]
+    text = export(both, "cuda", shapes, dtypes, (TRITON,)).mlir_module()
+    assert text.count(TRITON) == 3
+    for name in ("attn_flash_forward", "attn_flash_dq", "attn_flash_dkdv"):
+        assert f'name = "{name}"' in text, name
 
 
 def test_attention_dispatch_takes_the_platform_through():

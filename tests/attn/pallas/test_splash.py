@@ -29,6 +29,8 @@ SINKS = jnp.array([0.5, -1.0, 2.0, 0.0])
         (masks.sliding_window(9), 150, 150, 0, "LocalMask", False),
         (masks.causal() & masks.sliding_window(9), 100, 150, 50, "LocalMask", False),
         (masks.bidirectional_window(6), 150, 150, 0, "LocalMask", True),
+        (masks.band(5, 2), 100, 150, 50, "LocalMask", True),
+        (masks.causal() & masks.band(5, 2), 150, 150, 0, "LocalMask", False),
         (masks.causal() & masks.chunked(32), 150, 150, 0, "ChunkedCausalMask", False),
         (masks.chunked(32) & masks.causal(), 100, 150, 50, "NumpyMask", False),  # offset
         (masks.initial_tokens(4), 150, 150, 0, "NumpyMask", False),

@@ -350,8 +350,6 @@ def test_dispatch_blockwise_and_auto():
     assert choose(short_q, keys, keys) == "dense"  # short queries: dense
     assert choose(one_q, keys, keys) == "dense"  # decoding
     assert choose(long_q, keys, keys, return_weights=True) == "dense"
-    with pytest.raises(ValueError, match="bias"):
-        attn.attention(q, k, v, impl="blockwise", bias=jnp.zeros((1, 1, 37, 37)))
     with pytest.raises(ValueError, match="return_weights"):
         attn.attention(q, k, v, impl="blockwise", return_weights=True)
 

@@ -270,7 +270,8 @@ def test_jit_and_vmap():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"q": jnp.ones((2, 4, 8))}, "q: expected a rank-4"),
+        ({"q": jnp.ones((4, 8))}, "q: expected a rank-4"),
+        ({"q": jnp.ones((4, 4, 8))}, "k: expected rank 3 like q"),
         ({"k": jnp.ones((2, 4, 3, 8)), "v": jnp.ones((2, 4, 3, 8))}, "dividing"),
         ({"k": jnp.ones((3, 4, 2, 8)), "v": jnp.ones((3, 4, 2, 8))}, "batch"),
         ({"k": jnp.ones((2, 4, 2, 6))}, "head dim"),
@@ -285,9 +286,20 @@ def test_jit_and_vmap():
         ({"sink_logits": jnp.ones(2)}, "sink_logits"),
         ({"scale": -1.0}, "scale"),
         ({"softcap": 0.0}, "softcap"),
-        ({"bias": jnp.ones((4, 4))}, "bias"),
+        ({"bias": jnp.ones((5, 4))}, "bias: expected a shape broadcastable"),
         ({"bias": jnp.ones((1, 3, 4, 4))}, "bias"),
-        ({"mask": np.ones((4, 4), bool)}, "mask"),
+        ({"bias": jnp.ones((1, 1, 1, 4, 4))}, "bias: expected an array of rank <= 4"),
+        ({"bias": jnp.ones((4, 4), int)}, "bias: expected a floating-point array"),
+        ({"mask": np.ones((4, 4), int)}, "mask: expected a boolean array"),
+        ({"mask": np.ones((3, 4), bool)}, "mask: expected a shape broadcastable"),
+        ({"mask": "causal"}, "mask: expected a boolean array"),
+        ({"is_causal": 1}, "is_causal: expected a bool"),
+        ({"local_window_size": (1, 2, 3)}, "local_window_size"),
+        ({"local_window_size": (-1, 2)}, "left"),
+        ({"query_seq_lengths": jnp.ones(3, jnp.int32)}, "query_seq_lengths: expected"),
+        ({"key_value_seq_lengths": jnp.array([1.0, 2.0])}, "key_value_seq_lengths: expected"),
+        ({"key_value_seq_lengths": np.array([-1, 2])}, "key_value_seq_lengths: expected len"),
+        ({"empty_rows": "nan"}, "empty_rows"),
     ],
 )
 def test_bad_input(kwargs, match):

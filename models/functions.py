@@ -1,0 +1,183 @@
+"""Layer kinds declared from an attention function: the softmax layer around a pure function.
+
+``attention_kind(name, fn, family=...)`` makes ``fn`` a layer kind. ``fn`` is a
+pure function of the layer-kind signature::
+
+    fn(q, k, v, *, mask, q_positions, kv_positions, q_segment_ids, kv_segment_ids,
+       kv_length) -> out [B,T,N,E]
+
+(q ``[B,T,N,H]``, k ``[B,S,K,H]``, v ``[B,S,K,E]``; the arguments as
+``attn.softmax.call.CallArgs`` names them, always given: positions ``[B,T]`` and
+``[B,S]``, segment ids with 0 for padding and for a cache's empty slots), and
+``kv_length [B,T]``: per query, how many keys its sequence holds up to it: in a
+causal layer its own position + 1, in a bidirectional one the real tokens of
+its segment. That count never depends on a cache's capacity, page size or
+window, so a function built on it decodes as it trains. Settings a layer
+config may switch on (``score``, ``softcap``, ``sink_logits``) reach ``fn`` as
+``score_mod``, ``softcap`` and ``sink_logits`` when it takes them, and are
+refused by name when it does not.
+
+The layer (``FunctionAttention``, a ``models.SelfAttention``) supplies the
+rest: the projections, RoPE, the masks of ``MaskedConfig``, every decode cache
+(contiguous, ring buffer, paged), the batch sharding and the weights tap,
+which evaluates ``fn`` on one-hot values: for any function of the form
+``w(q, k) @ v`` that gives the weights ``w``. It never runs as ring attention
+(a function need not decompose over key blocks).
+
+Built in: ``sigmoid`` and ``softpick`` (``attn.functions``), with presets of
+the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+import attn
+from attn.checks import fail
+from attn.masks import PADDING
+from models.config import register_kind
+from models.patterns import PresetSizes, register_preset
+from models.softmax import SelfAttention, SoftmaxConfig
+
+# Config fields a function kind passes on, and the keyword its function must take for each.
+OPTIONAL = {"score": "score_mod", "softcap": "softcap", "sink_logits": "sink_logits"}
+
+
+@dataclasses.dataclass(frozen=True)
+class FunctionConfig(SoftmaxConfig):
+    """A layer of a function kind: ``SoftmaxConfig``'s fields (masks, RoPE, modifiers).
+
+    ``impl`` stays ``"auto"``: the function computes itself.
+    """
+
+    kind: str = "function"
+
+    def check_fields(self) -> None:
+        super().check_fields()
+        if self.impl != "auto":
+            fail("impl", "'auto' for a function kind (its function computes itself)", self.impl)
+
+
+class FunctionAttention(SelfAttention):
+    """The softmax layer around ``fn`` (a class attribute set by ``attention_kind``)."""
+
+    fn: ClassVar = None
+
+    def _attention(self, q, k, v, *, impl="auto", return_weights=False, **call):
+        del impl  # the function computes itself
+        args = _layer_args(q, k, call, self.causal)
+        out = type(self).fn(q, k, v, **args)
+        if not return_weights:
+            return out
+        return out, _probed_weights(type(self).fn, q, k, args)
+
+    def _cached(self, positions, kv_pos) -> dict:
+        """A cached call's arguments, with ``kv_length``: position + 1 (decoders are causal,
+        and a cache holds its sequence from position 0, whatever it has dropped since)."""
+        return dict(super()._cached(positions, kv_pos), kv_length=positions + 1)
+
+    def _on_ring(self, T: int) -> bool:
+        return False
+
+
+def attention_kind(name: str, fn, *, family: str, config: type | None = None):
+    """Makes ``fn`` (the module docstring's signature) the layer kind ``name``.
+
+    Args:
+      name: the kind's name (the configs' ``kind``).
+      fn: the attention function.
+      family: what the comparison reports the kind as (``models.LayerKind.family``):
+        ``"softmax"`` only for a function that is softmax attention; e.g. ``"sigmoid"``.
+      config: the kind's config class, a subclass of ``FunctionConfig`` whose ``kind``
+        defaults to ``name``; None makes one.
+
+    Returns:
+      The kind's module class.
+    """
+    if not callable(fn):
+        fail("fn", "a callable attention function", repr(fn))
+    if config is None:
+        title = "".join(part.title() for part in name.split("_"))
+        config = dataclasses.make_dataclass(
+            f"{title}Config",
+            [("kind", str, dataclasses.field(default=name))],
+            bases=(FunctionConfig,),
+            frozen=True,
+        )
+        config.__doc__ = f"A layer of kind {name!r}: {fn.__name__} in the softmax layer."
+        config.__module__ = getattr(fn, "__module__", __name__)
+    if not (isinstance(config, type) and issubclass(config, FunctionConfig)):
+        fail("config", "a dataclass subclass of models.FunctionConfig", repr(config))
+    module = type(f"{config.__name__.removesuffix('Config')}Attention", (FunctionAttention,),
+                  {"fn": staticmethod(fn), "__module__": config.__module__})  # fmt: skip
+    register_kind(name, module, config=config, family=family, check=_check_for(fn))
+    return module
+
+
+def _check_for(fn):
+    """The kind's config check: settings ``fn`` takes no keyword for are refused by name."""
+    params = inspect.signature(fn).parameters
+    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def check(cfg) -> None:
+        for field, keyword in OPTIONAL.items():
+            value = getattr(cfg, field)
+            if value not in (None, False) and not (takes_all or keyword in params):
+                fail(field, f"unset ({fn.__name__} takes no {keyword})", repr(value))
+
+    return check
+
+
+def _layer_args(q, k, call: dict, causal: bool) -> dict:
+    """The function's keyword arguments: the call's, with every default filled in."""
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+
+    def rows(x, length, offset=0):
+        x = jnp.arange(length, dtype=jnp.int32) + offset if x is None else jnp.asarray(x)
+        return jnp.broadcast_to(x, (B, length)).astype(jnp.int32)
+
+    def ids(x, length):  # no segment ids: every token real, one segment
+        return rows(jnp.ones((), jnp.int32) if x is None else x, length)
+
+    args = dict(call)
+    args["q_positions"] = rows(call.get("q_positions"), T, S - T)
+    args["kv_positions"] = rows(call.get("kv_positions"), S)
+    args["q_segment_ids"] = ids(call.get("q_segment_ids"), T)
+    args["kv_segment_ids"] = ids(call.get("kv_segment_ids"), S)
+    if args.get("kv_length") is None:
+        args["kv_length"] = _whole_lengths(args, causal)
+    return args
+
+
+def _whole_lengths(args: dict, causal: bool):
+    """``[B,T]``: the real keys of each query's segment, up to its position if causal."""
+    q_seg, kv_seg = args["q_segment_ids"], args["kv_segment_ids"]
+    same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg != PADDING)[:, None, :]
+    if causal:
+        same &= args["kv_positions"][:, None, :] <= args["q_positions"][:, :, None]
+    return same.sum(-1).astype(jnp.int32)
+
+
+def _probed_weights(fn, q, k, args):
+    """Weights ``[B,N,T,S]`` of a function of the form ``w(q, k) @ v``: ``fn`` on one-hot values."""
+    B, S, K = k.shape[:3]
+    one_hot = jnp.broadcast_to(jnp.eye(S, dtype=q.dtype)[None, :, None], (B, S, K, S))
+    return fn(q, k, one_hot, **args).astype(jnp.float32).transpose(0, 2, 1, 3)
+
+
+attention_kind("sigmoid", attn.sigmoid_attention, family="sigmoid")
+attention_kind("softpick", attn.softpick_attention, family="softpick")
+
+
+@register_preset("sigmoid", description="sigmoid attention, bias -log(n) (Ramapuram et al. 2024)")
+def sigmoid(sizes: PresetSizes):
+    return sizes.function("sigmoid")
+
+
+@register_preset("softpick", description="softpick: rectified softmax (Zuhri et al. 2025)")
+def softpick(sizes: PresetSizes):
+    return sizes.function("softpick")
