@@ -205,7 +205,7 @@ def test_dot_product_attention_bias_gradient(impl, batch_size, use_vmap):
     close(dbias_ans, dbias_ref, 0.1)
 
 
-@pytest.mark.parametrize("impl", ["dense", "blockwise", "pallas"])
+@pytest.mark.parametrize("impl", ["dense", "pallas"])
 def test_flax_multi_head_attention_with_ours_equals_its_default(impl):
     """``nnx.MultiHeadAttention(attention_fn=attn.flax_attention_fn(impl))`` is the layer
     with Flax's own attention, outputs and parameter gradients (a padding mask with a
