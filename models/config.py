@@ -179,7 +179,8 @@ def _config_holding(names: tuple[str, ...]) -> type:
     holding = [c for c in classes if set(names) <= {f.name for f in dataclasses.fields(c)}]
     if not holding:
         fail("fields", "fields of a config class (see models.KINDS)", repr(list(names)))
-    return min(holding, key=lambda c: (len(dataclasses.fields(c)), c.__name__))
+    # Ties (a subclass adding no field, as function kinds' configs do) go to the base class.
+    return min(holding, key=lambda c: (len(dataclasses.fields(c)), len(c.__mro__), c.__name__))
 
 
 def _is_config(c) -> bool:
