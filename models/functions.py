@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import attn
 from attn.checks import fail
 from attn.masks import PADDING
+from attn.softmax import check_call
 from models.config import register_kind
 from models.patterns import PresetSizes, register_preset
 from models.softmax import SelfAttention, SoftmaxConfig
@@ -69,7 +70,7 @@ class FunctionAttention(SelfAttention):
 
     def _attention(self, q, k, v, *, impl="auto", return_weights=False, **call):
         del impl  # the function computes itself
-        args = _layer_args(q, k, call, self.causal)
+        args = _layer_args(q, k, v, call, self.causal)
         out = type(self).fn(q, k, v, **args)
         if not return_weights:
             return out
@@ -84,7 +85,7 @@ class FunctionAttention(SelfAttention):
         return False
 
 
-def attention_kind(name: str, fn, *, family: str, config: type | None = None):
+def attention_kind(name: str, fn, *, family: str, config: type | None = None, takes=None):
     """Makes ``fn`` (the module docstring's signature) the layer kind ``name``.
 
     Args:
@@ -94,6 +95,9 @@ def attention_kind(name: str, fn, *, family: str, config: type | None = None):
         ``"softmax"`` only for a function that is softmax attention; e.g. ``"sigmoid"``.
       config: the kind's config class, a subclass of ``FunctionConfig`` whose ``kind``
         defaults to ``name``; None makes one.
+      takes: the optional keywords ``fn`` computes (of ``"score_mod"``, ``"softcap"``,
+        ``"sink_logits"``); a layer config setting another is refused by name. None:
+        those its signature names (all, with ``**kwargs``).
 
     Returns:
       The kind's module class.
@@ -114,43 +118,45 @@ def attention_kind(name: str, fn, *, family: str, config: type | None = None):
         fail("config", "a dataclass subclass of models.FunctionConfig", repr(config))
     module = type(f"{config.__name__.removesuffix('Config')}Attention", (FunctionAttention,),
                   {"fn": staticmethod(fn), "__module__": config.__module__})  # fmt: skip
-    register_kind(name, module, config=config, family=family, check=_check_for(fn))
+    register_kind(name, module, config=config, family=family, check=_check_for(fn, takes))
     return module
 
 
-def _check_for(fn):
+def _check_for(fn, takes):
     """The kind's config check: settings ``fn`` takes no keyword for are refused by name."""
-    params = inspect.signature(fn).parameters
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if takes is None:
+        params = inspect.signature(fn).parameters
+        takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        takes = [k for k in OPTIONAL.values() if takes_all or k in params]
+    unknown = sorted(set(takes) - set(OPTIONAL.values()))
+    if unknown:
+        fail("takes", f"keywords of {sorted(OPTIONAL.values())}", unknown)
 
     def check(cfg) -> None:
         for field, keyword in OPTIONAL.items():
             value = getattr(cfg, field)
-            if value not in (None, False) and not (takes_all or keyword in params):
+            if value not in (None, False) and keyword not in takes:
                 fail(field, f"unset ({fn.__name__} takes no {keyword})", repr(value))
 
     return check
 
 
-def _layer_args(q, k, call: dict, causal: bool) -> dict:
-    """The function's keyword arguments: the call's, with every default filled in."""
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
-
-    def rows(x, length, offset=0):
-        x = jnp.arange(length, dtype=jnp.int32) + offset if x is None else jnp.asarray(x)
-        return jnp.broadcast_to(x, (B, length)).astype(jnp.int32)
-
-    def ids(x, length):  # no segment ids: every token real, one segment
-        return rows(jnp.ones((), jnp.int32) if x is None else x, length)
-
-    args = dict(call)
-    args["q_positions"] = rows(call.get("q_positions"), T, S - T)
-    args["kv_positions"] = rows(call.get("kv_positions"), S)
-    args["q_segment_ids"] = ids(call.get("q_segment_ids"), T)
-    args["kv_segment_ids"] = ids(call.get("kv_segment_ids"), S)
+def _layer_args(q, k, v, call: dict, causal: bool) -> dict:
+    """The function's keyword arguments: the call's, with the defaults the call contract
+    gives them (``check_call``) filled in; no segment ids means every token real."""
+    rows = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
+    c = check_call(q, k, v, mask=call.get("mask"), **{n: call.get(n) for n in rows})
+    B, T, S = c.dims.B, c.dims.T, c.dims.S
+    args = dict(call, q_positions=c.q_positions, kv_positions=c.kv_positions)
+    args["q_segment_ids"] = _or_ones(c.q_segment_ids, (B, T))
+    args["kv_segment_ids"] = _or_ones(c.kv_segment_ids, (B, S))
     if args.get("kv_length") is None:
         args["kv_length"] = _whole_lengths(args, causal)
     return args
+
+
+def _or_ones(ids, shape):
+    return jnp.ones(shape, jnp.int32) if ids is None else ids
 
 
 def _whole_lengths(args: dict, causal: bool):
@@ -169,8 +175,10 @@ def _probed_weights(fn, q, k, args):
     return fn(q, k, one_hot, **args).astype(jnp.float32).transpose(0, 2, 1, 3)
 
 
-attention_kind("sigmoid", attn.sigmoid_attention, family="sigmoid")
-attention_kind("softpick", attn.softpick_attention, family="softpick")
+# Both refuse sink logits, which belong to softmax's denominator.
+MODIFIERS = ("score_mod", "softcap")
+attention_kind("sigmoid", attn.sigmoid_attention, family="sigmoid", takes=MODIFIERS)
+attention_kind("softpick", attn.softpick_attention, family="softpick", takes=MODIFIERS)
 
 
 @register_preset("sigmoid", description="sigmoid attention, bias -log(n) (Ramapuram et al. 2024)")

@@ -229,3 +229,14 @@ def test_flax_multi_head_attention_with_ours_equals_its_default(impl):
     g_theirs, g_mine = nnx.grad(loss)(theirs), nnx.grad(loss)(mine)
     for a, b in zip(jax.tree.leaves(g_mine), jax.tree.leaves(g_theirs), strict=True):
         close(a, b, 2e-4)
+
+
+def test_flax_attention_fn_refuses_what_it_cannot_compute():
+    q = random.normal(random.PRNGKey(2), (2, 3, 5, 2, 8))  # two batch axes
+    fn = attn.flax_attention_fn("dense")
+    assert fn(q, q, q).shape == q.shape
+    close(fn(q, q, q), nnx.dot_product_attention(q, q, q), 1e-6)
+    with pytest.raises(ValueError, match=r"^dropout_rate: expected 0.0 or deterministic=True"):
+        fn(q, q, q, dropout_rate=0.1, deterministic=False)
+    with pytest.raises(ValueError, match=r"^module: expected None"):
+        fn(q, q, q, module=object())

@@ -224,3 +224,29 @@ def test_family_is_inherited_from_a_registered_base_or_required(scratch):
     assert models.KINDS["test_doubled"].family == "softmax"  # _Doubled is a SelfAttention
     assert models.KINDS["sigmoid"].family == "sigmoid"
     assert models.KINDS["softpick"].family == "softpick"
+
+
+def test_attention_kind_checks_its_arguments_and_taps_its_weights(scratch):
+    """Bad arguments are named; a config setting the function takes no keyword for is
+    refused; the weights tap (the function on one-hot values) gives the function's weights."""
+    with pytest.raises(ValueError, match=r"^fn: expected a callable"):
+        models.attention_kind("test_fn", "sigmoid", family="x")
+    with pytest.raises(ValueError, match=r"^config: expected a dataclass subclass"):
+        models.attention_kind("test_fn", attn.sigmoid_attention, family="x", config=dict)
+    with pytest.raises(ValueError, match=r"^takes: expected keywords of"):
+        models.attention_kind("test_fn", attn.sigmoid_attention, family="x", takes=("bias",))
+    assert "test_fn" not in models.KINDS
+    with pytest.raises(ValueError, match=r"^sink_logits: expected unset \(sigmoid_attention takes"):
+        models.KINDS["sigmoid"].config_class(num_heads=2, head_dim=8, sink_logits=True)
+    with pytest.raises(ValueError, match=r"^impl: expected 'auto' for a function kind"):
+        models.KINDS["sigmoid"].config_class(num_heads=2, head_dim=8, impl="blockwise")
+    layer = models.KINDS["sigmoid"].config_class(num_heads=2, head_dim=8)
+    config = ModelConfig(vocab_size=16, width=16, layers=(layer,))
+    model = models.Decoder(config, rngs=nnx.Rngs(0))
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 16
+    _, weights = models.capture_weights(model, tokens)
+    w = np.asarray(weights[0])  # [B,N,T,S]
+    above = np.triu(np.ones((6, 6), bool), 1)  # future keys: causal, weight 0
+    assert w.shape == (2, 2, 6, 6) and (w[..., above] == 0).all() and (w[..., ~above] > 0).all()
+    # Sigmoid weights are sigmoid(s - log n): the first query sees one key, n = 1.
+    assert 0 < w[0, 0, 0, 0] < 1
