@@ -33,6 +33,7 @@ The families, each a package whose docstring lists its pieces:
     ring/      ring attention over a mesh axis, layouts, sharded_attention, work counts
     pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
     linear/    linear attention in three forms, segments, feature maps; the delta rule
+               and DeltaProduct; Mamba-2's SSD
 
 beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
@@ -61,16 +62,22 @@ from attn.linear import (
     DELTA_FORMS,
     FEATURE_MAPS,
     LINEAR_FORMS,
+    SSD_FORMS,
     LinearState,
+    delta_product,
+    delta_product_step,
     delta_rule,
     delta_rule_step,
     favor_projection,
     init_delta_state,
     init_linear_state,
+    init_ssd_state,
     linear_attention,
     linear_attention_step,
     linear_feature_dim,
     register_feature_map,
+    ssd,
+    ssd_step,
 )
 from attn.masks import Mask
 from attn.merge import merge_attention
@@ -85,6 +92,7 @@ __all__ = [
     "IMPLS",
     "LATENT_FORMS",
     "LINEAR_FORMS",
+    "SSD_FORMS",
     "CallArgs",
     "LinearState",
     "Mask",
@@ -94,6 +102,8 @@ __all__ = [
     "blockwise_attention",
     "checks",
     "decode_attention",
+    "delta_product",
+    "delta_product_step",
     "delta_rule",
     "delta_rule_step",
     "dot_product_attention",
@@ -101,6 +111,7 @@ __all__ = [
     "flax_attention_fn",
     "init_delta_state",
     "init_linear_state",
+    "init_ssd_state",
     "kv_cache_bytes",
     "latent_attention",
     "latent_cache_bytes",
@@ -125,6 +136,8 @@ __all__ = [
     "sigmoid_attention",
     "softmax",
     "softpick_attention",
+    "ssd",
+    "ssd_step",
 ]
 
 

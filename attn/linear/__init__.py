@@ -10,6 +10,11 @@ Modules:
 * ``delta``: the delta rule (DeltaNet, Gated DeltaNet, KDA): ``delta_rule``
   (forms ``"recurrent"`` and ``"chunkwise"``, in ``delta_forms``) and
   ``delta_rule_step``;
+* ``mamba``: Mamba-2's SSD layer as the gated linear attention it is:
+  ``ssd`` (forms ``SSD_FORMS``: recurrent, chunkwise, quadratic; negative
+  eigenvalues), ``ssd_step``;
+* ``product``: DeltaProduct, several delta-rule steps per token:
+  ``delta_product``, ``delta_product_step``;
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
 * ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
   ``register_feature_map`` adds to) and FAVOR+'s projection.
@@ -36,13 +41,18 @@ from attn.linear.features import (
     relu,
     taylor,
 )
+from attn.linear.mamba import SSD_FORMS, init_ssd_state, ssd, ssd_decay, ssd_step
+from attn.linear.product import delta_product, delta_product_step
 
 __all__ = [
     "DELTA_FORMS",
     "EXP_KERNEL_MAPS",
     "FEATURE_MAPS",
     "LINEAR_FORMS",
+    "SSD_FORMS",
     "LinearState",
+    "delta_product",
+    "delta_product_step",
     "delta_rule",
     "delta_rule_step",
     "elu1",
@@ -51,11 +61,15 @@ __all__ = [
     "identity",
     "init_delta_state",
     "init_linear_state",
+    "init_ssd_state",
     "linear_attention",
     "linear_attention_step",
     "linear_feature_dim",
     "register_feature_map",
     "relu",
+    "ssd",
+    "ssd_decay",
+    "ssd_step",
     "taylor",
 ]
 

@@ -9,7 +9,10 @@ attention becomes
 
 where ``a_t`` is an optional decay in (0, 1] (a fixed per-head ``gamma`` as in
 RetNet, a data-dependent gate ``exp(log_gate_t)`` as in Mamba-2 and gated linear
-attention, or their product). Without the denominator (``normalize=False``) it
+attention, or their product), or in [-1, 1] with ``negative_gates``: the
+gate is then ``-exp(log_gate_t)`` where that flag is set, the negative
+eigenvalues Grazzi et al. (ICLR 2025) show a linear RNN needs to track
+parity. Without the denominator (``normalize=False``) it
 is the plain sum ``phi(q_t) . S_t``.
 
 ``linear_attention`` computes this function in three forms that are the same
@@ -67,6 +70,11 @@ and give ``-inf - -inf`` for a gate of exactly zero (``log_gate = -inf``, which
 is allowed and erases the state; a segment boundary is such a gate). Positions
 above the diagonal are set to ``-inf`` before the ``exp``, and every decay
 ``exp`` has an argument <= 0, so nothing overflows and no gradient is NaN.
+A signed gate has no logarithm, so its sign travels beside the log of its
+magnitude: a product over a range is ``exp`` of the range's log sum times
+``(-1)`` to the number of negative gates in it, counted by the same masked
+cumulative sum (whole numbers, exact in float32); the chunkwise form carries
+each chunk's signed product across chunks as it is (``forms.decay_matrix``).
 
 Scale. ``q`` and ``k`` are each multiplied by ``sqrt(scale)`` before the feature
 map. For ``"taylor"`` and ``"favor"``, which estimate ``exp(q.k)``, the default
@@ -151,6 +159,21 @@ def _check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="l
         value = concrete(log_gates)
         if value is not None and np.any(value > 0):
             fail(name, "values <= 0 (log of gates in [0, 1])", f"max {value.max()}")
+
+
+def _check_signs(negative_gates, B: int, T: int, N: int, causal: bool, name="negative_gates"):
+    """``negative_gates`` ``[B,T,N]`` bool, causal only; returns it as float32 0/1 (or None)."""
+    if negative_gates is None:
+        return None
+    if not causal:
+        fail(name, "None when causal=False (gates need an order)", "an array")
+    shape = np.shape(negative_gates)
+    if shape != (B, T, N):
+        fail(name, f"shape ({B}, {T}, {N}) = [B,T,N]", f"shape {shape}")
+    dtype = jnp.result_type(negative_gates)
+    if dtype != jnp.bool_:
+        fail(name, "a bool array (True where the gate is negative)", f"dtype {dtype}")
+    return jnp.asarray(negative_gates).astype(jnp.float32)
 
 
 def _log_decay(decay, log_gates, B: int, T: int, N: int):
@@ -239,6 +262,7 @@ def linear_attention(
     projection=None,
     q_segment_ids=None,
     kv_segment_ids=None,
+    negative_gates=None,
 ):
     """Linear attention ``phi(q).phi(k)`` in one of three equivalent forms.
 
@@ -280,6 +304,9 @@ def linear_attention(
             neither (causal: the same ids, as q and k are the same tokens).
             Queries see only keys with the same id; id 0 is padding, which
             adds nothing to any state and outputs 0. See the module docstring.
+        negative_gates: ``[B,T,N]`` bool or None: where True, that token's
+            gate (the product of ``decay`` and ``exp(log_gates)``, 1 without
+            either) is negated, so gates range over [-1, 1]. Causal only.
 
     Returns:
         out ``[B,T,N,E]`` in the input dtype, or ``(out, LinearState)`` if
@@ -294,6 +321,7 @@ def linear_attention(
     root = root_scale(scale, feature_map, H)
     F = output_dim(phi, H)
     _check_decay(decay, log_gates, B, T, N, causal)
+    neg = _check_signs(negative_gates, B, T, N, causal)
     q_seg, kv_seg = _check_segments(
         q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state
     )
@@ -323,16 +351,22 @@ def linear_attention(
             merged = segments.merge(qg, kg, v32, q_seg, kv_seg)
             qg, kg, v32, q_seg, kv_seg = merged[:5]
     ordered = causal or merged is not None  # a recurrence over the (merged) tokens
+    if neg is not None and log_a is None:
+        log_a = jnp.zeros((B, T, N), jnp.float32)  # gates of magnitude 1: -1 where negative
     if q_seg is not None and ordered:
         key_real, log_a, q_read = segments.causal(q_seg, kv_seg, log_a, N)
+        if neg is not None:  # padding does not decay the state, nor flip it
+            neg = jnp.where(key_real[..., None], neg, 0.0)
     log_a = None if log_a is None else log_a.reshape(*log_a.shape[:2], K, G)
+    neg = None if neg is None else neg.reshape(B, T, K, G)
 
     if form == "recurrent" and ordered:
-        num, den, (kv, z) = forms.recurrent(qg, kg, v32, log_a, kv0, z0, phi, key_real)
+        num, den, (kv, z) = forms.recurrent(qg, kg, v32, log_a, kv0, z0, phi, key_real, neg)
     elif form == "chunkwise" and ordered:
-        num, den, (kv, z) = forms.chunkwise(qg, kg, v32, log_a, kv0, z0, phi, chunk_size, key_real)
+        args = (qg, kg, v32, log_a, kv0, z0, phi, chunk_size, key_real, neg)
+        num, den, (kv, z) = forms.chunkwise(*args)
     elif form == "parallel":
-        args = (phi(qg), phi(kg), v32, log_a, kv0, z0, causal, key_real, visible)
+        args = (phi(qg), phi(kg), v32, log_a, kv0, z0, causal, key_real, visible, neg)
         num, den, (kv, z) = forms.parallel(*args)
     else:
         num, den, (kv, z) = forms.global_sums(phi(qg), phi(kg), v32, kv0, z0)
@@ -359,6 +393,7 @@ def linear_attention_step(
     scale: float | None = None,
     projection=None,
     segment_id=None,
+    negative_gate=None,
 ):
     """Advances causal linear attention by one token (decoding).
 
@@ -381,6 +416,8 @@ def linear_attention_step(
         log_gate: this token's log decay ``[B,N]`` (<= 0), or None.
         segment_id: ``[B]`` ints or None (all real): 0 marks a padding step;
             any other id continues the state's sequence.
+        negative_gate: ``[B,N]`` bool or None: negates this token's gate, as
+            ``linear_attention``'s ``negative_gates``.
 
     Returns:
         ``(out_t [B,N,E] in the input dtype, new LinearState)``.
@@ -398,11 +435,20 @@ def linear_attention_step(
             fail("log_gate", f"shape ({B}, {N}) = [B,N]", f"shape {np.shape(log_gate)}")
         log_gate = jnp.asarray(log_gate)[:, None]
     _check_decay(decay, log_gate, B, 1, N, causal=True, name="log_gate")
+    if negative_gate is not None:
+        if np.shape(negative_gate) != (B, N):
+            fail("negative_gate", f"shape ({B}, {N}) = [B,N]", f"shape {np.shape(negative_gate)}")
+        negative_gate = jnp.asarray(negative_gate)[:, None]
+    neg = _check_signs(negative_gate, B, 1, N, True, name="negative_gate")
     _check_state(state, "state", B, N, F, E)
     seg = checks.segment_ids(segment_id, "segment_id", B)
     real = None if seg is None else seg != segments.PADDING
     q_t, k_t, v_t = (drop_padding(x, seg) for x in (q_t, k_t, v_t))
     log_a = _log_decay(decay, log_gate, B, 1, N)
+    if neg is not None:
+        log_a = jnp.zeros((B, 1, N), jnp.float32) if log_a is None else log_a
+        if real is not None:
+            neg = jnp.where(real[:, None, None], neg, 0.0)
     if log_a is not None and real is not None:
         log_a = jnp.where(real[:, None, None], log_a, 0.0)  # padding does not decay
 
@@ -419,6 +465,7 @@ def linear_attention_step(
         None if log_a is None else log_a.reshape(B, K, G),
         phi,
         real,
+        None if neg is None else neg.reshape(B, K, G),
     )
     q_read = None if real is None else real[:, None]
     out = _finish(num[:, None], den[:, None], q_read, normalize, eps)[:, 0]

@@ -9,7 +9,11 @@ for GQA and returns the numerator ``[B,T,K,G,E]``, the denominator
 that must not enter the state (padding); their log decay is 0 already, so they
 leave the state exactly as it was. ``log_a`` ``[B,T,K,G]`` (or None) is the
 total log decay, ``-inf`` where the state is erased (a zero gate or a segment
-boundary).
+boundary). ``neg`` (same shape as ``log_a``, or None: all positive) is 1.0
+where that token's gate is negative (``attn.linear_attention``'s
+``negative_gates``): the gate is ``-exp(log_a)``, and a product of gates
+carries ``(-1)`` to the number of negative ones in its range
+(``decay_matrix``).
 
 Axis letters besides the vocabulary (``C`` is the query position inside a
 chunk): ``U`` the chunk index, ``J`` the key position inside a chunk, ``X`` a
@@ -29,27 +33,61 @@ import jax.numpy as jnp
 from jax import lax
 
 
+def _range_sums(x, fill: float):
+    """Range sums ``[..., C] -> [..., C, C]``: ``sum_{r=j+1..i} x[r]`` at ``[i, j]``, j <= i.
+
+    Entries above the diagonal are ``fill``.
+
+    Each entry is summed over its own range (masked cumsum), never as a
+    difference of totals.
+    """
+    C = x.shape[-1]
+    i = jnp.arange(C)[:, None]
+    j = jnp.arange(C)[None, :]
+    terms = jnp.where(i > j, jnp.broadcast_to(x[..., :, None], (*x.shape, C)), 0.0)
+    sums = jnp.cumsum(terms, axis=-2)
+    return jnp.where(i >= j, sums, fill)
+
+
 def segsum(log_a):
     """Segment sums of log decays: ``[..., C] -> [..., C, C]``.
 
     ``out[i, j] = sum_{r=j+1..i} log_a[r]`` for ``j <= i`` and ``-inf`` above the
-    diagonal, so ``exp(out)`` is the causal decay matrix. Each entry is summed
-    over its own range (masked cumsum), never as a difference of totals.
+    diagonal, so ``exp(out)`` is the causal decay matrix.
     """
-    C = log_a.shape[-1]
-    i = jnp.arange(C)[:, None]
-    j = jnp.arange(C)[None, :]
-    terms = jnp.where(i > j, jnp.broadcast_to(log_a[..., :, None], (*log_a.shape, C)), 0.0)
-    sums = jnp.cumsum(terms, axis=-2)
-    return jnp.where(i >= j, sums, -jnp.inf)
+    return _range_sums(log_a, -jnp.inf)
 
 
-def _weigh_causal(scores, log_a):
+def parity_sign(count):
+    """``(-1) ** count`` for counts of negative gates (whole numbers, exact in float32)."""
+    return 1.0 - 2.0 * jnp.mod(lax.stop_gradient(count), 2.0)
+
+
+def signed(decay, neg):
+    """A decay magnitude times the sign of one gate: ``neg`` 1. where that gate is negative."""
+    return decay if neg is None else decay * (1.0 - 2.0 * lax.stop_gradient(neg))
+
+
+def decay_matrix(log_a, neg=None):
+    """The causal decay matrix ``[..., C, C]`` from log magnitudes and signs ``[..., C]``.
+
+    A product of signed gates is ``exp`` of the range sum of their log
+    magnitudes (<= 0: nothing overflows) times ``(-1)`` to the number of
+    negative gates in the range, counted by the same masked cumsum (whole
+    numbers, exact in float32 up to 2**24). Zero above the diagonal.
+    """
+    weights = jnp.exp(segsum(log_a))
+    if neg is not None:
+        weights = weights * parity_sign(_range_sums(neg, 0.0))
+    return weights
+
+
+def _weigh_causal(scores, log_a, neg=None):
     """Applies the causal decay matrix to ``scores [..., C, C]``.
 
     Without decay (``log_a`` None) it is the causal mask, applied as a select
     that fuses into its neighbours (no ``[C, C]`` array is built); with log
-    decays ``[..., C]`` it is ``exp(segsum(log_a))``.
+    decays ``[..., C]`` (and the gates' signs ``neg``) it is ``decay_matrix``.
 
     Returns:
         ``(weighted scores, weights [..., C, C] or None)``.
@@ -60,7 +98,7 @@ def _weigh_causal(scores, log_a):
             jnp.int32, (C, C), 1
         )
         return jnp.where(causal, scores, 0.0), None
-    weights = jnp.exp(segsum(log_a))
+    weights = decay_matrix(log_a, neg)
     return scores * weights, weights
 
 
@@ -69,7 +107,7 @@ def _mask_keys(kf, key_real):
     return kf if key_real is None else jnp.where(key_real[:, :, None, None], kf, 0.0)
 
 
-def parallel(qf, kf, v, log_a, kv0, z0, causal: bool, key_real=None, visible=None):
+def parallel(qf, kf, v, log_a, kv0, z0, causal: bool, key_real=None, visible=None, neg=None):
     """Materialized ``[T, S]`` form, the reference.
 
     qf ``[B,T,K,G,F]``, kf ``[B,S,K,F]``, v ``[B,S,K,E]``, log_a ``[B,T,K,G]`` or
@@ -89,9 +127,12 @@ def parallel(qf, kf, v, log_a, kv0, z0, causal: bool, key_real=None, visible=Non
     chain = 1.0  # decay of the initial state across the whole sequence
     if causal:
         log_a_t = None if log_a is None else log_a.transpose(0, 2, 3, 1)  # [B,K,G,T]
-        scores, weights = _weigh_causal(scores, log_a_t)
+        neg_t = None if neg is None else neg.transpose(0, 2, 3, 1)
+        scores, weights = _weigh_causal(scores, log_a_t, neg_t)
         if log_a is not None:
             q_weight = jnp.exp(jnp.cumsum(log_a, axis=1))
+            if neg is not None:
+                q_weight = q_weight * parity_sign(jnp.cumsum(neg, axis=1))
             end_weight = jnp.moveaxis(weights[..., -1, :], -1, 1)
             chain = q_weight[:, -1][..., None]
     v_rows = v.transpose(0, 2, 1, 3).reshape(B * K, S, E)
@@ -120,7 +161,7 @@ def global_sums(qf, kf, v, kv0, z0):
     return num, den, (kv, z)
 
 
-def step(carry, q_t, k_t, v_t, log_a_t, phi, valid=None):
+def step(carry, q_t, k_t, v_t, log_a_t, phi, valid=None, neg_t=None):
     """One token. q_t ``[B,K,G,H]``, k_t ``[B,K,H]``, v_t ``[B,K,E]``, log_a_t ``[B,K,G]``.
 
     Features are computed here rather than before the scan so the scan keeps
@@ -133,7 +174,7 @@ def step(carry, q_t, k_t, v_t, log_a_t, phi, valid=None):
     if valid is not None:
         kf = jnp.where(valid[:, None, None], kf, 0.0)
     if log_a_t is not None:
-        a = jnp.exp(log_a_t)
+        a = signed(jnp.exp(log_a_t), neg_t)
         kv = kv * a[..., None, None]
         z = z * a[..., None]
     kv = kv + jnp.einsum("BKF,BKE->BKFE", kf, v_t)[:, :, None]
@@ -184,7 +225,7 @@ def scan_in_pieces(one_step, init, xs, T: int):
     return carry, jax.tree.map(batch_major, ys)
 
 
-def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
+def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None, neg=None):
     """Scan over tokens (``scan_in_pieces``).
 
     q ``[B,T,K,G,H]``, k ``[B,T,K,H]``, v ``[B,T,K,E]`` float32.
@@ -194,10 +235,11 @@ def recurrent(q, k, v, log_a, kv0, z0, phi, key_real=None):
         key_real = jnp.ones((B, T), bool)  # time padding is False: phi(0) never enters
 
     def one_step(carry, x):
-        q_t, k_t, v_t, log_a_t, valid_t = x
-        return step(carry, q_t, k_t, v_t, log_a_t, phi, valid_t)
+        q_t, k_t, v_t, log_a_t, valid_t, neg_t = x
+        return step(carry, q_t, k_t, v_t, log_a_t, phi, valid_t, neg_t)
 
-    state, (num, den) = scan_in_pieces(one_step, (kv0, z0), (q, k, v, log_a, key_real), T)
+    xs = (q, k, v, log_a, key_real, neg)
+    state, (num, den) = scan_in_pieces(one_step, (kv0, z0), xs, T)
     return num, den, state
 
 
@@ -207,7 +249,7 @@ def _split_chunks(x, U: int, C: int):
     return x.reshape(x.shape[0], U, C, *x.shape[2:])
 
 
-def chunkwise(q, k, v, log_a, kv0, z0, phi, chunk_size: int, key_real=None):
+def chunkwise(q, k, v, log_a, kv0, z0, phi, chunk_size: int, key_real=None, neg=None):
     """Chunks of C tokens.
 
     q ``[B,T,K,G,H]``, k ``[B,T,K,H]``, v ``[B,T,K,E]`` float32, log_a
@@ -245,8 +287,10 @@ def chunkwise(q, k, v, log_a, kv0, z0, phi, chunk_size: int, key_real=None):
     v = _split_chunks(v, U, C).transpose(1, 0, 3, 2, 4)  # [U,B,K,J,E]
     if log_a is not None:
         log_a = _split_chunks(log_a, U, C).transpose(1, 0, 3, 4, 2)  # [U,B,K,G,C]
+    if neg is not None:
+        neg = _split_chunks(neg, U, C).transpose(1, 0, 3, 4, 2)  # 0 (positive) past T
     scores = jnp.einsum("XGCF,XJF->XGCJ", qf.reshape(X, G, C, F), kf.reshape(X, C, F))
-    scores, weights = _weigh_causal(scores.reshape(U, B, K, G, C, C), log_a)
+    scores, weights = _weigh_causal(scores.reshape(U, B, K, G, C, C), log_a, neg)
     num = jnp.einsum("XGCJ,XJE->XGCE", scores.reshape(X, G, C, C), v.reshape(X, C, E))
     num = num.reshape(U, B, K, G, C, E)
     den = jnp.sum(scores, axis=-1)
@@ -256,7 +300,8 @@ def chunkwise(q, k, v, log_a, kv0, z0, phi, chunk_size: int, key_real=None):
         if kv0 is None:
             kv0 = jnp.zeros((B, K, G, F, E), jnp.float32)
             z0 = jnp.zeros((B, K, G, F), jnp.float32)
-        num_in, den_in, (kv, z) = _chunk_inputs_decayed(qf, kf, v, log_a, weights, kv0, z0)
+        inputs = (qf, kf, v, log_a, weights, kv0, z0, neg)
+        num_in, den_in, (kv, z) = _chunk_inputs_decayed(*inputs)
     chex.assert_equal_shape([num, num_in])
     chex.assert_equal_shape([den, den_in])
     chex.assert_shape([kv, z], [(B, K, G, F, E), (B, K, G, F)])
@@ -297,7 +342,7 @@ def _chunk_inputs_shared(qf, kf, v, kv0, z0):
     return num_in, den_in, (kv, z)
 
 
-def _chunk_inputs_decayed(qf, kf, v, log_a, weights, kv0, z0):
+def _chunk_inputs_decayed(qf, kf, v, log_a, weights, kv0, z0, neg=None):
     """With decay: what each chunk's queries read from the decayed state entering the chunk.
 
     qf ``[U,B,K,G,C,F]``, kf ``[U,B,K,J,F]``, v ``[U,B,K,J,E]``, log_a
@@ -310,7 +355,10 @@ def _chunk_inputs_decayed(qf, kf, v, log_a, weights, kv0, z0):
     E = v.shape[-1]
     X = U * B * K
     end_weight = weights[..., -1, :]  # [U,B,K,G,J]
-    start_weight = weights[..., :, 0] * jnp.exp(log_a[..., :1])  # [U,B,K,G,C]
+    # Signed with the gates: a chunk's decay may be negative, and the scan
+    # below multiplies by it as it is.
+    first = signed(jnp.exp(log_a[..., :1]), None if neg is None else neg[..., :1])
+    start_weight = weights[..., :, 0] * first  # [U,B,K,G,C]
     kf_end = kf[:, :, :, None] * end_weight[..., None]  # [U,B,K,G,J,F]
     d_kv = jnp.einsum("XGJF,XJE->XGFE", kf_end.reshape(X, G, C, F), v.reshape(X, C, E))
     d_kv = d_kv.reshape(U, B, K, G, F, E)

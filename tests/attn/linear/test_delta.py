@@ -34,13 +34,17 @@ def unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def make_inputs(seed, T, gate, *, b=B):
-    """q, k ``[B,T,K,H]`` (unit norm), v ``[B,T,N,E]``, beta ``[B,T,N]``, log gates, state."""
+def make_inputs(seed, T, gate, *, b=B, beta_max=0.95):
+    """q, k ``[B,T,K,H]`` (unit norm), v ``[B,T,N,E]``, beta ``[B,T,N]``, log gates, state.
+
+    ``beta_max`` above 1 reaches the negative eigenvalues ``1 - beta`` of the
+    write (Grazzi et al.'s beta in (0, 2)).
+    """
     rng = np.random.default_rng(seed)
     q = unit(rng.standard_normal((b, T, K, H))).astype(np.float32)
     k = unit(rng.standard_normal((b, T, K, H))).astype(np.float32)
     v = rng.standard_normal((b, T, N, E)).astype(np.float32)
-    beta = rng.uniform(0.05, 0.95, (b, T, N)).astype(np.float32)
+    beta = rng.uniform(0.05, beta_max, (b, T, N)).astype(np.float32)
     shape = {"none": None, "head": (b, T, N), "channel": (b, T, N, H)}[gate]
     g = None if shape is None else (-rng.uniform(0.0, 0.4, shape)).astype(np.float32)
     state = rng.standard_normal((b, N, H, E)).astype(np.float32)
@@ -122,9 +126,13 @@ ARG_NAMES = ("q", "k", "v", "beta", "log_gates", "initial_state")
 T_LONG = 45  # a multiple of no chunk size below
 
 
-@pytest.mark.parametrize("gate", GATES)
-def test_forms_match_float64_forward_and_gradients(gate):
-    args = make_inputs(0, T_LONG, gate)
+@pytest.mark.parametrize(
+    "gate, beta_max",
+    [*((g, 0.95) for g in GATES), ("head", 1.95)],
+    ids=[*GATES, "head-negative-eigenvalues"],
+)
+def test_forms_match_float64_forward_and_gradients(gate, beta_max):
+    args = make_inputs(0, T_LONG, gate, beta_max=beta_max)
     rng = np.random.default_rng(1)
     cotangents = (rng.standard_normal((B, T_LONG, N, E)), rng.standard_normal((B, N, H, E)))
     cotangents = tuple(c.astype(np.float32) for c in cotangents)
@@ -144,6 +152,24 @@ def test_forms_match_float64_forward_and_gradients(gate):
         assert rel_err(S, want_S) <= RTOL, what
         for i, grad in grads.items():
             assert rel_err(grad, want_grads[i]) <= GRAD_RTOL, f"{what}: d{ARG_NAMES[i]}"
+
+
+def test_beta_near_two_over_long_sequences():
+    """beta in (1.9, 2) (eigenvalues near -1) for 2048 tokens without a gate: the state
+    stays bounded (a reflection), chunkwise equals the float64 recurrence, gradients finite."""
+    T = 2048
+    q, k, v, beta, _, state = make_inputs(9, T, "none", b=1)
+    beta = np.random.default_rng(10).uniform(1.9, 2.0, beta.shape).astype(np.float32)
+    want_out, want_S = np_delta(q, k, v, beta, None, state[:1])
+
+    def loss(q, k, v, beta):
+        out, S = delta_rule(q, k, v, beta, initial_state=state[:1], return_state=True)
+        return jnp.sum(out[:, -64:] ** 2) + jnp.sum(S**2), (out, S)
+
+    grads, (out, S) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, beta)
+    assert np.abs(want_S).max() < 100  # bounded: no growth over 2048 reflections
+    assert rel_err(out, want_out) <= 1e-4 and rel_err(S, want_S) <= 1e-4
+    assert all(np.isfinite(g).all() for g in grads)
 
 
 def test_one_token_and_the_step():
