@@ -22,7 +22,8 @@ F linear feature dim, L layers, V vocabulary.
 Files, one per layer kind: ``heads.py`` (what every attention module shares:
 projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 ``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
-(``LinearAttention``), ``block.py`` (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the
+(``LinearAttention``), ``delta.py`` (the delta rule, DeltaProduct), ``mamba.py``
+(``Mamba2``), ``block.py`` (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the
 three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
 ``config.py`` / ``patterns.py`` (presets), ``generate.py`` and ``serving.py``
 (continuous batching over a paged cache: ``serve``).
@@ -80,6 +81,7 @@ from models.generate import generate
 from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention, LatentConfig
 from models.linear import LinearAttention, LinearConfig
+from models.mamba import Mamba2, Mamba2Cache, Mamba2Config
 from models.masked import MaskedConfig
 from models.patterns import (
     DEPRECATED_NAMES,
@@ -133,6 +135,9 @@ __all__ = [
     "LayerKind",
     "LinearAttention",
     "LinearConfig",
+    "Mamba2",
+    "Mamba2Cache",
+    "Mamba2Config",
     "MaskedConfig",
     "ModelConfig",
     "PresetSizes",

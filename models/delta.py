@@ -3,8 +3,10 @@
 One layer kind, ``"delta"``, configured by ``DeltaConfig``; its ``gate`` picks
 the variant: ``"none"`` DeltaNet (Yang et al. 2024), ``"head"`` Gated DeltaNet
 (Yang, Kautz and Hatamizadeh, ICLR 2025), ``"channel"`` Kimi Delta Attention
-(the Kimi Linear report, 2025). The presets ``deltanet``, ``gated_deltanet``
-and ``kda`` are registered in ``models.patterns``.
+(the Kimi Linear report, 2025); ``householder_steps`` > 1 makes it DeltaProduct
+(Siems et al. 2025) and ``negative_eigenvalues`` widens beta to (0, 2)
+(Grazzi et al., ICLR 2025). The presets ``deltanet``, ``gated_deltanet``,
+``kda`` and ``gated_deltaproduct`` are registered here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from flax import nnx, struct
 import attn
 from attn import masks
 from attn.checks import fail
-from models.config import AttentionConfig, check_positive_int, register_kind
+from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.heads import HeadGate, Heads, dense
 from models.patterns import PresetSizes, register_preset
 
@@ -46,6 +48,10 @@ class DeltaConfig(AttentionConfig):
         None means ``num_heads``.
       qkv_conv: width W of the short causal convolutions (with SiLU) on the q,
         k and v projections, as the papers place them; 0: none.
+      negative_eigenvalues: ``beta = 2 sigmoid(.)`` in (0, 2), so the write's
+        eigenvalue ``1 - beta`` reaches (-1, 0) (Grazzi et al.); else ``sigmoid(.)``.
+      householder_steps: n, keys, values and betas per token (DeltaProduct,
+        ``attn.delta_product``); 1 is the delta rule.
     """
 
     kind: str = "delta"
@@ -55,6 +61,8 @@ class DeltaConfig(AttentionConfig):
     gate: str = "head"
     value_heads: int | None = None
     qkv_conv: int = 4
+    negative_eigenvalues: bool = False
+    householder_steps: int = 1
 
     @property
     def num_value_heads(self) -> int:
@@ -77,6 +85,8 @@ class DeltaConfig(AttentionConfig):
             fail("value_heads", "a positive int or None", repr(nv))
         if self.num_value_heads % self.num_heads:
             fail("value_heads", f"a multiple of num_heads={self.num_heads}", repr(nv))
+        check_bool(self.negative_eigenvalues, "negative_eigenvalues")
+        check_positive_int(self.householder_steps, "householder_steps")
         w = self.qkv_conv
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
@@ -95,7 +105,7 @@ def _inverse_softplus(y):
     return y + jnp.log(-jnp.expm1(-y))
 
 
-def _decay_init(heads: int, channels: int, key):
+def decay_init(heads: int, channels: int, key):
     """Mamba-2's ``A_log [heads]`` and ``dt_bias [channels]`` (``A_INIT``, ``DT_INIT``)."""
     k_a, k_dt = jax.random.split(key)
     A = jax.random.uniform(k_a, (heads,), minval=A_INIT[0], maxval=A_INIT[1])
@@ -139,9 +149,10 @@ class DeltaAttention(Heads):
             )
         self._init_heads(cfg, causal=causal, dtype=dtype)
         K, H, N = cfg.num_heads, cfg.head_dim, cfg.num_value_heads
+        n = cfg.householder_steps
         self.head_gate = HeadGate(jnp.ones((N,), jnp.float32))  # one per value head
         linear = functools.partial(dense, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.channels = 2 * K * H + N * H
+        self.channels = K * H + n * (K * H + N * H)
         self.qkv_proj = linear(width, self.channels)
         self.conv = nnx.data(None)
         if cfg.qkv_conv:  # a depthwise Conv1d's default init: U(+-1/sqrt(W)), fan-in W
@@ -149,13 +160,13 @@ class DeltaAttention(Heads):
             init = jax.nn.initializers.uniform(2 * bound)
             shape = (cfg.qkv_conv, self.channels)
             self.conv = nnx.Param(init(rngs.params(), shape, param_dtype) - bound)
-        self.beta_proj = linear(width, N)
+        self.beta_proj = linear(width, n * N)
         per = {"none": 0, "head": N, "channel": N * H}[cfg.gate]
         if per:
             self.gate_proj = dense(
                 width, per, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs
             )
-            A_log, dt_bias = _decay_init(N, per, rngs.params())
+            A_log, dt_bias = decay_init(N, per, rngs.params())
             self.A_log = nnx.Param(A_log.astype(param_dtype))
             self.dt_bias = nnx.Param(dt_bias.astype(param_dtype))
         else:
@@ -169,19 +180,28 @@ class DeltaAttention(Heads):
     # Pieces ------------------------------------------------------------------
 
     def _split(self, mixed):
-        """``[B,T,2KH+NH]`` -> q, k ``[B,T,K,H]`` (unit norm) and v ``[B,T,N,H]``."""
+        """``[B,T,KH+n(KH+NH)]`` -> q ``[B,T,K,H]``, k ``[B,T,(n,)K,H]`` (unit norm) and
+        v ``[B,T,(n,)N,H]``; the step axis n only for DeltaProduct (n > 1)."""
         cfg = self.cfg
         B, T, _ = mixed.shape
         K, H, N = cfg.num_heads, cfg.head_dim, cfg.num_value_heads
+        steps = () if cfg.householder_steps == 1 else (cfg.householder_steps,)
         mixed = jax.nn.silu(mixed)
-        q, k, v = jnp.split(mixed, [K * H, 2 * K * H], axis=-1)
+        n = cfg.householder_steps
+        q, k, v = jnp.split(mixed, [K * H, (n + 1) * K * H], axis=-1)
         unit = functools.partial(_l2_normalize, eps=NORM_EPS)
-        return unit(q.reshape(B, T, K, H)), unit(k.reshape(B, T, K, H)), v.reshape(B, T, N, H)
+        k, v = k.reshape(B, T, *steps, K, H), v.reshape(B, T, *steps, N, H)
+        return unit(q.reshape(B, T, K, H)), unit(k), v
 
     def _beta_and_gates(self, x):
-        """``beta [B,T,N]`` in (0, 1) and log decays ``[B,T,N]``/``[B,T,N,H]`` (or None)."""
+        """``beta [B,T,(n,)N]`` in (0, 1) (or (0, 2)) and log decays ``[B,T,N]``/``[B,T,N,H]``
+        (or None)."""
         cfg = self.cfg
         beta = jax.nn.sigmoid(self.beta_proj(x).astype(jnp.float32))
+        if cfg.negative_eigenvalues:
+            beta = 2.0 * beta
+        if cfg.householder_steps > 1:
+            beta = beta.reshape(*x.shape[:2], cfg.householder_steps, cfg.num_value_heads)
         if self.gate_proj is None:
             return beta, None
         B, T, _ = x.shape
@@ -202,6 +222,11 @@ class DeltaAttention(Heads):
     def _options(self) -> dict:
         return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size)
 
+    @property
+    def _rule(self):
+        """``attn.delta_rule``, or ``attn.delta_product`` for several steps per token."""
+        return attn.delta_rule if self.cfg.householder_steps == 1 else attn.delta_product
+
     # Surface -----------------------------------------------------------------
 
     def __call__(self, x, *, positions=None, segment_ids=None):
@@ -213,7 +238,7 @@ class DeltaAttention(Heads):
         q, k, v = self._split(mixed)
         beta, log_g = self._beta_and_gates(x)
         call = functools.partial(
-            attn.delta_rule,
+            self._rule,
             log_gates=log_g,
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
@@ -224,10 +249,13 @@ class DeltaAttention(Heads):
         return self._finish(call(q, k, v, beta), x)
 
     def _weights(self, call, q, k, beta):
-        """``[B,N,T,S]`` float32: the outputs for one-hot values ``e_s`` (M of ``out = M V``)."""
+        """``[B,N,T,S]`` float32: the outputs for one-hot values ``e_s`` (M of ``out = M V``;
+        for DeltaProduct, the value ``e_s`` at each of token s's steps)."""
         B, S = q.shape[:2]
         N = self.cfg.num_value_heads
-        one_hot = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None], (B, S, N, S))
+        steps = k.shape[2:-2]
+        eye = jnp.eye(S, dtype=jnp.float32).reshape(1, S, *(1,) * len(steps), 1, S)
+        one_hot = jnp.broadcast_to(eye, (B, S, *steps, N, S))
         return jnp.transpose(call(q, k, one_hot, beta), (0, 2, 1, 3))
 
     def init_cache(self, batch: int, max_len: int) -> DeltaCache:
@@ -257,7 +285,8 @@ class DeltaAttention(Heads):
         q, k, v = self._split(mixed)
         beta, log_g = self._beta_and_gates(x)
         if step:
-            out, state = attn.delta_rule_step(
+            rule_step = attn.delta_rule_step if k.ndim == 4 else attn.delta_product_step
+            out, state = rule_step(
                 q[:, 0],
                 k[:, 0],
                 v[:, 0],
@@ -267,7 +296,7 @@ class DeltaAttention(Heads):
             )
             out = out[:, None]
         else:
-            out, state = attn.delta_rule(
+            out, state = self._rule(
                 q,
                 k,
                 v,
@@ -288,21 +317,28 @@ def _l2_normalize(x, eps: float):
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
-def _sized(gate: str):
+def _sized(gate: str, **fields):
     def build(sizes: PresetSizes) -> DeltaConfig:
         return DeltaConfig(
             num_heads=sizes.num_heads,
             head_dim=sizes.head_dim,
             chunk_size=sizes.chunk_size,
             gate=gate,
+            **fields,
         )
 
     return build
 
 
-for _name, _gate, _description in (
-    ("deltanet", "none", "DeltaNet: the delta rule, q/k/v short convs"),
-    ("gated_deltanet", "head", "Gated DeltaNet: the delta rule with a decay per head"),
-    ("kda", "channel", "Kimi Delta Attention: the delta rule with a decay per key channel"),
+for _name, _gate, _fields, _description in (
+    ("deltanet", "none", {}, "DeltaNet: the delta rule, q/k/v short convs"),
+    ("gated_deltanet", "head", {}, "Gated DeltaNet: the delta rule with a decay per head"),
+    ("kda", "channel", {}, "Kimi Delta Attention: the delta rule with a decay per key channel"),
+    (
+        "gated_deltaproduct",
+        "head",
+        dict(householder_steps=2, negative_eigenvalues=True),
+        "Gated DeltaProduct: two Householder steps per token, beta in (0, 2) (Siems et al.)",
+    ),
 ):
-    register_preset(_name, _sized(_gate), description=_description)
+    register_preset(_name, _sized(_gate, **_fields), description=_description)

@@ -56,6 +56,7 @@ class PresetSizes:
       chunk_size: C of the chunkwise linear presets.
       short_conv: W of the short convolutions (``based``, ``*_conv``).
       based_head_dim: the head dim of Based's Taylor linear attention.
+      state_dim: the SSD state dim of the Mamba-2 presets (Mamba's ``d_state``).
     """
 
     num_heads: int = 4
@@ -71,6 +72,7 @@ class PresetSizes:
     chunk_size: int = 64
     short_conv: int = SHORT_CONV
     based_head_dim: int = BASED_HEAD_DIM
+    state_dim: int = 16
 
     def base(self, **fields) -> SoftmaxConfig:
         """Causal softmax MHA of N heads of dim H, with ``fields`` replaced."""

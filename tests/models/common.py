@@ -53,6 +53,14 @@ REGISTRY["gated_deltanet_grouped"] = dataclasses.replace(
 REGISTRY["kda_recurrent_conv"] = dataclasses.replace(
     REGISTRY["kda"], form="recurrent", short_conv=3
 )
+# Mamba-2 with B and C in 2 groups, decays in (-1, 1], chunks of 4; DeltaProduct with
+# three steps per token in the recurrent form (the preset has two, chunkwise).
+REGISTRY["mamba2_groups_negative"] = dataclasses.replace(
+    REGISTRY["mamba2"], groups=2, chunk_size=4, negative_eigenvalues=True
+)
+REGISTRY["deltaproduct3_recurrent"] = dataclasses.replace(
+    REGISTRY["gated_deltaproduct"], householder_steps=3, form="recurrent"
+)
 # Score modifiers: FoX over a window's ring buffer (its gate sums are cache payload),
 # T5 buckets with GQA, ALiBi with a soft-cap (applied first).
 REGISTRY["fox_window"] = dataclasses.replace(REGISTRY["fox"], window=4)
@@ -83,6 +91,14 @@ KINDS = {
     "scores": ("alibi_softcap", "fox_window", "t5_gqa"),
     "diff": ("diff", "diff_window_gqa"),
     "functions": ("sigmoid", "softpick_window"),
+    # The state-tracking kinds and the note's hybrid: fixed states, then softmax.
+    "ssm_hybrid": (
+        "mamba2",
+        "mamba2_groups_negative",
+        "gated_deltaproduct",
+        "deltaproduct3_recurrent",
+        "mha",
+    ),
 }
 
 

@@ -191,6 +191,7 @@ PACKED = [
     ("delta_hybrid", KINDS["delta_hybrid"]),
     ("scores", KINDS["scores"]),
     ("diff", KINDS["diff"]),
+    ("ssm_hybrid", KINDS["ssm_hybrid"]),  # Mamba-2, DeltaProduct
 ]
 
 

@@ -43,7 +43,7 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 
 
 def test_builtin_kinds_are_registered_like_any_other():
-    want = ["delta", "diff", "linear", "mla", "sigmoid", "softmax", "softpick"]
+    want = ["delta", "diff", "linear", "mamba2", "mla", "sigmoid", "softmax", "softpick"]
     assert sorted(models.KINDS) == want
     assert models.KINDS.origin("sigmoid") == "attn.functions.SigmoidAttention"
     assert models.KINDS["delta"].config is models.DeltaConfig
