@@ -1,20 +1,20 @@
 """``python -m analysis.claims``: every claim the project reproduces, one measured row each.
 
-    python -m analysis.claims                  # fast checks (1-9) + committed results (10-15)
+    python -m analysis.claims                  # fast checks (1-9) + committed results (10-17)
     python -m analysis.claims --run            # also runs the comparison and the experiments
     python -m analysis.claims --only 1,5,10    # some rows only
 
 Claims 1 to 9 are fast checks computed here with ``attn`` and ``models``
 (``analysis.claim_checks``; under a minute on 2 CPU cores). Claim 10 reads the
 main comparison's ``compare_mqar/results.json`` (``python -m train.compare``);
-claims 11 to 15 read the experiments' ``<name>/results.json``
+claims 11 to 17 read the experiments' ``<name>/results.json``
 (``analysis.experiments``), each of which states its own measured value,
 criterion and verdict. Without ``--run`` those files are read from
 ``--results`` (default: the committed ``docs/results/``); a file that is not
 there gives a row "not run (use --run)", never a made-up value. With ``--run``
-claim 10 runs ``python -m train.compare --quick`` and claims 11 to 15 run each
-experiment with its full config, all into ``--out``, and the rows read what
-they wrote.
+claim 10 runs ``python -m train.compare --quick`` and claims 11 to 17 run each
+experiment with its full config (the state-tracking experiment once, for its
+two rows), all into ``--out``, and the rows read what they wrote.
 
 Writes ``<out>/table.md`` and ``<out>/results.json`` and prints the table. The
 exit code is 0 whether or not each claim holds (the table is a report); it is
@@ -23,7 +23,8 @@ is malformed, a run failed), with the traceback on stderr.
 
 The fast checks take about 15 s on 2 CPU cores, and ``--run`` about 17.5
 minutes for claims 10 to 14 plus the recall frontier's 45 (claim 15, its cpu
-scale); the measured runtimes are in docs/results/README.md.
+scale) and the state-tracking experiment's (claims 16 and 17); the measured
+runtimes are in docs/results/README.md.
 """
 
 from __future__ import annotations
@@ -89,17 +90,27 @@ CLAIMS: dict[int, str] = {
     14: "Window layers interleaved with global layers keep long-range paths",
     15: "What a fixed state buys in recall: the delta rule reaches attention's MQAR accuracy "
     "at a state where linear attention stays near chance (Zoology's recall-memory frontier)",
+    16: "State tracking needs negative eigenvalues: a linear RNN with transitions in (0, 1] "
+    "does not learn parity at every length, one with transitions reaching -1 does "
+    "(Grazzi et al. 2025)",
+    17: "S5's word problem (not solvable) separates the families: products of Householders "
+    "(DeltaProduct) can track it, fixed-depth attention and diagonal SSMs cannot "
+    "(Merrill et al. 2024, Siems et al. 2025)",
 }
 
-# Claims 11-15: the experiment (module analysis.experiments.<name>, config
-# configs/<name>.py) whose results.json holds the row.
+# Claims 11-17: the experiment (module analysis.experiments.<name>, config
+# configs/<name>.py) whose results.json holds the row, in its entry "claim"
+# unless CLAIM_KEYS names another (one experiment may hold two rows).
 EXPERIMENTS: dict[int, str] = {
     11: "induction_heads",
     12: "sinks_streaming",
     13: "head_pruning",
     14: "windows_global",
     15: "recall_frontier",
+    16: "state_tracking",
+    17: "state_tracking",
 }
+CLAIM_KEYS: dict[int, str] = {17: "claim_s5"}
 COMPARE = "compare_mqar"  # the main job's results folder (python -m train.compare)
 COMPARE_QUICK = "compare_mqar_quick"  # what --run trains (python -m train.compare --quick)
 # Claim 10's criterion, fixed before reading any result: softmax MHA recalls at
@@ -116,7 +127,7 @@ class Row:
     """One claim's line of the table.
 
     Attributes:
-      number: the claim's number, 1 to 15.
+      number: the claim's number, 1 to 17.
       claim: the claim in a short sentence.
       measured: what was measured (or why nothing was).
       criterion: what the measurement is judged by.
@@ -304,29 +315,32 @@ def run_compare(out: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------
-# Claims 11-15: the experiments
+# Claims 11-17: the experiments
 
 
 def experiment_row(number: int, path: Path) -> Row:
-    """Claim ``number`` (11-15) from its experiment's ``results.json``.
+    """Claim ``number`` (11-17) from its experiment's ``results.json``.
 
     The file holds ``"claim": {"measured": str, "criterion": str, "holds":
-    bool}`` and ``"runtime_s"``; the row shows them as they are.
+    bool}`` (or the entry ``CLAIM_KEYS`` names) and ``"runtime_s"``; the row
+    shows them as they are.
     """
     name = EXPERIMENTS[number]
+    key = CLAIM_KEYS.get(number, "claim")
     source = _shown(path)
     if not path.is_file():
         return _row(number, NOT_RUN, f"set by analysis.experiments.{name}", None, source)
     t0 = time.perf_counter()
     try:
         results = json.loads(path.read_text())
-        claim = results.get("claim") if isinstance(results, dict) else None
+        claim = results.get(key) if isinstance(results, dict) else None
         if not isinstance(claim, dict):
-            raise ValueError(f"{path}: expected a 'claim' object, got {type(claim).__name__}")
-        for key, kind in (("measured", str), ("criterion", str), ("holds", bool)):
-            if not isinstance(claim.get(key), kind):
+            raise ValueError(f"{path}: expected a {key!r} object, got {type(claim).__name__}")
+        for field, kind in (("measured", str), ("criterion", str), ("holds", bool)):
+            if not isinstance(claim.get(field), kind):
                 raise ValueError(
-                    f"{path}: expected claim.{key} to be a {kind.__name__}, got {claim.get(key)!r}"
+                    f"{path}: expected {key}.{field} to be a {kind.__name__}, "
+                    f"got {claim.get(field)!r}"
                 )
         runtime = results.get("runtime_s")
         if runtime is not None and not isinstance(runtime, int | float):
@@ -380,13 +394,13 @@ def collect(
     """The rows of claims ``numbers``, in order.
 
     Args:
-      numbers: claim numbers, 1 to 15.
+      numbers: claim numbers, 1 to 17.
       run: train the comparison and run the experiments (into ``out``) first,
         and read their results from ``out``; else read them from ``results``.
-      results: where the results of claims 10-15 are read without ``run``.
+      results: where the results of claims 10-17 are read without ``run``.
       out: where ``run`` writes them.
     """
-    rows = []
+    rows, ran = [], {}
     for number in sorted(set(numbers)):
         if number in claim_checks.CHECKS:
             rows.append(check_row(number))
@@ -404,7 +418,9 @@ def collect(
             path = Path(results) / name / "results.json"
             if run:
                 try:
-                    path = run_experiment(name, Path(out))
+                    if name not in ran:  # one run serves every row of the experiment
+                        ran[name] = run_experiment(name, Path(out))
+                    path = ran[name]
                 except Exception as e:
                     rows.append(_error_row(number, f"analysis.experiments.{name}", e))
                     continue
@@ -434,7 +450,7 @@ def format_table(rows: list[Row], *, header: str = "") -> str:
     lines += [
         "",
         "Claims 1-9 are measured by `analysis.claim_checks` on every run; claim 10 reads the "
-        "main comparison (`python -m train.compare`), claims 11-15 the experiments of "
+        "main comparison (`python -m train.compare`), claims 11-17 the experiments of "
         '`analysis.experiments`, which state their own criterion and verdict. "not run": no '
         "results file yet (`python -m analysis.claims --run` produces them).",
         "",
@@ -475,8 +491,8 @@ class Args:
       run: also train the comparison (``train.compare --quick``, a few minutes)
         and run the four experiments with their full configs, into ``out``.
       out: where table.md and results.json (and, with ``run``, the runs) go.
-      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 15.
-      results: where claims 10-15 are read from without ``run`` (the committed results).
+      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 17.
+      results: where claims 10-17 are read from without ``run`` (the committed results).
     """
 
     run: bool = False
@@ -493,7 +509,7 @@ def _numbers(only: str) -> list[int]:
     except ValueError:
         numbers = []
     if not numbers or any(n not in CLAIMS for n in numbers):
-        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 15, got {only!r}")
+        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 17, got {only!r}")
     return numbers
 
 

@@ -28,6 +28,7 @@ Writes ``<out_dir>/<name>.json``, ``.md`` (tables) and ``.png`` (log-log plots).
     python bench/linear.py --feature-map taylor --head-dim 16 --max-len 8192 --no-rss \
         --name linear-taylor-cpu
     python bench/linear.py --family delta   # the delta rule (bench/_delta.py): delta-cpu.*
+    python bench/linear.py --family mamba2  # Mamba-2's SSD (bench/_mamba.py): mamba2-cpu.*
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/li
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import tyro  # noqa: E402
 
 from attn.linear import (  # noqa: E402
     init_linear_state,
@@ -100,10 +100,10 @@ class Config:
     rss: bool = True  # measure peak RSS of recurrent forward+backward at T=65536
     out_dir: str = "bench/results"
     name: str | None = None  # default: "<family>-cpu"
-    family: str = "linear"  # "linear" (feature maps) or "delta" (the delta rule, bench/_delta.py)
+    family: str = "linear"  # "linear" (feature maps), "delta" (bench/_delta.py), "mamba2"
     lengths: tuple[int, ...] = ()  # the lengths to measure; () means the default table
     delta_methods: tuple[str, ...] = ()  # --family delta: names of _delta.METHODS; (): all
-    oracle: bool = True  # --family delta: float32 against a float64 recurrence, at T <= 1000
+    oracle: bool = True  # delta, mamba2: float32 against a float64 recurrence, at T <= 1000
 
 
 # ----------------------------------------------------------------------------
@@ -464,27 +464,31 @@ def environment() -> dict:
     }
 
 
-def main_delta(cfg: Config) -> dict:
-    """The delta-rule family: ``bench/_delta.py``."""
-    from bench import _delta
+def main_family(cfg: Config) -> dict:
+    """The delta-rule family (``bench/_delta.py``) or Mamba-2's (``bench/_mamba.py``)."""
+    from bench import _delta, _mamba
 
+    module = {"delta": _delta, "mamba2": _mamba}[cfg.family]
     if cfg.quick:
         cfg = dataclasses.replace(cfg, repeats=1, name=cfg.name + "-quick")
     result = {"config": dataclasses.asdict(cfg), "env": environment()}
-    result["delta"] = _delta.run(cfg, best_times, cfg.quick)
-    result["wall_seconds"] = result["delta"]["wall_seconds"]
+    result[cfg.family] = module.run(cfg, best_times, cfg.quick)
+    result["wall_seconds"] = result[cfg.family]["wall_seconds"]
     result["env"]["load_average_at_end"] = os.getloadavg()
-    write_report(result, cfg.out_dir, cfg.name, _delta.markdown, _delta.plot)
+    write_report(result, cfg.out_dir, cfg.name, module.markdown, module.plot)
     return result
 
 
+FAMILIES = ("linear", "delta", "mamba2")
+
+
 def main(cfg: Config) -> dict:
-    if cfg.family not in ("linear", "delta"):
-        raise ValueError(f"family: expected 'linear' or 'delta', got {cfg.family!r}")
+    if cfg.family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {cfg.family!r}")
     if cfg.name is None:
         cfg = dataclasses.replace(cfg, name=f"{cfg.family}-cpu")
-    if cfg.family == "delta":
-        return main_delta(cfg)
+    if cfg.family != "linear":
+        return main_family(cfg)
     table = cfg.lengths or (QUICK_LENGTHS if cfg.quick else LENGTHS)
     lengths = tuple(T for T in table if cfg.max_len >= T)
     if cfg.quick:
@@ -509,4 +513,6 @@ def main(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
+    import tyro  # here: a GPU image without tyro can still import and call main()
+
     main(tyro.cli(Config))

@@ -20,13 +20,27 @@ Tasks:
 - ``bytes``: next-byte prediction over a text corpus (default: the Python
   standard library's own source files; nothing is downloaded), optionally
   with a beginning-of-sequence token first.
+
+State tracking (the word problem of a finite group, ``state_batch``): the
+inputs are random group elements and the label at every position is the
+running product so far, which a model can only give by tracking a state.
+
+- ``parity``: bits, labels the running parity (the group Z2);
+- ``modular``: numbers mod ``modulus``, labels the running sum mod it;
+- ``s3``, ``s5``: permutations of 3 and 5 items (6 and 120 elements), labels
+  the running composition. S3 is solvable, S5 is not: Merrill, Petty and
+  Sabharwal (ICML 2024) prove that no fixed-depth transformer or diagonal
+  SSM of the usual precision tracks S5's products at every length.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import itertools
 import json
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,13 +59,15 @@ __all__ = [
     "make_task",
     "mqar_batch",
     "selective_copy_batch",
+    "state_batch",
     "stdlib_corpus_path",
 ]
 
 IGNORE = -100  # label of a position that is not scored (PyTorch's ignore_index convention)
 SPLITS = {"train": 0, "test": 1}  # folded into the seed: train and test never share a stream
 
-TASK_NAMES = ("mqar", "induction", "selective_copy", "bytes")
+STATE_TASKS = ("parity", "modular", "s3", "s5")
+TASK_NAMES = ("mqar", "induction", "selective_copy", "bytes", *STATE_TASKS)
 BYTE_VOCAB = 256
 # The bytes task's beginning-of-sequence token: NUL, which load_corpus keeps out
 # of every corpus (it skips files that hold one).
@@ -63,9 +79,12 @@ class TaskConfig:
     """Which task to train on and its sizes.
 
     Attributes:
-      name: one of ``mqar``, ``induction``, ``selective_copy``, ``bytes``.
+      name: one of ``mqar``, ``induction``, ``selective_copy``, ``bytes``, or the
+        state-tracking tasks ``parity``, ``modular``, ``s3``, ``s5``.
       seq_len: T, tokens per example.
-      vocab_size: V for the synthetic tasks (``bytes`` always uses 256).
+      vocab_size: V for the recall tasks (``bytes`` always uses 256, the
+        state-tracking tasks their group's order).
+      modulus: m of ``modular`` (addition mod m).
       num_pairs: MQAR key-value pairs per example (Zoology requires
         ``4 * num_pairs <= seq_len``: the context takes ``2n`` tokens and the
         queries need room for ``n`` gaps of two).
@@ -91,9 +110,12 @@ class TaskConfig:
         fingerprint (``make_task`` refuses any other). None: not pinned.
     """
 
-    name: Literal["mqar", "induction", "selective_copy", "bytes"] = "mqar"
+    name: Literal[
+        "mqar", "induction", "selective_copy", "bytes", "parity", "modular", "s3", "s5"
+    ] = "mqar"
     seq_len: int = 64
     vocab_size: int = 256
+    modulus: int = 5
     num_pairs: int = 8
     min_pairs: int | None = None
     power_a: float = 0.01
@@ -109,7 +131,7 @@ class TaskConfig:
             raise ValueError(f"task.name: expected one of {TASK_NAMES}, got {self.name!r}")
         if self.seq_len < 2:
             raise ValueError(f"task.seq_len: expected an int >= 2, got {self.seq_len}")
-        if self.name != "bytes" and self.vocab_size < 4:
+        if self.name not in ("bytes", *STATE_TASKS) and self.vocab_size < 4:
             raise ValueError(f"task.vocab_size: expected an int >= 4, got {self.vocab_size}")
         if self.name == "mqar":
             if self.num_pairs < 1 or 4 * self.num_pairs > self.seq_len:
@@ -140,13 +162,25 @@ class TaskConfig:
             raise ValueError(f"task.bos: expected False unless name is 'bytes', got {self.bos!r}")
         if self.name == "bytes" and not 0 < self.val_percent < 100:
             raise ValueError(f"task.val_percent: expected 1..99, got {self.val_percent}")
+        m = self.modulus
+        if self.name == "modular" and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+            raise ValueError(f"task.modulus: expected an int >= 2, got {m!r}")
         if self.fingerprint is not None and not isinstance(self.fingerprint, str):
             raise ValueError(f"task.fingerprint: expected None or a str, got {self.fingerprint!r}")
 
     @property
     def vocab(self) -> int:
         """The vocabulary size the model needs."""
+        if self.name in STATE_TASKS:
+            return len(group_table(self.group))
         return BYTE_VOCAB if self.name == "bytes" else self.vocab_size
+
+    @property
+    def group(self) -> str:
+        """The group of a state-tracking task: ``"Z2"``, ``"Z<m>"``, ``"S3"`` or ``"S5"``."""
+        if self.name not in STATE_TASKS:
+            raise ValueError(f"task.name: expected one of {STATE_TASKS}, got {self.name!r}")
+        return {"parity": "Z2", "modular": f"Z{self.modulus}"}.get(self.name, self.name.upper())
 
 
 def _rng(seed: int, split: str, step: int) -> np.random.Generator:
@@ -296,6 +330,49 @@ def selective_copy_batch(
 
 
 # ----------------------------------------------------------------------------
+# State tracking: word problems of finite groups
+
+
+@functools.cache
+def group_table(group: str) -> np.ndarray:
+    """The multiplication table ``[n, n]`` of ``"Z<m>"`` or ``"S<k>"``: ``table[a, b] = a b``.
+
+    Elements are indices; 0 is the identity. ``Z<m>`` is addition mod m. The
+    elements of ``S<k>`` are the permutations of ``range(k)`` in lexicographic
+    order and ``a b`` is "a, then b": ``(a b)(i) = b(a(i))``.
+    """
+    kind, size = group[0], int(group[1:])
+    if kind == "Z":
+        return np.add.outer(np.arange(size), np.arange(size)) % size
+    perms = list(itertools.permutations(range(size)))
+    index = {p: i for i, p in enumerate(perms)}
+    table = np.zeros((math.factorial(size),) * 2, np.int64)
+    for i, a in enumerate(perms):
+        for j, b in enumerate(perms):
+            table[i, j] = index[tuple(b[a[x]] for x in range(size))]
+    return table
+
+
+def state_batch(rng: np.random.Generator, batch: int, *, seq_len: int, group: str):
+    """The word problem of ``group``: random elements, labelled by their running products.
+
+    ``labels[:, t]`` is ``x_0 x_1 ... x_t`` (``group_table``): the state after
+    reading position t, scored at every position.
+
+    Returns:
+      ``dict(tokens [B,T], labels [B,T], weights [B,T])``.
+    """
+    table = group_table(group)
+    tokens = rng.integers(0, len(table), size=(batch, seq_len))
+    labels = np.empty_like(tokens)
+    state = np.zeros(batch, np.int64)  # the identity
+    for t in range(seq_len):
+        state = table[state, tokens[:, t]]
+        labels[:, t] = state
+    return _batch(tokens, labels)
+
+
+# ----------------------------------------------------------------------------
 # Byte-level language modelling (the corpus is read by train.corpus)
 
 
@@ -376,6 +453,8 @@ class Task:
             )
         if c.name == "induction":
             return induction_batch(rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size)
+        if c.name in STATE_TASKS:
+            return state_batch(rng, batch_size, seq_len=c.seq_len, group=c.group)
         if c.name == "selective_copy":
             return selective_copy_batch(
                 rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_copy=c.num_copy

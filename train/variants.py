@@ -117,6 +117,19 @@ for _name, _description, _layers in (
     ("deltanet", "the delta rule (DeltaNet), q/k/v short convs", "deltanet"),
     ("gated_deltanet", "the delta rule with a decay per head", "gated_deltanet"),
     ("kda", "the delta rule with a decay per key channel (KDA)", "kda"),
+    ("mamba2", "Mamba-2 (SSD, its own conv over x, B, C)", "mamba2"),
+    # The hybrid in the sense of Mamba-2's paper and its successors: Mamba layers
+    # with a few attention layers among them (here the last).
+    (
+        "mamba2_hybrid",
+        "Mamba-2 layers, softmax in the last",
+        lambda L: ("mamba2",) * (L - 1) + ("mha",),
+    ),
+    (
+        "gated_deltaproduct",
+        "two delta-rule steps per token, beta in (0, 2)",
+        "gated_deltaproduct",
+    ),
 ):
     register_variant(_name, _layers, description=_description)
 
@@ -130,7 +143,7 @@ class CompareConfig:
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
       variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
         local_global, linear, linear_decay, linear_gated, hybrid, based, deltanet,
-        gated_deltanet, kda, and any
+        gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, and any
         added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.

@@ -10,6 +10,9 @@
 - ``recall_frontier``: MQAR accuracy against decode-state size for every family
   (Zoology's recall-memory trade-off), with its own flags (``--scale``, ``--only``,
   ``--jobs``, ``--dry-run``).
+- ``state_tracking``: parity, addition mod m, S3 and S5 at 1x, 2x and 4x the training
+  length, for MHA, linear attention, Mamba-2 and the delta rule with and without
+  negative eigenvalues, DeltaProduct and a hybrid (two rows: claims 16 and 17).
 
 Run one with ``python -m analysis.experiments.<name> [--quick] [--out DIR]``. Each
 module has ``NAME``, ``run(config, out_dir) -> dict`` and ``main(argv) -> int``;
@@ -22,4 +25,5 @@ NAMES = (
     "head_pruning",
     "windows_global",
     "recall_frontier",
+    "state_tracking",
 )

@@ -160,6 +160,9 @@ FAMILIES: dict[str, Family] = {
         lambda f: _model(64, ("based",) * 2, based_head_dim=f),
     ),
     "gated_deltanet": Family("Gated DeltaNet", "head dim", lambda h: _gated_deltanet(h)),
+    # Mamba-2 at width 64 (4 heads of 16), its own convolution over x, B and C: the knob is
+    # the SSD state dim H, so a layer's state is heads x head dim x H.
+    "mamba2": Family("Mamba-2", "state dim", lambda h: _model(64, ("mamba2",) * 2, state_dim=h)),
     "hybrid": Family(
         "hybrid (softmax, then linear)", "width", lambda d: _model(d, ("mha_conv", "linear_conv"))
     ),
@@ -231,6 +234,7 @@ SCALES: dict[str, Scale] = {
             ("based", (4, 8, 12, 16)),
             ("gated_deltanet", (8, 16, 32, 64)),
             ("hybrid", (16, 32, 48, 64)),
+            ("mamba2", (8, 16, 32, 64)),
         ),
         vocab_size=64,
         lrs=(1e-2,),
@@ -250,6 +254,7 @@ SCALES: dict[str, Scale] = {
             ("based", (8, 16, 24, 32)),
             ("gated_deltanet", (8, 16, 32, 64)),
             ("hybrid", (64, 128, 256, 512)),
+            ("mamba2", (16, 32, 64, 128)),
         ),
         vocab_size=8192,
         lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)),
@@ -616,6 +621,12 @@ def run(scale: Scale, out: Path, *, jobs: int = 2, progress: bool = True) -> dic
     out.mkdir(parents=True, exist_ok=True)
     summaries = train_all(scale, out, jobs=jobs, progress=progress)
     rows = points(scale, summaries)
+    grid = [{**dataclasses.asdict(r), "name": r.name, "summary": summaries[r]} for r in runs(scale)]
+    return _write(scale, rows, grid, timer(), out)
+
+
+def _write(scale: Scale, rows: list[dict], grid: list[dict], runtime: float, out: Path) -> dict:
+    """results.json (points, frontier per setting, claim, runs), table.md and frontier.png."""
     frontier = {
         setting_key(s): [
             {k: r[k] for k in ("family", "knob", "state_elements", "accuracy")}
@@ -629,14 +640,44 @@ def run(scale: Scale, out: Path, *, jobs: int = 2, progress: bool = True) -> dic
         "claim": claim(scale, rows),
         "points": rows,
         "frontier": frontier,
-        "runs": [
-            {**dataclasses.asdict(r), "name": r.name, "summary": summaries[r]} for r in runs(scale)
-        ],
-        "runtime_s": timer(),
+        "runs": grid,
+        "runtime_s": runtime,
     }
     written = _common.write_results(out, results, table(scale, rows))
     plot(scale, rows, out / "frontier.png")
     return written
+
+
+def add_to(folder: Path, results: dict[str, Any]) -> dict[str, Any]:
+    """Adds the families of ``results`` (a run of some families) to the run in ``folder``.
+
+    The folder's points, runs and scale keep their other families; these
+    families' points and runs replace any it had; the frontier, the claim,
+    the table and the figure are drawn again from all of them, and the
+    runtime is the sum. Both runs must share settings, rates and seeds.
+    """
+    path = Path(folder) / _common.RESULTS_FILE
+    if not path.is_file():
+        fail("add_to", f"a folder holding a {_common.RESULTS_FILE} of this experiment", str(folder))
+    old = json.loads(path.read_text())
+
+    def scale_of(d):
+        fields = {**d, "settings": tuple(map(tuple, d["settings"]))}
+        fields["knobs"] = tuple((f, tuple(k)) for f, k in d["knobs"])
+        for key in ("steps", "lrs", "seeds"):
+            fields[key] = tuple(d[key])
+        return Scale(**fields)
+
+    base, new = scale_of(old["scale"]), scale_of(results["scale"])
+    for key in ("settings", "steps", "vocab_size", "lrs", "seeds", "batch_size"):
+        if getattr(base, key) != getattr(new, key):
+            fail("add_to", f"a run with the same {key} ({getattr(new, key)})", getattr(base, key))
+    added = dict(new.knobs)
+    knobs = tuple(k for k in base.knobs if k[0] not in added) + new.knobs
+    rows = [r for r in old["points"] if r["family"] not in added] + results["points"]
+    grid = [r for r in old["runs"] if r["family"] not in added] + results["runs"]
+    scale = dataclasses.replace(base, knobs=knobs)
+    return _write(scale, rows, grid, old["runtime_s"] + results["runtime_s"], Path(folder))
 
 
 # ----------------------------------------------------------------------------
@@ -724,6 +765,8 @@ class Args:
       dry_run: build every config and model and count parameters and state; train nothing.
       flops: with --dry-run: also count each point's FLOPs per update (slower).
       progress: show a progress bar over the runs.
+      add_to: after the run, add its families to the run in this folder (``add_to``),
+        e.g. ``--only mamba2 --add-to docs/results/recall_frontier``.
     """
 
     scale: Literal["cpu", "zoology"] = "cpu"
@@ -734,6 +777,7 @@ class Args:
     dry_run: bool = False
     flops: bool = False
     progress: bool = True
+    add_to: Path | None = None
 
 
 def main(argv=None) -> int:
@@ -763,6 +807,9 @@ def main(argv=None) -> int:
         print(f"python -m analysis.experiments.{NAME}: {e}; run it again to resume",
               file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED
+    if args.add_to is not None:
+        results = add_to(args.add_to, results)
+        out = args.add_to
     entry = results["claim"]
     print(f"{NAME}: {entry['measured']}")
     print(f"({entry['criterion']}: {'holds' if entry['holds'] else 'does not hold'})")

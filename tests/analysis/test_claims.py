@@ -151,8 +151,8 @@ def test_a_raising_check_is_an_error_row(monkeypatch):
 
 
 def test_missing_results_are_not_run(tmp_path):
-    rows = claims.collect([10, 11, 12, 13, 14, 15], results=tmp_path)
-    assert [r.number for r in rows] == [10, 11, 12, 13, 14, 15]
+    rows = claims.collect(range(10, 18), results=tmp_path)
+    assert [r.number for r in rows] == list(range(10, 18))
     for r in rows:
         assert r.holds is None
         assert r.status == "not run"
@@ -161,10 +161,14 @@ def test_missing_results_are_not_run(tmp_path):
 
 @pytest.mark.parametrize("holds", [True, False])
 def test_experiment_result_is_read_into_its_row(tmp_path, holds):
-    for number, name in claims.EXPERIMENTS.items():
-        write_json(tmp_path / name / "results.json", experiment_result(f"measured {number}", holds))
+    files = {}
+    for number, name in claims.EXPERIMENTS.items():  # state_tracking holds two rows
+        entry = experiment_result(f"measured {number}", holds)["claim"]
+        files.setdefault(name, experiment_result())[claims.CLAIM_KEYS.get(number, "claim")] = entry
+    for name, data in files.items():
+        write_json(tmp_path / name / "results.json", data)
     rows = claims.collect(sorted(claims.EXPERIMENTS), results=tmp_path)
-    assert [r.number for r in rows] == [11, 12, 13, 14, 15]
+    assert [r.number for r in rows] == [11, 12, 13, 14, 15, 16, 17]
     for r in rows:
         assert r.measured == f"measured {r.number}"
         assert r.criterion == "jumps within 100 steps"
@@ -288,13 +292,27 @@ def test_cli_exit_code_is_one_on_errors(tmp_path):
     assert data["rows"][0]["status"] == "error"
 
 
-@pytest.mark.parametrize("only", ["16", "0", "1,x", ","])
+@pytest.mark.parametrize("only", ["18", "0", "1,x", ","])
 def test_cli_rejects_bad_claim_numbers(tmp_path, only):
     with pytest.raises(ValueError, match="--only"):
         claims.main(["--only", only, "--out", str(tmp_path)])
 
 
-@pytest.mark.parametrize("name", sorted(claims.EXPERIMENTS.values()))
+def test_run_runs_an_experiment_once_for_all_its_rows(tmp_path, monkeypatch):
+    calls = []
+
+    def fake(name, out):
+        calls.append(name)
+        data = {**experiment_result("parity"), "claim_s5": experiment_result("s5")["claim"]}
+        return write_json(out / name / "results.json", data)
+
+    monkeypatch.setattr(claims, "run_experiment", fake)
+    rows = claims.collect([16, 17], run=True, out=tmp_path)
+    assert calls == ["state_tracking"]
+    assert [r.measured for r in rows] == ["parity", "s5"]
+
+
+@pytest.mark.parametrize("name", sorted(set(claims.EXPERIMENTS.values())))
 def test_run_experiment_runs_the_full_config(tmp_path, monkeypatch, name):
     """run_experiment calls the experiment's run with configs/<name>.py's full config."""
     import importlib

@@ -29,6 +29,7 @@ from analysis.experiments import (
     induction_heads,
     recall_frontier,
     sinks_streaming,
+    state_tracking,
     windows_global,
 )
 from train.cli import load_config
@@ -45,6 +46,7 @@ MODULES = {
     "head_pruning": head_pruning,
     "windows_global": windows_global,
     "recall_frontier": recall_frontier,
+    "state_tracking": state_tracking,
 }
 
 
@@ -198,6 +200,40 @@ def test_windows_global_quick(tmp_path):
         assert acc and all(0 <= a <= 1 for a in acc)
 
 
+def test_state_tracking_quick(tmp_path):
+    config = quick_config("state_tracking")
+    results = state_tracking.run(config, tmp_path)
+    check_common(results, tmp_path, "state_tracking")
+    assert set(results["claim_s5"]) == {"measured", "criterion", "holds"}
+    assert len(results["runs"]) == len(config.variants)  # one task, one rate
+    for variant, best in results["best"]["parity"].items():
+        assert variant in config.variants and best["lr"] == config.lrs[0]
+        for f in config.factors:
+            assert 0 <= best["accuracy"][str(f)] <= 1
+            assert len(best["per_position"][str(f)]) == config.train_len * f
+    assert "parity at 2x the training length" in results["claim"]["measured"]
+
+
+def test_state_tracking_claims_read_the_table():
+    """The claims' rules on hand-made accuracies: parity needs both pairs, S5 only products."""
+    config = state_tracking.Config(factors=(1, 2))
+
+    def table(task, accs):
+        return {task: {v: {"accuracy": {"1": a, "2": a}} for v, a in accs.items()}}
+
+    pairs = {"mamba2": 0.5, "mamba2_negative": 1.0, "gated_deltanet": 0.6}
+    parity = state_tracking.parity_claim
+    assert parity(config, table("parity", {**pairs, "gated_deltanet_negative": 0.95}))["holds"]
+    assert not parity(config, table("parity", {**pairs, "gated_deltanet_negative": 0.7}))["holds"]
+    s5 = state_tracking.s5_claim
+    assert s5(config, table("s5", {"deltaproduct3": 0.95, "mha": 0.1}))["holds"]
+    assert not s5(config, table("s5", {"deltaproduct3": 0.95, "mamba2": 0.92}))["holds"]
+    none = s5(config, table("s5", {"deltaproduct3": 0.2, "mha": 0.1}))
+    assert not none["holds"] and "deltaproduct3 0.20, mha 0.10" in none["measured"]
+    with pytest.raises(ValueError, match=r"^variants: expected"):
+        state_tracking.Config(variants=("mamba3",))
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_command_line_parses(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -240,18 +276,58 @@ def test_recall_frontier_quick(tmp_path, capsys):
     assert {r["name"]: r["summary"] for r in again["runs"]} == summaries
 
 
+def _frontier_rows(scale, families):
+    """Hand-made points of ``families`` (name -> knob) at every setting of ``scale``."""
+    return [
+        {"setting": list(setting), "family": f, "knob": k, "params": 1000, "state_elements": 64 * k,
+         "state_bytes": 256 * k, "best_lr": scale.lrs[0], "accuracy": 0.5 + k / 100,
+         "seed_accuracies": [0.5 + k / 100], "steps": [6], "accuracy_by_lr": {}}
+        for setting in scale.settings for f, k in families.items()
+    ]  # fmt: skip
+
+
+def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
+    """``--add-to``: a run of some families joins a committed run; refuses another grid."""
+    quick = recall_frontier.SCALES["quick"]
+    old_rows = _frontier_rows(quick, {"mha": 16, "linear": 16})
+    grid = [{"family": f, "name": f} for f in ("mha", "linear")]
+    recall_frontier._write(quick, old_rows, grid, 10.0, tmp_path)
+    new_scale = dataclasses.replace(quick, knobs=(("mamba2", (8,)), ("linear", (32,))))
+    new = {
+        "scale": dataclasses.asdict(new_scale),
+        "points": _frontier_rows(new_scale, {"mamba2": 8, "linear": 32}),
+        "runs": [{"family": "mamba2", "name": "m"}, {"family": "linear", "name": "l2"}],
+        "runtime_s": 5.0,
+    }
+    merged = recall_frontier.add_to(tmp_path, new)
+    assert [k for k, _ in merged["scale"]["knobs"]] == ["mha", "mamba2", "linear"]
+    assert {(p["family"], p["knob"]) for p in merged["points"]} == {
+        ("mha", 16),
+        ("mamba2", 8),
+        ("linear", 32),  # the new linear point replaced the old
+    }
+    assert [r["name"] for r in merged["runs"]] == ["mha", "m", "l2"]
+    assert merged["runtime_s"] == 15.0 and (tmp_path / "frontier.png").is_file()
+    assert json.loads((tmp_path / "results.json").read_text()) == merged
+    other = {**new, "scale": dataclasses.asdict(dataclasses.replace(new_scale, lrs=(1e-2,)))}
+    with pytest.raises(ValueError, match=r"^add_to: expected a run with the same lrs"):
+        recall_frontier.add_to(tmp_path, other)
+    with pytest.raises(ValueError, match=r"^add_to: expected a folder"):
+        recall_frontier.add_to(tmp_path / "none", new)
+
+
 def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
     result = recall_frontier.dry_run(recall_frontier.SCALES["zoology"])
     scale = recall_frontier.SCALES["zoology"]
-    assert result["runs"] == 9 * 4 * 4 * 4 == len(recall_frontier.runs(scale))
-    assert len(result["points"]) == 9 * 4 * 4
+    assert result["runs"] == 10 * 4 * 4 * 4 == len(recall_frontier.runs(scale))
+    assert len(result["points"]) == 10 * 4 * 4
     by = {(tuple(p["setting"]), p["family"], p["knob"]): p for p in result["points"]}
     # Zoology's count for a softmax layer: 2 x d x T per layer (plus the short convs' W-1
     # inputs of width d, which Zoology's count leaves out).
     mha = by[((64, 4), "mha", 64)]
     assert mha["state_elements"] == 2 * (2 * 64 * 64 + 3 * 64)
     # Fixed states do not grow with T; caches do.
-    for family, knob in (("linear", 16), ("gated_deltanet", 32), ("window", 32)):
+    for family, knob in (("linear", 16), ("gated_deltanet", 32), ("window", 32), ("mamba2", 32)):
         assert (
             by[((64, 4), family, knob)]["state_elements"]
             == by[((512, 64), family, knob)]["state_elements"]

@@ -1,9 +1,11 @@
 """Invariants of the task batches: what is labelled, with what, and determinism."""
 
+import itertools
+
 import numpy as np
 import pytest
 
-from train.tasks import BOS, IGNORE, TaskConfig, load_corpus, make_task
+from train.tasks import BOS, IGNORE, TaskConfig, group_table, load_corpus, make_task
 
 MQAR = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8)
 
@@ -154,7 +156,51 @@ def test_default_corpus_is_the_standard_library():
     assert "site-packages" not in corpus.source
 
 
+@pytest.mark.parametrize("group", ["Z2", "Z5", "S3", "S5"])
+def test_group_tables_are_groups(group):
+    """Identity 0, every element has an inverse, associativity (every triple of S3, and a
+    sample of S5's); S_k composes permutations "a, then b"."""
+    t = group_table(group)
+    n = len(t)
+    assert n == {"Z2": 2, "Z5": 5, "S3": 6, "S5": 120}[group]
+    np.testing.assert_array_equal(t[0], np.arange(n))
+    np.testing.assert_array_equal(t[:, 0], np.arange(n))
+    assert all(sorted(row) == list(range(n)) for row in t)  # a Latin square: inverses exist
+    a, b, c = np.random.default_rng(0).integers(0, n, (3, 2000))
+    np.testing.assert_array_equal(t[t[a, b], c], t[a, t[b, c]])
+    if group[0] == "S":
+        perms = list(itertools.permutations(range(int(group[1:]))))
+        x, y = perms[5], perms[-2]
+        composed = tuple(y[x[i]] for i in range(len(x)))
+        assert perms[t[5, n - 2]] == composed
+        assert (t != t.T).any()  # not abelian
+
+
+@pytest.mark.parametrize("name", ["parity", "modular", "s3", "s5"])
+def test_state_tasks_label_the_running_product(name):
+    config = TaskConfig(name=name, seq_len=12, modulus=3)
+    batch = make_task(config).batch(0, "train", 0, 16)
+    tokens, labels = batch["tokens"], batch["labels"]
+    assert config.vocab == {"parity": 2, "modular": 3, "s3": 6, "s5": 120}[name]
+    assert tokens.max() < config.vocab and (batch["weights"] == 1).all()
+    if name in ("parity", "modular"):  # running sums mod m, written directly
+        m = 2 if name == "parity" else 3
+        np.testing.assert_array_equal(labels, np.cumsum(tokens, axis=1) % m)
+    else:  # permutations composed one by one, written directly
+        k = int(name[1:])
+        perms = list(itertools.permutations(range(k)))
+        for row, want in zip(tokens, labels, strict=True):
+            state = tuple(range(k))
+            for x, label in zip(row, want, strict=True):
+                state = tuple(perms[x][state[i]] for i in range(k))
+                assert perms[label] == state
+
+
 def test_bad_configs_name_the_field():
+    with pytest.raises(ValueError, match=r"task\.modulus"):
+        TaskConfig(name="modular", modulus=1)
+    with pytest.raises(ValueError, match=r"task\.name"):
+        _ = TaskConfig(name="mqar").group
     with pytest.raises(ValueError, match="num_pairs"):
         TaskConfig(name="mqar", seq_len=32, num_pairs=9)
     with pytest.raises(ValueError, match=r"task\.name"):

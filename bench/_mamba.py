@@ -1,0 +1,320 @@
+"""Mamba-2's SSD in ``bench/linear.py --family mamba2``.
+
+At B=1, N=8 heads of dim E=64, state dim H=64, one group of B and C, float32,
+chunks of 64:
+
+1. Forward and forward + backward time against T (1K to 16K) of ``attn.ssd``'s
+   chunkwise, recurrent and quadratic forms (the quadratic one while its
+   ``[T, T]`` matrices fit), beside gated linear attention's chunkwise form at
+   the same shapes (``attn.linear_attention``: identity features, no
+   normalizer, one gate per head): SSD is that form (the state-space duality),
+   plus the ``dt`` scaling and the ``D`` skip, so the two should be close.
+2. Forward + backward temporary memory of the compiled programs.
+3. Decode: ``ssd_step`` tokens per second (64 steps per call).
+4. Float32 against a float64 recurrence of the paper's equations at T = 1000,
+   decays in (0, 1] and in (-1, 1].
+5. Achieved FLOP/s beside the machine's jitted float32 matmul rate.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attn.linear import linear_attention, ssd, ssd_step
+from bench._delta import compiled_stats, matmul_rate
+
+LENGTHS = (1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (1024, 2048)
+ORACLE_T = 1000
+QUADRATIC_MAX_T = 4096  # [N, T, T] float32 matrices, forward and backward: 512 MiB at 4K
+STATE_DIM = 64
+
+METHODS = ("ssd chunkwise", "ssd recurrent", "ssd quadratic", "gla chunkwise")
+
+
+def ssd_inputs(B, T, N, E, H, seed=0):
+    """x ``[B,T,N,E]``, dt ``[B,T,N]``, A ``[N]``, B and C ``[B,T,1,H]``, D ``[N]``."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, T, N, E)).astype(np.float32)
+    dt = np.log1p(np.exp(rng.standard_normal((B, T, N)) - 3)).astype(np.float32)  # softplus
+    A = -rng.uniform(1.0, 16.0, (N,)).astype(np.float32)
+    b, c = (rng.standard_normal((B, T, 1, H)).astype(np.float32) / np.sqrt(H) for _ in range(2))
+    D = np.ones((N,), np.float32)
+    return tuple(jnp.asarray(a) for a in (x, dt, A, b, c, D))
+
+
+def method_fn(name: str, chunk_size: int):
+    """``fn(x, dt, A, B, C, D) -> y`` for one method."""
+    family, form = name.split()
+    if family == "ssd":
+        return partial(_ssd, form=form, chunk_size=chunk_size)
+
+    def gla(x, dt, A, b, c, D):  # the same state and matmuls, per-head q and k
+        N = x.shape[2]
+        q, k = (jnp.broadcast_to(m, (*m.shape[:2], N, m.shape[-1])) for m in (c, b))
+        return linear_attention(
+            q, k, x, feature_map="identity", normalize=False, log_gates=dt * A,
+            form=form, chunk_size=chunk_size, scale=1.0,
+        )  # fmt: skip
+
+    return gla
+
+
+def _ssd(x, dt, A, b, c, D, form, chunk_size):
+    return ssd(x, dt, A, b, c, D=D, form=form, chunk_size=chunk_size)
+
+
+def fwd_bwd(fn):
+    """Gradients of ``sum(y^2)`` with respect to x, dt, A, B, C and D."""
+    return jax.grad(lambda *xs: jnp.sum(fn(*xs) ** 2), argnums=tuple(range(6)))
+
+
+def vs_length(cfg, lengths, best_times, skip_reason) -> dict:
+    out = {"forward": {}, "forward_backward": {}, "temp_bytes": {}, "flops": {}, "skipped": {}}
+    for kind in out:
+        for name in METHODS:
+            out[kind][name] = {}
+    for T in lengths:
+        args = ssd_inputs(cfg.batch, T, cfg.heads, cfg.head_dim, STATE_DIM)
+        for kind, wrap in (("forward", lambda f: f), ("forward_backward", fwd_bwd)):
+            jobs = {}
+            for name in METHODS:
+                why = skip_reason(name, kind, T, out[kind][name])
+                if why is None and "quadratic" in name and T > QUADRATIC_MAX_T:
+                    why = f"T > {QUADRATIC_MAX_T}: [N, T, T] matrices"
+                if why:
+                    out["skipped"][name][f"{kind} {T}"] = why
+                    out[kind][name][T] = None
+                    print(f"  {name:>16} {kind:>16} T={T:>6}: skipped ({why})", flush=True)
+                    continue
+                compiled = jax.jit(wrap(method_fn(name, cfg.chunk_size))).lower(*args).compile()
+                jobs[name] = (compiled, args)
+                if kind == "forward_backward":
+                    stats = compiled_stats(compiled)
+                    out["temp_bytes"][name][T] = stats["temp_bytes"]
+                    out["flops"][name][T] = stats["flops"]
+            for name, seconds in best_times(jobs, cfg.repeats).items():
+                out[kind][name][T] = seconds
+                print(f"  {name:>16} {kind:>16} T={T:>6}: {seconds * 1e3:9.2f} ms", flush=True)
+    return out
+
+
+def decode_rate(cfg, best_times) -> float:
+    """``ssd_step`` tokens per second (``decode_steps`` steps per call)."""
+    B, N, E, steps = cfg.batch, cfg.heads, cfg.head_dim, cfg.decode_steps
+    x, dt, A, b, c, D = ssd_inputs(steps, B, N, E, STATE_DIM, seed=3)  # [steps, B, ...]
+    state = jnp.zeros((B, N, STATE_DIM, E), jnp.float32)
+
+    def decode(state, x, dt, b, c):
+        def one(h, xs):
+            y, h = ssd_step(h, xs[0], xs[1], A, xs[2], xs[3], D=D)
+            return h, y
+
+        return jax.lax.scan(one, state, (x, dt, b, c))
+
+    seconds = best_times({"ssd": (decode, (state, x, dt, b, c))}, cfg.repeats)["ssd"]
+    return steps / seconds
+
+
+def oracle_errors(T: int = ORACLE_T) -> dict:
+    """Relative errors of every form against a float64 recurrence at T, both decay ranges."""
+    B, N, E, H = 1, 4, 16, 16
+    args = ssd_inputs(B, T, N, E, H, seed=5)
+    h0 = jnp.asarray(np.random.default_rng(6).standard_normal((B, N, H, E)), jnp.float32)
+
+    def reference(x, dt, A, b, c, D, h, negative):
+        def step(h, xs):
+            x_t, dt_t, b_t, c_t = xs
+            a = jnp.exp(dt_t * A)
+            a = 2 * a - 1 if negative else a
+            h = a[..., None, None] * h + b_t[..., None] * (dt_t[..., None] * x_t)[..., None, :]
+            return h, jnp.einsum("bnh,bnhe->bne", c_t, h) + D[:, None] * x_t
+
+        bn, cn = (jnp.broadcast_to(m, (*m.shape[:2], N, H)) for m in (b, c))
+        xs = [jnp.moveaxis(a, 1, 0) for a in (x, dt, bn, cn)]
+        h, y = jax.lax.scan(step, h, xs)
+        return jnp.moveaxis(y, 0, 1), h
+
+    def rel(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    def with_grads(f):
+        def loss(*xs):
+            out = f(*xs)
+            return sum(jnp.sum(jnp.sin(y)) for y in out), out
+
+        return jax.jit(lambda *xs: jax.grad(loss, argnums=range(7), has_aux=True)(*xs)[::-1])
+
+    errors = {}
+    for negative in (False, True):
+        with jax.enable_x64(True):
+            x64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in (*args, h0)]
+            ref = partial(reference, negative=negative)
+            want, want_grads = jax.tree.map(np.asarray, with_grads(ref)(*x64))
+        for form in ("chunkwise", "recurrent", "quadratic"):
+
+            def ours(x, dt, A, b, c, D, h, form=form, negative=negative):
+                return ssd(
+                    x, dt, A, b, c, D=D, form=form, initial_state=h, return_state=True,
+                    negative_eigenvalues=negative,
+                )  # fmt: skip
+
+            got, grads = with_grads(ours)(*args, h0)
+            errors[f"{'(-1, 1]' if negative else '(0, 1]'} {form}"] = {
+                "output": rel(got[0], want[0]),
+                "state": rel(got[1], want[1]),
+                "gradients_max": max(rel(a, b) for a, b in zip(grads, want_grads, strict=True)),
+            }
+    return errors
+
+
+def run(cfg, best_times, quick: bool) -> dict:
+    started = time.perf_counter()
+    table = cfg.lengths or (QUICK_LENGTHS if quick else LENGTHS)
+    lengths = tuple(T for T in table if cfg.max_len >= T)
+
+    def skip_reason(name, kind, T, done):
+        measured = [(t, s) for t, s in done.items() if s is not None]
+        if any(s is None for s in done.values()):
+            return "a shorter length was skipped"
+        if measured:
+            last_t, last_s = max(measured)
+            grow = 2 if "quadratic" in name else 1
+            projected = last_s * (T / last_t) ** grow
+            if projected > cfg.max_seconds:
+                return f"projected {projected:.0f} s > {cfg.max_seconds:.0f} s"
+        return None
+
+    print("matmul rate:", flush=True)
+    rate = matmul_rate(best_times)
+    print(f"  {rate / 1e9:.1f} GFLOP/s", flush=True)
+    print("SSD vs T:", flush=True)
+    result = {
+        "matmul_flops_per_s": rate,
+        "lengths": vs_length(cfg, lengths, best_times, skip_reason),
+    }
+    print("decode:", flush=True)
+    result["decode_tokens_per_s"] = decode_rate(cfg, best_times)
+    print("float64 oracle:", flush=True)
+    result["oracle_T"] = min(ORACLE_T, max(lengths) + 1)
+    result["oracle"] = oracle_errors(result["oracle_T"]) if cfg.oracle else {}
+    result["targets"] = targets(result)
+    result["wall_seconds"] = time.perf_counter() - started
+    return result
+
+
+def targets(result: dict) -> dict:
+    L = result["lengths"]
+
+    def ratio(kind, a, b, T):
+        x, y = L[kind][a].get(T), L[kind][b].get(T)
+        return None if x is None or y is None else x / y
+
+    at = 4096
+    checks = {
+        "ssd_over_gla_forward_at_4k": (ratio("forward", "ssd chunkwise", "gla chunkwise", at), 1.5),
+        "ssd_over_gla_fwd_bwd_at_4k": (
+            ratio("forward_backward", "ssd chunkwise", "gla chunkwise", at),
+            1.5,
+        ),
+        "oracle_output_and_state_error": (
+            max((max(e["output"], e["state"]) for e in result["oracle"].values()), default=None),
+            1e-5,
+        ),
+        "oracle_gradient_error": (
+            max((e["gradients_max"] for e in result["oracle"].values()), default=None),
+            1e-4,
+        ),
+    }
+    return {
+        name: {"value": v, "target": f"<= {bound:g}", "met": None if v is None else v <= bound}
+        for name, (v, bound) in checks.items()
+    }
+
+
+def markdown(result: dict) -> str:
+    cfg, env, d = result["config"], result["env"], result["mamba2"]
+    L = d["lengths"]
+    rate = d["matmul_flops_per_s"]
+    lines = [
+        f"# Mamba-2's SSD ({env['devices']}, jax {env['jax']})",
+        "",
+        f"B={cfg['batch']}, N={cfg['heads']} heads of E={cfg['head_dim']}, state H={STATE_DIM}, "
+        f"one group, float32, chunk {cfg['chunk_size']}; best of at least {cfg['repeats']} runs "
+        f"after warm-up. {env['cpu_count']} CPU cores; load average "
+        f"{env['load_average_at_start'][0]:.1f} at start, {env['load_average_at_end'][0]:.1f} at "
+        f"end. Jitted float32 matmul: {rate / 1e9:.1f} GFLOP/s.",
+    ]
+    for kind, title in (("forward", "Forward"), ("forward_backward", "Forward + backward")):
+        lines += ["", f"{title}, ms:", "", "| T | " + " | ".join(METHODS) + " | ssd / gla |"]
+        lines.append("|---:|" + "---:|" * (len(METHODS) + 1))
+        for T in sorted({T for by in L[kind].values() for T in by}):
+            cells = [L[kind][n].get(T) for n in METHODS]
+            shown = ["skipped" if s is None else f"{s * 1e3:.1f}" for s in cells]
+            a, b = L[kind]["ssd chunkwise"].get(T), L[kind]["gla chunkwise"].get(T)
+            ratio = "-" if a is None or b is None else f"{a / b:.2f}x"
+            lines.append(f"| {T} | " + " | ".join(shown) + f" | {ratio} |")
+    lines += [
+        "",
+        "Forward + backward temporary memory (MiB) and achieved GFLOP/s (XLA's flop count "
+        "over the time; none counted inside a scan):",
+        "",
+        "| T | " + " | ".join(METHODS) + " |",
+        "|---:|" + "---:|" * len(METHODS),
+    ]
+    for T in sorted({T for by in L["temp_bytes"].values() for T in by}):
+        cells = []
+        for name in METHODS:
+            b, f, s = (L[k][name].get(T) for k in ("temp_bytes", "flops", "forward_backward"))
+            speed = "" if not f or not s or "recurrent" in name else f", {f / s / 1e9:.1f}"
+            cells.append("-" if b is None else f"{b / 2**20:.0f}{speed}")
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    lines += ["", f"Decode (`ssd_step`): {d['decode_tokens_per_s']:,.0f} tokens/s."]
+    lines += [
+        "",
+        f"Float32 against a float64 recurrence at T={d['oracle_T']} (N=4, E=H=16, an initial "
+        "state; relative norm-wise errors):",
+        "",
+        "| decay, form | output | state | worst gradient |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, e in d["oracle"].items():
+        lines.append(
+            f"| {name} | {e['output']:.1e} | {e['state']:.1e} | {e['gradients_max']:.1e} |"
+        )
+    lines += ["", "| target | value | wanted | met |", "|---|---:|---:|---|"]
+    for name, t in d["targets"].items():
+        value = "-" if t["value"] is None else f"{t['value']:.3g}"
+        lines.append(f"| {name} | {value} | {t['target']} | {t['met']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    L = result["mamba2"]["lengths"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, kind, ylabel in (
+        (axes[0], "forward", "forward time (s), lower is better"),
+        (axes[1], "forward_backward", "forward + backward time (s)"),
+    ):
+        for name, by_len in L[kind].items():
+            points = sorted((T, s) for T, s in by_len.items() if s is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        ax.set(yscale="log", xlabel="T (tokens)", ylabel=ylabel)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
