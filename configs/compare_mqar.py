@@ -63,7 +63,10 @@ from train.variants import CompareConfig
 # The current eight, the Based-style preset (Taylor linear attention plus a
 # sliding window, both with short convolutions; Arora et al. 2024) and Gated
 # DeltaNet (the delta rule with a decay per head; Yang, Kautz and Hatamizadeh 2025);
-# DeltaNet and KDA are one flag away (--variants ... deltanet kda).
+# DeltaNet and KDA are one flag away (--variants ... deltanet kda), and so are Mamba-2
+# and its hybrid (--variants ... mamba2 mamba2_hybrid): their 4 runs take 1 min 40 s
+# (docs/results/compare_mqar/mamba2-variants.md: Mamba-2 0.866, the hybrid 0.996),
+# which the default's 8 minutes, already exceeded on a slow day, cannot hold.
 VARIANTS = (
     "mha",
     "gqa",
