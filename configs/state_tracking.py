@@ -19,7 +19,7 @@ def get_config(quick: bool = False) -> Config:
     if quick:
         return Config(
             tasks=("parity",),
-            variants=("mha", "mamba2_negative"),
+            variants=("mamba2", "mamba2_negative"),
             lrs=(1e-2,),
             train_len=8,
             factors=(1, 2),
