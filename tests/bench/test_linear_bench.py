@@ -47,14 +47,14 @@ def test_a_tiny_delta_run_writes_the_report(bench, tmp_path):
 
 
 def test_a_tiny_mamba2_run_writes_the_report(bench, tmp_path):
-    """Mamba-2's family (bench/_mamba.py): its three forms and gated linear attention, timed,
-    with the float64 oracle at T = 65 (one past the longest length)."""
-    cfg = bench.Config(**TINY, family="mamba2", out_dir=str(tmp_path))
+    """Mamba-2's family (bench/_mamba.py): its three forms and gated linear attention, timed
+    (the float64 oracle is tests/attn/linear/test_mamba.py's, not rerun here)."""
+    cfg = bench.Config(**TINY, family="mamba2", oracle=False, out_dir=str(tmp_path))
     mamba = bench.main(cfg)["mamba2"]
     fb = mamba["lengths"]["forward_backward"]
     assert set(fb) == {"ssd chunkwise", "ssd recurrent", "ssd quadratic", "gla chunkwise"}
     assert all(s[64] > 0 for s in fb.values())
-    assert mamba["oracle_T"] == 65 and len(mamba["oracle"]) == 6
-    assert mamba["targets"]["oracle_gradient_error"]["met"] is True
+    assert mamba["oracle"] == {} and mamba["targets"]["oracle_gradient_error"]["met"] is None
+    assert mamba["targets"]["ssd_over_gla_fwd_bwd_at_4k"]["value"] is None  # not measured
     assert mamba["decode_tokens_per_s"] > 0
     assert (tmp_path / "mamba2-cpu-quick.md").read_text().startswith("# Mamba-2")
