@@ -205,21 +205,28 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
     return errors
 
 
+def projected_skip(done: dict, T: int, max_seconds: float, exponent: int = 1) -> str | None:
+    """Why a method is not timed at T (None: it is), from its times at shorter lengths
+    ``done {T: seconds or None}``: a shorter length was skipped, or the time projected
+    as ``T ** exponent`` exceeds ``max_seconds``."""
+    measured = [(t, s) for t, s in done.items() if s is not None]
+    if any(s is None for s in done.values()):
+        return "a shorter length was skipped"
+    if measured:
+        last_t, last_s = max(measured)
+        projected = last_s * (T / last_t) ** exponent
+        if projected > max_seconds:
+            return f"projected {projected:.0f} s > {max_seconds:.0f} s"
+    return None
+
+
 def run(cfg, best_times, quick: bool) -> dict:
     started = time.perf_counter()
     table = cfg.lengths or (QUICK_LENGTHS if quick else LENGTHS)
     lengths = tuple(T for T in table if cfg.max_len >= T)
 
     def skip_reason(name, kind, T, done):
-        measured = [(t, s) for t, s in done.items() if s is not None]
-        if any(s is None for s in done.values()):
-            return "a shorter length was skipped"
-        if measured:
-            last_t, last_s = max(measured)
-            projected = last_s * T / last_t
-            if projected > cfg.max_seconds:
-                return f"projected {projected:.0f} s > {cfg.max_seconds:.0f} s"
-        return None
+        return projected_skip(done, T, cfg.max_seconds)
 
     print("matmul rate:", flush=True)
     rate = matmul_rate(best_times)
@@ -348,35 +355,45 @@ def markdown(result: dict) -> str:
         "| case | output | state | worst gradient |",
         "|---|---:|---:|---:|",
     ]
-    for name, e in d["oracle"].items():
-        lines.append(
-            f"| {name} | {e['output']:.1e} | {e['state']:.1e} | {e['gradients_max']:.1e} |"
-        )
+    return "\n".join(lines + oracle_and_target_lines(d)) + "\n"
+
+
+def oracle_and_target_lines(d: dict) -> list[str]:
+    """The rows of the oracle table (under its header) and the targets' table."""
+    lines = [
+        f"| {name} | {e['output']:.1e} | {e['state']:.1e} | {e['gradients_max']:.1e} |"
+        for name, e in d["oracle"].items()
+    ]
     lines += ["", "| target | value | wanted | met |", "|---|---:|---:|---|"]
     for name, t in d["targets"].items():
         value = "-" if t["value"] is None else f"{t['value']:.3g}"
         lines.append(f"| {name} | {value} | {t['target']} | {t['met']} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def plot(result: dict, path) -> None:
+    kinds = (
+        ("forward", "forward time (s)"),
+        ("forward_backward", "forward + backward time (s)"),
+        ("temp_bytes", "forward + backward temp memory (bytes)"),
+    )
+    plot_lengths(result["delta"]["lengths"], kinds, path)
+
+
+def plot_lengths(L: dict, kinds, path) -> None:
+    """One log-log panel per ``(kind, ylabel)`` of ``L[kind][method][T]``, a line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    L = result["delta"]["lengths"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for ax, kind, ylabel in (
-        (axes[0], "forward", "forward time (s)"),
-        (axes[1], "forward_backward", "forward + backward time (s)"),
-        (axes[2], "temp_bytes", "forward + backward temp memory (bytes)"),
-    ):
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.4 * len(kinds), 4.5))
+    for ax, (kind, ylabel) in zip(axes, kinds, strict=True):
         for name, by_len in L[kind].items():
             points = sorted((T, s) for T, s in by_len.items() if s is not None)
             if points:
                 ax.plot(*zip(*points, strict=True), marker="o", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel=ylabel)
+        ax.set(yscale="log", xlabel="T (tokens)", ylabel=ylabel)
         ax.set_xscale("log", base=2)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)

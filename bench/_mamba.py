@@ -26,7 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn.linear import linear_attention, ssd, ssd_step
-from bench._delta import compiled_stats, matmul_rate
+from bench._delta import (
+    compiled_stats,
+    matmul_rate,
+    oracle_and_target_lines,
+    plot_lengths,
+    projected_skip,
+)
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
@@ -180,16 +186,8 @@ def run(cfg, best_times, quick: bool) -> dict:
     lengths = tuple(T for T in table if cfg.max_len >= T)
 
     def skip_reason(name, kind, T, done):
-        measured = [(t, s) for t, s in done.items() if s is not None]
-        if any(s is None for s in done.values()):
-            return "a shorter length was skipped"
-        if measured:
-            last_t, last_s = max(measured)
-            grow = 2 if "quadratic" in name else 1
-            projected = last_s * (T / last_t) ** grow
-            if projected > cfg.max_seconds:
-                return f"projected {projected:.0f} s > {cfg.max_seconds:.0f} s"
-        return None
+        exponent = 2 if "quadratic" in name else 1
+        return projected_skip(done, T, cfg.max_seconds, exponent)
 
     print("matmul rate:", flush=True)
     rate = matmul_rate(best_times)
@@ -284,37 +282,12 @@ def markdown(result: dict) -> str:
         "| decay, form | output | state | worst gradient |",
         "|---|---:|---:|---:|",
     ]
-    for name, e in d["oracle"].items():
-        lines.append(
-            f"| {name} | {e['output']:.1e} | {e['state']:.1e} | {e['gradients_max']:.1e} |"
-        )
-    lines += ["", "| target | value | wanted | met |", "|---|---:|---:|---|"]
-    for name, t in d["targets"].items():
-        value = "-" if t["value"] is None else f"{t['value']:.3g}"
-        lines.append(f"| {name} | {value} | {t['target']} | {t['met']} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + oracle_and_target_lines(d)) + "\n"
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    L = result["mamba2"]["lengths"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, kind, ylabel in (
-        (axes[0], "forward", "forward time (s), lower is better"),
-        (axes[1], "forward_backward", "forward + backward time (s)"),
-    ):
-        for name, by_len in L[kind].items():
-            points = sorted((T, s) for T, s in by_len.items() if s is not None)
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=name)
-        ax.set(yscale="log", xlabel="T (tokens)", ylabel=ylabel)
-        ax.set_xscale("log", base=2)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    kinds = (
+        ("forward", "forward time (s), lower is better"),
+        ("forward_backward", "forward + backward time (s)"),
+    )
+    plot_lengths(result["mamba2"]["lengths"], kinds, path)
