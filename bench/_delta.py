@@ -20,6 +20,7 @@ At B=1, N=8 heads, H=E=64, float32, chunks of 64, unit-norm q and k:
 
 from __future__ import annotations
 
+import sys
 import time
 from functools import partial
 
@@ -220,31 +221,44 @@ def projected_skip(done: dict, T: int, max_seconds: float, exponent: int = 1) ->
     return None
 
 
-def run(cfg, best_times, quick: bool) -> dict:
+def run(cfg, best_times, quick: bool, family=None) -> dict:
+    """The family's measurements in one order: matmul rate, times against T, decode, oracle.
+
+    ``family`` is the module holding the family's ``LENGTHS``, ``QUICK_LENGTHS``,
+    ``ORACLE_T``, ``vs_length``, ``decode_rate``, ``oracle_errors``, ``targets``
+    and ``skip_exponent(name)``; None: this one (the delta rule).
+    """
+    f = sys.modules[__name__] if family is None else family
     started = time.perf_counter()
-    table = cfg.lengths or (QUICK_LENGTHS if quick else LENGTHS)
+    table = cfg.lengths or (f.QUICK_LENGTHS if quick else f.LENGTHS)
     lengths = tuple(T for T in table if cfg.max_len >= T)
 
     def skip_reason(name, kind, T, done):
-        return projected_skip(done, T, cfg.max_seconds)
+        return projected_skip(done, T, cfg.max_seconds, f.skip_exponent(name))
 
     print("matmul rate:", flush=True)
     rate = matmul_rate(best_times)
     print(f"  {rate / 1e9:.1f} GFLOP/s", flush=True)
-    print("delta rule vs T:", flush=True)
+    print("times against T:", flush=True)
     result = {
         "matmul_flops_per_s": rate,
-        "lengths": vs_length(cfg, lengths, best_times, skip_reason),
+        "lengths": f.vs_length(cfg, lengths, best_times, skip_reason),
     }
     print("decode:", flush=True)
-    result["decode_tokens_per_s"] = decode_rate(cfg, best_times)
+    result["decode_tokens_per_s"] = f.decode_rate(cfg, best_times)
     print("float64 oracle:", flush=True)
     # At most ORACLE_T; one past the longest length for a short sweep.
-    result["oracle_T"] = min(ORACLE_T, max(lengths) + 1)
-    result["oracle"] = oracle_errors(result["oracle_T"]) if cfg.oracle else {}
-    result["targets"] = targets(result)
+    result["oracle_T"] = min(f.ORACLE_T, max(lengths) + 1)
+    result["oracle"] = f.oracle_errors(result["oracle_T"]) if cfg.oracle else {}
+    result["targets"] = f.targets(result)
     result["wall_seconds"] = time.perf_counter() - started
     return result
+
+
+def skip_exponent(name: str) -> int:
+    """How a method's time grows with T (every delta-rule form is linear)."""
+    del name
+    return 1
 
 
 def targets(result: dict) -> dict:

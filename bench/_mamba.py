@@ -18,7 +18,7 @@ chunks of 64:
 
 from __future__ import annotations
 
-import time
+import sys
 from functools import partial
 
 import jax
@@ -26,13 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn.linear import linear_attention, ssd, ssd_step
-from bench._delta import (
-    compiled_stats,
-    matmul_rate,
-    oracle_and_target_lines,
-    plot_lengths,
-    projected_skip,
-)
+from bench import _delta
+from bench._delta import compiled_stats, oracle_and_target_lines, plot_lengths
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
@@ -180,31 +175,14 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
     return errors
 
 
+def skip_exponent(name: str) -> int:
+    """How a method's time grows with T: the quadratic form's as T^2, the others' as T."""
+    return 2 if "quadratic" in name else 1
+
+
 def run(cfg, best_times, quick: bool) -> dict:
-    started = time.perf_counter()
-    table = cfg.lengths or (QUICK_LENGTHS if quick else LENGTHS)
-    lengths = tuple(T for T in table if cfg.max_len >= T)
-
-    def skip_reason(name, kind, T, done):
-        exponent = 2 if "quadratic" in name else 1
-        return projected_skip(done, T, cfg.max_seconds, exponent)
-
-    print("matmul rate:", flush=True)
-    rate = matmul_rate(best_times)
-    print(f"  {rate / 1e9:.1f} GFLOP/s", flush=True)
-    print("SSD vs T:", flush=True)
-    result = {
-        "matmul_flops_per_s": rate,
-        "lengths": vs_length(cfg, lengths, best_times, skip_reason),
-    }
-    print("decode:", flush=True)
-    result["decode_tokens_per_s"] = decode_rate(cfg, best_times)
-    print("float64 oracle:", flush=True)
-    result["oracle_T"] = min(ORACLE_T, max(lengths) + 1)
-    result["oracle"] = oracle_errors(result["oracle_T"]) if cfg.oracle else {}
-    result["targets"] = targets(result)
-    result["wall_seconds"] = time.perf_counter() - started
-    return result
+    """``bench/_delta.py``'s measurements, of this family's methods."""
+    return _delta.run(cfg, best_times, quick, family=sys.modules[__name__])
 
 
 def targets(result: dict) -> dict:
