@@ -153,6 +153,23 @@ def decode_rate(cfg, best_times) -> dict:
     return {name: steps / seconds for name, seconds in best.items()}
 
 
+def rel(a, b) -> float:
+    """Relative norm-wise error ``||a - b|| / ||b||`` in float64."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def with_grads(f, num_args: int):
+    """``(f(*xs), d sum(sin(f(*xs))) / d xs)``, jitted: one program, one compile."""
+
+    def loss(*xs):
+        out = f(*xs)
+        return sum(jnp.sum(jnp.sin(y)) for y in out), out
+
+    grad = jax.grad(loss, argnums=range(num_args), has_aux=True)
+    return jax.jit(lambda *xs: grad(*xs)[::-1])
+
+
 def oracle_errors(T: int = ORACLE_T) -> dict:
     """Relative errors of float32 chunkwise and recurrent against a float64 recurrence at T."""
     B, N, H = 1, 4, 32
@@ -171,25 +188,12 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
         S, out = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g)])
         return jnp.moveaxis(out, 0, 1), S
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    def with_grads(f):
-        """``(f(*xs), d sum(sin(f(*xs))) / d xs)``: one program, one compile."""
-
-        def loss(*xs):
-            out = f(*xs)
-            return sum(jnp.sum(jnp.sin(y)) for y in out), out
-
-        return jax.jit(lambda *xs: jax.grad(loss, argnums=range(6), has_aux=True)(*xs)[::-1])
-
     errors = {}
     for gate, g in (("head", g_head), ("channel", g_channel)):
         args = (q, k, v, beta, g, state)
         with jax.enable_x64(True):
             x64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in args]
-            want, want_grads = jax.tree.map(np.asarray, with_grads(reference)(*x64))
+            want, want_grads = jax.tree.map(np.asarray, with_grads(reference, 6)(*x64))
         for form in ("chunkwise", "recurrent"):
 
             def ours(q, k, v, beta, g, state, form=form):
@@ -197,7 +201,7 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
                     q, k, v, beta, log_gates=g, form=form, initial_state=state, return_state=True
                 )
 
-            got, grads = with_grads(ours)(*args)
+            got, grads = with_grads(ours, 6)(*args)
             errors[f"{gate} {form}"] = {
                 "output": rel(got[0], want[0]),
                 "state": rel(got[1], want[1]),

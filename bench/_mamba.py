@@ -27,7 +27,7 @@ import numpy as np
 
 from attn.linear import linear_attention, ssd, ssd_step
 from bench import _delta
-from bench._delta import compiled_stats, oracle_and_target_lines, plot_lengths
+from bench._delta import compiled_stats, oracle_and_target_lines, plot_lengths, rel, with_grads
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
@@ -141,23 +141,12 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
         h, y = jax.lax.scan(step, h, xs)
         return jnp.moveaxis(y, 0, 1), h
 
-    def rel(a, b):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-    def with_grads(f):
-        def loss(*xs):
-            out = f(*xs)
-            return sum(jnp.sum(jnp.sin(y)) for y in out), out
-
-        return jax.jit(lambda *xs: jax.grad(loss, argnums=range(7), has_aux=True)(*xs)[::-1])
-
     errors = {}
     for negative in (False, True):
         with jax.enable_x64(True):
             x64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in (*args, h0)]
             ref = partial(reference, negative=negative)
-            want, want_grads = jax.tree.map(np.asarray, with_grads(ref)(*x64))
+            want, want_grads = jax.tree.map(np.asarray, with_grads(ref, 7)(*x64))
         for form in ("chunkwise", "recurrent", "quadratic"):
 
             def ours(x, dt, A, b, c, D, h, form=form, negative=negative):
@@ -166,7 +155,7 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
                     negative_eigenvalues=negative,
                 )  # fmt: skip
 
-            got, grads = with_grads(ours)(*args, h0)
+            got, grads = with_grads(ours, 7)(*args, h0)
             errors[f"{'(-1, 1]' if negative else '(0, 1]'} {form}"] = {
                 "output": rel(got[0], want[0]),
                 "state": rel(got[1], want[1]),
