@@ -105,22 +105,32 @@ def vs_length(cfg, lengths, best_times, skip_reason) -> dict:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"--delta-methods: expected names from {list(METHODS)}, got {unknown}")
+    args_at = partial(delta_inputs, cfg.batch, N=cfg.heads, H=cfg.head_dim)
+    fns = {name: method_fn(name, cfg.chunk_size) for name in methods}
+    return time_methods(cfg, lengths, best_times, skip_reason, fns, args_at, fwd_bwd)
+
+
+def time_methods(cfg, lengths, best_times, skip_reason, fns: dict, args_at, fwd_bwd) -> dict:
+    """Forward and forward + backward seconds, temporary memory and XLA's flops of each
+    method ``fns[name]`` at each T of ``lengths`` on ``args_at(T=T)``; ``skip_reason(name,
+    kind, T, done)`` says where not (a row of ``"skipped"``)."""
     out = {"forward": {}, "forward_backward": {}, "temp_bytes": {}, "flops": {}, "skipped": {}}
     for kind in out:
-        for name in methods:
+        for name in fns:
             out[kind][name] = {}
+    width = max(len(name) for name in fns)
     for T in lengths:
-        args = delta_inputs(cfg.batch, T, cfg.heads, cfg.head_dim)
+        args = args_at(T=T)
         for kind, wrap in (("forward", lambda f: f), ("forward_backward", fwd_bwd)):
             jobs = {}
-            for name in methods:
+            for name, fn in fns.items():
                 why = skip_reason(name, kind, T, out[kind][name])
                 if why:
                     out["skipped"][name][f"{kind} {T}"] = why
                     out[kind][name][T] = None
-                    print(f"  {name:>26} {kind:>16} T={T:>6}: skipped ({why})", flush=True)
+                    print(f"  {name:>{width}} {kind:>16} T={T:>6}: skipped ({why})", flush=True)
                     continue
-                compiled = jax.jit(wrap(method_fn(name, cfg.chunk_size))).lower(*args).compile()
+                compiled = jax.jit(wrap(fn)).lower(*args).compile()
                 jobs[name] = (compiled, args)  # compiled once: timed and analyzed
                 if kind == "forward_backward":
                     stats = compiled_stats(compiled)
@@ -128,7 +138,7 @@ def vs_length(cfg, lengths, best_times, skip_reason) -> dict:
                     out["flops"][name][T] = stats["flops"]
             for name, seconds in best_times(jobs, cfg.repeats).items():
                 out[kind][name][T] = seconds
-                print(f"  {name:>26} {kind:>16} T={T:>6}: {seconds * 1e3:9.2f} ms", flush=True)
+                print(f"  {name:>{width}} {kind:>16} T={T:>6}: {seconds * 1e3:9.2f} ms", flush=True)
     return out
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from attn.linear import linear_attention, ssd, ssd_step
 from bench import _delta
-from bench._delta import compiled_stats, oracle_and_target_lines, plot_lengths, rel, with_grads
+from bench._delta import oracle_and_target_lines, plot_lengths, rel, with_grads
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
@@ -76,33 +76,16 @@ def fwd_bwd(fn):
 
 
 def vs_length(cfg, lengths, best_times, skip_reason) -> dict:
-    out = {"forward": {}, "forward_backward": {}, "temp_bytes": {}, "flops": {}, "skipped": {}}
-    for kind in out:
-        for name in METHODS:
-            out[kind][name] = {}
-    for T in lengths:
-        args = ssd_inputs(cfg.batch, T, cfg.heads, cfg.head_dim, STATE_DIM)
-        for kind, wrap in (("forward", lambda f: f), ("forward_backward", fwd_bwd)):
-            jobs = {}
-            for name in METHODS:
-                why = skip_reason(name, kind, T, out[kind][name])
-                if why is None and "quadratic" in name and T > QUADRATIC_MAX_T:
-                    why = f"T > {QUADRATIC_MAX_T}: [N, T, T] matrices"
-                if why:
-                    out["skipped"][name][f"{kind} {T}"] = why
-                    out[kind][name][T] = None
-                    print(f"  {name:>16} {kind:>16} T={T:>6}: skipped ({why})", flush=True)
-                    continue
-                compiled = jax.jit(wrap(method_fn(name, cfg.chunk_size))).lower(*args).compile()
-                jobs[name] = (compiled, args)
-                if kind == "forward_backward":
-                    stats = compiled_stats(compiled)
-                    out["temp_bytes"][name][T] = stats["temp_bytes"]
-                    out["flops"][name][T] = stats["flops"]
-            for name, seconds in best_times(jobs, cfg.repeats).items():
-                out[kind][name][T] = seconds
-                print(f"  {name:>16} {kind:>16} T={T:>6}: {seconds * 1e3:9.2f} ms", flush=True)
-    return out
+    """Every method's times and memory against T (``bench/_delta.time_methods``)."""
+
+    def skip(name, kind, T, done):
+        if "quadratic" in name and T > QUADRATIC_MAX_T:
+            return f"T > {QUADRATIC_MAX_T}: [N, T, T] matrices"
+        return skip_reason(name, kind, T, done)
+
+    args_at = partial(ssd_inputs, cfg.batch, N=cfg.heads, E=cfg.head_dim, H=STATE_DIM)
+    fns = {name: method_fn(name, cfg.chunk_size) for name in METHODS}
+    return _delta.time_methods(cfg, lengths, best_times, skip, fns, args_at, fwd_bwd)
 
 
 def decode_rate(cfg, best_times) -> float:
