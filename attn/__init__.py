@@ -16,10 +16,12 @@ the project:
     E  value head dim, where it differs from H (MLA)
     D  model width
     C  chunk length (linear attention, blockwise blocks)
-    F  feature dim of a linear-attention feature map
+    F  feature dim of a linear-attention feature map (and of DSA's indexer)
     R  latent rank (MLA)
     L  layers
     V  vocabulary
+    M  blocks or tokens a sparse query scores or reads (attn.sparse)
+    I  indexer heads (DSA's lightning indexer)
 
 Arrays are laid out like ``jax.nn.dot_product_attention``: q ``[B,T,N,H]``,
 k ``[B,S,K,H]``, v ``[B,S,K,E]``, out ``[B,T,N,E]``. Grouped-query attention
@@ -34,6 +36,8 @@ The families, each a package whose docstring lists its pieces:
     pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
     linear/    linear attention in three forms, segments, feature maps; the delta rule
                and DeltaProduct; Mamba-2's SSD
+    sparse/    trainable sparse attention: MoBA, NSA, DSA's indexed top-k, each query
+               reading a few blocks or tokens exactly
 
 beside the pieces every family uses: ``masks`` (which keys a query sees),
 ``scores`` (how much: ALiBi, T5 buckets, FoX gates, soft-cap, for every softmax impl),
@@ -49,7 +53,7 @@ registries feature maps, and the models' layer kinds, presets and variants,
 are added to).
 """
 
-from attn import checks, linear, masks, paged, pallas, registry, ring, scores, softmax
+from attn import checks, linear, masks, paged, pallas, registry, ring, scores, softmax, sparse
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.decode import decode_attention
@@ -85,6 +89,7 @@ from attn.paged import PageTable, paged_decode_attention
 from attn.ring import ring_attention, sharded_attention
 from attn.rope import apply_rope
 from attn.softmax import CallArgs, blockwise_attention, dot_product_attention
+from attn.sparse import indexed_topk_attention, moba_attention, nsa_attention
 
 __all__ = [
     "DELTA_FORMS",
@@ -109,6 +114,7 @@ __all__ = [
     "dot_product_attention",
     "favor_projection",
     "flax_attention_fn",
+    "indexed_topk_attention",
     "init_delta_state",
     "init_linear_state",
     "init_ssd_state",
@@ -122,6 +128,8 @@ __all__ = [
     "linear_state_bytes",
     "masks",
     "merge_attention",
+    "moba_attention",
+    "nsa_attention",
     "paged",
     "paged_decode_attention",
     "pallas",
@@ -136,6 +144,7 @@ __all__ = [
     "sigmoid_attention",
     "softmax",
     "softpick_attention",
+    "sparse",
     "ssd",
     "ssd_step",
 ]

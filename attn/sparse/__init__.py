@@ -1,0 +1,26 @@
+"""Trainable sparse attention: each query reads a few blocks or tokens of the keys, exactly.
+
+Modules:
+
+* ``layout``: where a query's blocks lie among the keys (blocks by position,
+  within each segment's run of keys);
+* ``gather``: softmax attention over the key ranges each query selected, the
+  core every method ends in;
+* ``moba``: MoBA (Lu et al. 2025): ``moba_attention``, blocks chosen by the
+  query against each block's mean key.
+"""
+
+from attn.sparse.dsa import indexed_topk_attention, indexer_loss, indexer_topk, lightning_indexer
+from attn.sparse.moba import moba_attention, moba_select
+from attn.sparse.nsa import compression_windows, nsa_attention
+
+__all__ = [
+    "compression_windows",
+    "indexed_topk_attention",
+    "indexer_loss",
+    "indexer_topk",
+    "lightning_indexer",
+    "moba_attention",
+    "moba_select",
+    "nsa_attention",
+]

@@ -1,0 +1,135 @@
+"""Mixture of Block Attention (MoBA; Lu et al. 2025, Kimi).
+
+Each sequence is cut into blocks of ``block_size`` positions. A query head
+scores each block by its query against the block's mean key, reads the
+``top_k`` best blocks whole, and softmax attends over the keys it read; the
+block holding the query is always one of them (the paper forces it and masks
+it causally). The selection has no parameters and no gradient: MoBA trains
+nothing in its gate, the keys learn to be selected through the attention
+they receive.
+
+Our reading of the paper's causal rule, in terms of any mask: a block is
+scored only when the query sees every key in it (a block with a hidden key
+would leak that key into the choice through its mean); a block it sees in
+part (its own under ``causal()``, the one a window's edge cuts) and its own
+block are read first, whatever their means. Under ``causal()`` that is the
+paper's rule: earlier blocks compete, the current one is kept. With
+``top_k`` at least the number of blocks every visible key is read, and MoBA
+is dense attention under the same mask. Blocks never cross a segment: packed
+sequences choose among their own blocks only.
+
+Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
+attention ``top_k x block_size`` keys per query and head, never ``T x S``.
+"""
+
+from __future__ import annotations
+
+from typing import Unpack
+
+import jax
+import jax.numpy as jnp
+
+from attn.checks import positive_int
+from attn.masks import BlockKind
+from attn.softmax.call import CallArgs, check_call, takes_call_args
+from attn.sparse import gather, layout
+from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
+
+
+@takes_call_args
+def moba_attention(
+    q,
+    k,
+    v,
+    *,
+    block_size: int,
+    top_k: int,
+    chunk: int = DEFAULT_CHUNK,
+    return_lse: bool = False,
+    **call_args: Unpack[CallArgs],
+):
+    """MoBA: each query head attends over its ``top_k`` blocks (module docstring).
+
+    Args:
+      q: ``[B,T,N,H]``; k: ``[B,S,K,H]``; v: ``[B,S,K,E]`` (GQA: a query head scores
+        its kv head's blocks).
+      block_size: positions per block.
+      top_k: blocks read per query and head, its own block included; ``top_k``
+        at least the number of blocks reads every visible key (dense attention).
+      chunk: queries per step (memory ``chunk x`` what one query reads).
+      return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
+      **call_args: the call's (``attn.softmax.call.CallArgs``); default mask
+        ``full()`` as everywhere, so pass ``masks.causal()`` for a decoder.
+        No bias or boolean mask array (a ``ValueError``).
+
+    Returns:
+      ``out [B,T,N,E]`` (and the lse).
+    """
+    c = check_call(q, k, v, **call_args)
+    c.refuse_pairs("moba_attention")
+    layout.check_runs(c)
+    block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
+    chunk = positive_int(chunk, "chunk")
+    out, lse = _moba(c, q, k, v, block_size=block_size, top_k=top_k, chunk=chunk)
+    return (out, lse) if return_lse else out
+
+
+@gather.jit_static("block_size", "top_k", "chunk")
+def _moba(c, q, k, v, *, block_size, top_k, chunk):
+    start, stop = moba_select(c, q, k, block_size=block_size, top_k=top_k, chunk=chunk)
+    return gather.gathered_attention(c, q, k, v, start, stop, block=block_size, chunk=chunk)
+
+
+def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CHUNK):
+    """The blocks each query head reads: ``(start, stop)`` ``[B,T,N,top_k]`` key index ranges.
+
+    Not differentiated (the selection is discrete). ``stop <= start`` where a
+    query has fewer than ``top_k`` blocks to read.
+    """
+    B, T, S, N, K, G, H, _ = c.dims
+    q, k, _ = c.isolate(q, k, k)
+    runs = layout.locate(c)
+    means = jax.lax.stop_gradient(block_means(c, k, block_size))  # [B,S,K,H]
+    J = layout.max_blocks(S, block_size)
+    n = min(top_k, J)
+    C, _ = chunks(T, chunk)
+
+    def one(xs):
+        qc, pos, *rc = xs
+        runs_c = layout.Runs(*rc)
+        blk = layout.blocks(c.mask, runs_c, pos, block_size, S)
+        b = jnp.arange(B)[:, None, None]
+        mean = means[b, jnp.minimum(blk.start, S - 1)]  # [B,C,M,K,H]
+        gate = jnp.einsum(
+            "BCKGH,BCMKH->BCKGM",
+            qc.reshape(B, -1, K, G, H),
+            mean,
+            preferred_element_type=jnp.float32,
+        )
+        own = jnp.arange(J) == layout.own_block(runs_c, pos, block_size)[..., None]
+        own &= blk.kind != int(BlockKind.EMPTY)
+        forced = own | (blk.kind == int(BlockKind.PARTIAL))
+        score = jnp.where((blk.kind == int(BlockKind.FULL))[:, :, None, None], gate, -jnp.inf)
+        score = jnp.where(forced[:, :, None, None], jnp.inf, score)
+        top, j = jax.lax.top_k(jax.lax.stop_gradient(score), n)  # [B,C,K,G,n]
+        pick = lambda x: jnp.take_along_axis(x[:, :, None, None], j, axis=-1)  # noqa: E731
+        lo, hi = pick(blk.start), pick(blk.stop)
+        hi = jnp.where(top > -jnp.inf, hi, lo)
+        return lo.reshape(B, -1, N, n), hi.reshape(B, -1, N, n)
+
+    xs = (split(q, C), split(c.q_positions, C), *(split(x, C) for x in runs))
+    start, stop = jax.lax.map(one, xs)
+    return unsplit(start, T), unsplit(stop, T)
+
+
+def block_means(c, k, block_size: int):
+    """``[B,S,K,H]`` float32: each block's mean key, at the index of the block's first key
+    (other entries 0)."""
+    B, S = k.shape[:2]
+    pos = c.kv_positions
+    ids = c.kv_segment_ids if c.kv_segment_ids is not None else jnp.ones((B, S), jnp.int32)
+    first = jnp.maximum(jnp.arange(S) - pos % block_size, layout.run_starts(ids))
+    b = jnp.arange(B)[:, None]
+    sums = jnp.zeros(k.shape, jnp.float32).at[b, first].add(k.astype(jnp.float32))
+    counts = jnp.zeros((B, S), jnp.float32).at[b, first].add(1.0)
+    return sums / jnp.maximum(counts, 1.0)[..., None, None]

@@ -1,0 +1,117 @@
+"""DSA (lightning indexer + top-k tokens) and its indexer loss against naive float64 references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn import dot_product_attention, masks, scores
+from attn.sparse import indexed_topk_attention, indexer_loss, lightning_indexer
+from tests.attn.sparse import reference as ref
+from tests.util import normal, qkv, rel_err
+
+RTOL, GRAD_RTOL = 1e-5, 1e-4
+B, T, N, K, H, I, F = 2, 40, 4, 2, 8, 6, 5
+TOP_K = 7
+MASK = masks.causal()
+
+
+def inputs(seed=0):
+    seg, pos = ref.packed_rows(T, B)
+    q, k, v = (ref.with_nan_padding(x, seg) for x in qkv(seed, B=B, T=T, N=N, K=K, H=H))
+    iw = np.abs(np.asarray(normal((seed, 3), (B, T, I)))) + 0.1  # few exact ties at 0
+    index = (normal((seed, 4), (B, T, I, F)), normal((seed, 5), (B, T, F)), jnp.asarray(iw))
+    rows = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    vis = ref.visibility(MASK, pos, pos, seg, seg)
+    return (q, k, v), index, rows, vis
+
+
+def test_indexer_is_the_papers_sum():
+    _, index, _, _ = inputs()
+    assert rel_err(lightning_indexer(*index), ref.dsa_scores(*index)) <= RTOL
+
+
+def test_matches_the_naive_reference_forward_and_gradients():
+    (q, k, v), index, rows, vis = inputs()
+    reads = ref.dsa_reads(ref.dsa_scores(*index), vis, TOP_K)
+    assert 0.2 < reads.sum() / vis.sum() < 0.8
+    ct = np.random.default_rng(1).standard_normal((B, T, N, H))
+    want, want_grads = ref.float64_grads(lambda *a: ref.attend(*a, reads, **rows), (q, k, v), ct)
+
+    def fast(q, k, v):
+        return indexed_topk_attention(q, k, v, *index, top_k=TOP_K, chunk=16, mask=MASK, **rows)
+
+    out, vjp = jax.vjp(fast, *(jnp.asarray(x) for x in (q, k, v)))
+    grads = vjp(jnp.asarray(ct, jnp.float32))
+    assert np.isfinite(out).all() and rel_err(out, want) <= RTOL
+    for name, got, w in zip("qkv", grads, want_grads, strict=True):
+        assert np.isfinite(got).all() and rel_err(got, np.nan_to_num(w)) <= GRAD_RTOL, name
+
+
+def naive_loss(q, k, iq, ik, iw, reads):
+    """``KL(p || softmax(I))`` over ``reads [B,T,S]``, p the heads' summed attention (renormalized),
+    averaged over queries that read something (DeepSeek-V3.2's indexer loss)."""
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    G = N // K
+    s = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, G, axis=2)) * H**-0.5
+    s = jnp.where(reads[:, None], s, -jnp.inf)
+    p = jnp.where(reads[:, None], jax.nn.softmax(s, -1), 0.0).sum(1)
+    p = p / jnp.where(p.sum(-1, keepdims=True) > 0, p.sum(-1, keepdims=True), 1.0)
+    idx = jnp.einsum("bti,btis->bts", iw, jax.nn.relu(jnp.einsum("btif,bsf->btis", iq, ik)))
+    log_q = jax.nn.log_softmax(jnp.where(reads, idx, -jnp.inf), -1)
+    kl = jnp.where(reads, p * (jnp.log(jnp.where(reads, p, 1.0)) - log_q), 0.0).sum(-1)
+    counted = reads.any(-1)
+    return jnp.where(counted, kl, 0.0).sum() / counted.sum()
+
+
+@pytest.mark.parametrize("top_k", [None, TOP_K], ids=["dense-warmup", "sparse"])
+def test_indexer_loss_matches_the_naive_kl_and_trains_only_the_indexer(top_k):
+    (q, k, _), index, rows, vis = inputs()
+    reads = vis if top_k is None else ref.dsa_reads(ref.dsa_scores(*index), vis, top_k)
+    q, k = (np.nan_to_num(x) for x in (q, k))
+    with jax.enable_x64(True):
+        args = [jnp.asarray(x, jnp.float64) for x in (q, k, *index)]
+        want, want_grads = jax.value_and_grad(
+            lambda *a: naive_loss(*a, jnp.asarray(reads)), argnums=range(5)
+        )(*args)
+
+    def fast(*a):
+        return indexer_loss(*a, top_k=top_k, chunk=16, mask=MASK, **rows)
+
+    got, grads = jax.value_and_grad(fast, argnums=range(5))(
+        *(jnp.asarray(x) for x in (q, k, *index))
+    )
+    assert abs(float(got) - float(want)) <= RTOL * abs(float(want)) and float(got) > 0
+    assert not np.asarray(grads[0]).any() and not np.asarray(grads[1]).any()  # detached
+    for name, g, w in zip(
+        ("index_q", "index_k", "index_w"), grads[2:], want_grads[2:], strict=True
+    ):
+        assert rel_err(g, w) <= GRAD_RTOL, name
+
+
+def test_top_k_over_every_token_is_dense_attention():
+    q, k, v = qkv(3, B=B, T=T, N=N, K=K, H=H)
+    _, index, _, _ = inputs()
+    extra = dict(
+        score_mod=scores.alibi(scores.alibi_slopes(N)),
+        softcap=3.0,
+        sink_logits=np.linspace(-1, 1, N, dtype=np.float32),
+    )
+    for mask in (masks.causal(), masks.sliding_window(12), masks.full()):
+        want = dot_product_attention(q, k, v, mask=mask, **extra)
+        got = indexed_topk_attention(q, k, v, *index, top_k=T, chunk=16, mask=mask, **extra)
+        assert rel_err(got, want) <= RTOL, mask
+
+
+def test_bad_input():
+    (q, k, v), (iq, ik, iw), _, _ = inputs()
+    with pytest.raises(ValueError, match="top_k"):
+        indexed_topk_attention(q, k, v, iq, ik, iw, top_k=0)
+    with pytest.raises(ValueError, match="index_k"):
+        indexed_topk_attention(q, k, v, iq, ik[:, :5], iw, top_k=4)
+    with pytest.raises(ValueError, match="index_k/index_w"):
+        indexed_topk_attention(q, k, v, iq, ik[..., :2], iw, top_k=4)
+    with pytest.raises(ValueError, match="mask"):
+        indexer_loss(q, k, iq, ik, iw, mask=jnp.ones((T, T), bool))

@@ -1,0 +1,115 @@
+"""MoBA against its naive reference (float64, forward and gradients), coverage, bad input."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attn import dot_product_attention, masks, scores
+from attn.sparse import moba_attention
+from tests.attn.sparse import reference as ref
+from tests.util import qkv, rel_err
+
+RTOL, GRAD_RTOL = 1e-5, 1e-4
+B, T, N, K, H = 2, 40, 4, 2, 8
+
+
+def inputs(seed=0):
+    seg, pos = ref.packed_rows(T, B)
+    q, k, v = (ref.with_nan_padding(x, seg) for x in qkv(seed, B=B, T=T, N=N, K=K, H=H))
+    rows = dict(q_positions=pos, kv_positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+    return (q, k, v), rows
+
+
+@pytest.mark.parametrize(
+    ("mask", "top_k"),
+    [(masks.causal(), 3), (masks.sliding_window(12), 2)],
+    ids=["causal", "window"],
+)
+def test_matches_the_naive_reference_forward_and_gradients(mask, top_k):
+    (q, k, v), rows = inputs()
+    vis = ref.visibility(
+        mask,
+        rows["q_positions"],
+        rows["kv_positions"],
+        rows["q_segment_ids"],
+        rows["kv_segment_ids"],
+    )
+    reads = ref.moba_reads(
+        q,
+        k,
+        vis,
+        rows["q_positions"],
+        rows["q_segment_ids"],
+        rows["kv_positions"],
+        rows["kv_segment_ids"],
+        block_size=4,
+        top_k=top_k,
+    )
+    assert 0.2 < reads.sum() / (vis.sum() * N) < 0.8  # the choice matters
+    ct = np.random.default_rng(1).standard_normal((B, T, N, H))
+    want, want_grads = ref.float64_grads(lambda *a: ref.attend(*a, reads, **rows), (q, k, v), ct)
+
+    def fast(q, k, v):
+        return moba_attention(q, k, v, block_size=4, top_k=top_k, chunk=16, mask=mask, **rows)
+
+    out, vjp = jax.vjp(fast, *(jnp.asarray(x) for x in (q, k, v)))
+    grads = vjp(jnp.asarray(ct, jnp.float32))
+    real = rows["q_segment_ids"] != 0
+    assert np.isfinite(out).all() and (np.asarray(out)[~real] == 0).all()
+    assert rel_err(out, want) <= RTOL
+    for name, got, w in zip("qkv", grads, want_grads, strict=True):
+        assert np.isfinite(got).all() and (np.asarray(got)[~real] == 0).all(), name
+        assert rel_err(got, np.nan_to_num(w)) <= GRAD_RTOL, name
+
+
+MODIFIERS = {
+    "alibi": dict(score_mod=scores.alibi(scores.alibi_slopes(N))),
+    "softcap+sinks": dict(softcap=2.0, sink_logits=np.linspace(-1, 1, N, dtype=np.float32)),
+}
+
+
+@pytest.mark.parametrize("extra", MODIFIERS.values(), ids=MODIFIERS)
+def test_top_k_over_every_block_is_dense_attention(extra):
+    """The coverage identity, under the masks and with the modifiers, in float32."""
+    q, k, v = qkv(3, B=B, T=T, N=N, K=K, H=H)
+    for mask in (masks.causal(), masks.sliding_window(12) | masks.initial_tokens(3), masks.full()):
+        want = dot_product_attention(q, k, v, mask=mask, **extra)
+        got = moba_attention(q, k, v, block_size=8, top_k=6, chunk=16, mask=mask, **extra)
+        assert rel_err(got, want) <= RTOL, mask
+
+
+def test_packed_rows_choose_within_their_sequence():
+    """A packed sequence reads what it reads alone (blocks restart with it)."""
+    (q, k, v), rows = inputs(5)
+    got = moba_attention(q, k, v, block_size=4, top_k=2, mask=masks.causal(), **rows)
+    for lo, hi in ((0, 13), (13, 30), (30, 36)):
+        alone = moba_attention(
+            q[:1, lo:hi], k[:1, lo:hi], v[:1, lo:hi], block_size=4, top_k=2, mask=masks.causal()
+        )
+        assert rel_err(got[:1, lo:hi], alone) <= RTOL
+
+
+def test_bad_input():
+    q, k, v = qkv(0, B=1, T=8, N=2, H=4)
+    with pytest.raises(ValueError, match="block_size"):
+        moba_attention(q, k, v, block_size=0, top_k=2)
+    with pytest.raises(ValueError, match="top_k"):
+        moba_attention(q, k, v, block_size=4, top_k=1.5)
+    with pytest.raises(ValueError, match="bias"):
+        moba_attention(q, k, v, block_size=4, top_k=2, bias=jnp.zeros((1, 1, 8, 8)))
+    with pytest.raises(ValueError, match="kv_positions"):
+        moba_attention(
+            q,
+            k,
+            v,
+            block_size=4,
+            top_k=2,
+            q_positions=np.arange(8) * 2,
+            kv_positions=np.arange(8) * 2,
+        )
+    seg = np.array([[1, 1, 2, 2, 1, 1, 2, 2]])
+    with pytest.raises(ValueError, match="kv_segment_ids"):
+        moba_attention(q, k, v, block_size=4, top_k=2, q_segment_ids=seg, kv_segment_ids=seg)
