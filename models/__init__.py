@@ -23,10 +23,10 @@ Files, one per layer kind: ``heads.py`` (what every attention module shares:
 projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 ``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
 (``LinearAttention``), ``delta.py`` (the delta rule, DeltaProduct), ``mamba.py``
-(``Mamba2``), ``block.py`` (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the
-three models), ``taps.py`` (weights, gates, importance), ``cache.py``,
-``config.py`` / ``patterns.py`` (presets), ``generate.py`` and ``serving.py``
-(continuous batching over a paged cache: ``serve``).
+(``Mamba2``), ``sparse.py`` (MoBA, NSA, DSA), ``block.py`` (``MLP``, ``ShortConv``,
+``Block``), ``transformer.py`` (the three models), ``taps.py`` (weights, gates,
+importance), ``cache.py``, ``config.py`` / ``patterns.py`` (presets), ``generate.py``
+and ``serving.py`` (continuous batching over a paged cache: ``serve``).
 
 Extending without editing the package (``docs/extending.md``): ``register_kind``
 adds a layer kind (its module class, the config fields it reads, optionally a
@@ -42,7 +42,8 @@ Any layer may convolve its input with a short causal convolution
 
 Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
 ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
-linear-attention states, mixed freely across layers, and the short convolutions'
+the sparse kinds' full caches (DSA's with its indexer's keys), linear-attention
+states, mixed freely across layers, and the short convolutions'
 last inputs. Full caches may be paged (``init_cache(..., page_size=...)``):
 one pool of pages per layer, shared by the rows through block tables.
 """
@@ -94,6 +95,15 @@ from models.patterns import (
 )
 from models.serving import serve
 from models.softmax import CrossAttention, SelfAttention, SoftmaxConfig
+from models.sparse import (
+    DSAAttention,
+    DSAConfig,
+    IndexedCache,
+    MobaAttention,
+    MobaConfig,
+    NSAAttention,
+    NSAConfig,
+)
 from models.taps import (
     attention_modules,
     capture_weights,
@@ -115,6 +125,8 @@ __all__ = [
     "Buffer",
     "CrossAttention",
     "CrossCache",
+    "DSAAttention",
+    "DSAConfig",
     "DecodeCache",
     "Decoder",
     "DeltaAttention",
@@ -128,6 +140,7 @@ __all__ = [
     "FunctionConfig",
     "HeadGate",
     "Heads",
+    "IndexedCache",
     "KVCache",
     "LatentAttention",
     "LatentCache",
@@ -139,7 +152,11 @@ __all__ = [
     "Mamba2Cache",
     "Mamba2Config",
     "MaskedConfig",
+    "MobaAttention",
+    "MobaConfig",
     "ModelConfig",
+    "NSAAttention",
+    "NSAConfig",
     "PresetSizes",
     "SelfAttention",
     "ShortConv",

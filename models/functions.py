@@ -74,7 +74,7 @@ class FunctionAttention(SelfAttention):
         out = type(self).fn(q, k, v, **args)
         if not return_weights:
             return out
-        return out, _probed_weights(type(self).fn, q, k, args)
+        return out, probed_weights(type(self).fn, q, k, args)
 
     def _cached(self, positions, kv_pos) -> dict:
         """A cached call's arguments, with ``kv_length``: position + 1 (decoders are causal,
@@ -168,7 +168,7 @@ def _whole_lengths(args: dict, causal: bool):
     return same.sum(-1).astype(jnp.int32)
 
 
-def _probed_weights(fn, q, k, args):
+def probed_weights(fn, q, k, args):
     """Weights ``[B,N,T,S]`` of a function of the form ``w(q, k) @ v``: ``fn`` on one-hot values."""
     B, S, K = k.shape[:3]
     one_hot = jnp.broadcast_to(jnp.eye(S, dtype=q.dtype)[None, :, None], (B, S, K, S))

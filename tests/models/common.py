@@ -73,6 +73,20 @@ REGISTRY["diff_window_gqa"] = dataclasses.replace(
     REGISTRY["diff"], window=4, num_kv_heads=2, lambda_init=models.depth_lambda_init(1)
 )
 
+# Sparse attention at sizes where the selection matters within MAX_LEN = 16 tokens: MoBA's
+# 2 blocks of 4 with GQA, NSA's 2 selected blocks of 4 beside blocks of 4 compressed every 2
+# and a window of 4, DSA's 4 tokens with ALiBi and a soft-cap.
+REGISTRY["moba_small"] = dataclasses.replace(
+    REGISTRY["moba"], block_size=4, top_k=2, num_kv_heads=2
+)
+REGISTRY["nsa_small"] = dataclasses.replace(
+    REGISTRY["nsa"], compress_block=4, compress_stride=2, select_block=4, num_selected=2,
+    branch_window=4, compress_hidden=8, num_kv_heads=2,
+)  # fmt: skip
+REGISTRY["dsa_small"] = dataclasses.replace(
+    REGISTRY["dsa"], top_k=4, index_heads=2, index_dim=8, score="alibi", softcap=20.0
+)
+
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
     "mha": ("mha", "mha"),
@@ -99,6 +113,7 @@ KINDS = {
         "deltaproduct3_recurrent",
         "mha",
     ),
+    "sparse": ("moba_small", "nsa_small", "dsa_small"),
 }
 
 

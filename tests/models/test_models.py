@@ -192,6 +192,7 @@ PACKED = [
     ("scores", KINDS["scores"]),
     ("diff", KINDS["diff"]),
     ("ssm_hybrid", KINDS["ssm_hybrid"]),  # Mamba-2, DeltaProduct
+    ("sparse", KINDS["sparse"]),  # MoBA, NSA, DSA: blocks restart with each sequence
 ]
 
 

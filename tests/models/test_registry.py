@@ -43,8 +43,12 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 
 
 def test_builtin_kinds_are_registered_like_any_other():
-    want = ["delta", "diff", "linear", "mamba2", "mla", "sigmoid", "softmax", "softpick"]
+    want = ["delta", "diff", "dsa", "linear", "mamba2", "mla", "moba", "nsa", "sigmoid",
+            "softmax", "softpick"]  # fmt: skip
     assert sorted(models.KINDS) == want
+    assert (
+        models.KINDS["moba"].family == "sparse" and models.KINDS["dsa"].config is models.DSAConfig
+    )
     assert models.KINDS.origin("sigmoid") == "attn.functions.SigmoidAttention"
     assert models.KINDS["delta"].config is models.DeltaConfig
     assert models.KINDS["delta"].family == "linear"

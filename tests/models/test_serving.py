@@ -28,11 +28,12 @@ RTOL = 1e-4  # composed float32 functions
 # Every layer kind and every form of cache in one stack: full caches (GQA with soft-cap,
 # sinks and a convolution; MLA latents; FoX with its gate sums; T5 buckets), ring buffers
 # (streaming with pinned tokens; Diff over a window), a linear state and the delta rule's
-# (Gated DeltaNet in chunks, KDA step by step) and Mamba-2's (SSD state, conv inputs).
+# (Gated DeltaNet in chunks, KDA step by step) and Mamba-2's (SSD state, conv inputs), and
+# the sparse kinds (MoBA, NSA; DSA with its indexer's keys as payload).
 EVERY_KIND = (
     "gqa_softcap_sink_logits_conv", "mla_conv", "fox", "t5_gqa", "streaming_conv",
     "diff_window_gqa", "linear_decay_gated_conv", "gated_deltanet_grouped", "kda_recurrent_conv",
-    "mamba2_groups_negative",
+    "mamba2_groups_negative", "moba_small", "nsa_small", "dsa_small",
 )  # fmt: skip
 PROMPTS = (1, 6, 3, 9, 2, 5, 4, 7, 3)  # prompt lengths of the requests
 NEW = (60, 18, 45, 12, 40, 24, 50, 15, 40)  # tokens generated per request
