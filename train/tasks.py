@@ -58,6 +58,7 @@ __all__ = [
     "load_corpus",
     "make_task",
     "mqar_batch",
+    "needle_batch",
     "selective_copy_batch",
     "state_batch",
     "stdlib_corpus_path",
@@ -67,7 +68,7 @@ IGNORE = -100  # label of a position that is not scored (PyTorch's ignore_index 
 SPLITS = {"train": 0, "test": 1}  # folded into the seed: train and test never share a stream
 
 STATE_TASKS = ("parity", "modular", "s3", "s5")
-TASK_NAMES = ("mqar", "induction", "selective_copy", "bytes", *STATE_TASKS)
+TASK_NAMES = ("mqar", "needle", "induction", "selective_copy", "bytes", *STATE_TASKS)
 BYTE_VOCAB = 256
 # The bytes task's beginning-of-sequence token: NUL, which load_corpus keeps out
 # of every corpus (it skips files that hold one).
@@ -79,15 +80,16 @@ class TaskConfig:
     """Which task to train on and its sizes.
 
     Attributes:
-      name: one of ``mqar``, ``induction``, ``selective_copy``, ``bytes``, or the
-        state-tracking tasks ``parity``, ``modular``, ``s3``, ``s5``.
+      name: one of ``mqar``, ``needle``, ``induction``, ``selective_copy``, ``bytes``, or
+        the state-tracking tasks ``parity``, ``modular``, ``s3``, ``s5``.
       seq_len: T, tokens per example.
       vocab_size: V for the recall tasks (``bytes`` always uses 256, the
         state-tracking tasks their group's order).
       modulus: m of ``modular`` (addition mod m).
       num_pairs: MQAR key-value pairs per example (Zoology requires
         ``4 * num_pairs <= seq_len``: the context takes ``2n`` tokens and the
-        queries need room for ``n`` gaps of two).
+        queries need room for ``n`` gaps of two); the needles of ``needle``
+        (``3 * num_pairs <= seq_len``).
       min_pairs: MQAR: training examples hold between ``min_pairs`` and
         ``num_pairs`` pairs (uniformly), a curriculum that lets the recall
         circuit form on easy examples; test examples always hold ``num_pairs``.
@@ -111,7 +113,7 @@ class TaskConfig:
     """
 
     name: Literal[
-        "mqar", "induction", "selective_copy", "bytes", "parity", "modular", "s3", "s5"
+        "mqar", "needle", "induction", "selective_copy", "bytes", "parity", "modular", "s3", "s5"
     ] = "mqar"
     seq_len: int = 64
     vocab_size: int = 256
@@ -151,6 +153,15 @@ class TaskConfig:
                 )
             if not 0.0 < self.power_a <= 1.0:
                 raise ValueError(f"task.power_a: expected a float in (0, 1], got {self.power_a}")
+        if self.name == "needle" and not (
+            self.num_pairs >= 1
+            and 3 * self.num_pairs <= self.seq_len
+            and 4 * self.num_pairs + 4 <= self.vocab_size
+        ):
+            raise ValueError(
+                f"task.num_pairs: expected 1 <= num_pairs <= min(seq_len / 3, vocab_size / 4 - 1) "
+                f"= {min(self.seq_len // 3, self.vocab_size // 4 - 1)}, got {self.num_pairs}"
+            )
         if self.name == "induction" and self.seq_len % 2:
             raise ValueError(f"task.seq_len: induction expects an even length, got {self.seq_len}")
         if self.name == "selective_copy" and not 1 <= self.num_copy <= (self.seq_len - 1) // 2:
@@ -278,6 +289,39 @@ def mqar_batch(
         # rare, small ones do not, so such fillers become 0.
         fill[(fill[:, :, None] == keys[:, None, :]).any(-1)] = 0
         tokens = np.where(blank, fill, tokens)
+    return _batch(tokens, labels)
+
+
+def needle_batch(
+    rng: np.random.Generator, batch: int, *, seq_len: int, vocab_size: int, num_pairs: int
+) -> dict[str, np.ndarray]:
+    """Needles in a haystack: ``n`` key-value pairs anywhere in filler, queried at the end.
+
+    The first ``T - n`` tokens are filler from ``[V/2, V)`` holding the pairs
+    ``k v`` (keys from ``[1, V/4)``, values from ``[V/4, V/2)``, keys distinct) at
+    uniformly random non-overlapping places; the last ``n`` tokens are the keys
+    again in random order, each labelled with its value. Where MQAR's queries
+    mostly follow their pairs closely, a needle lies anywhere before its query,
+    so the distance to look back is spread over the whole sequence.
+
+    Returns:
+      ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)``.
+    """
+    n, T = num_pairs, seq_len
+    quarter, half = vocab_size // 4, vocab_size // 2
+    keys = 1 + _sample_without_replacement(rng, batch, quarter - 1, n)
+    values = quarter + rng.integers(0, half - quarter, size=(batch, n))
+    tokens = rng.integers(half, vocab_size, size=(batch, T))
+    # n pairs of two tokens among T - n haystack tokens: choose n of the T - 2n slots
+    # that remain when each pair counts as one, then spread them out again.
+    slots = np.sort(_sample_without_replacement(rng, batch, T - 2 * n, n), axis=1)
+    starts = slots + np.arange(n)  # the i-th pair starts after i earlier pairs' 2 tokens
+    rows = np.arange(batch)[:, None]
+    tokens[rows, starts], tokens[rows, starts + 1] = keys, values
+    order = np.argsort(rng.random((batch, n)), axis=1)
+    tokens[:, T - n :] = np.take_along_axis(keys, order, axis=1)
+    labels = np.full((batch, T), IGNORE, np.int64)
+    labels[:, T - n :] = np.take_along_axis(values, order, axis=1)
     return _batch(tokens, labels)
 
 
@@ -450,6 +494,10 @@ class Task:
                 min_pairs=c.min_pairs if split == "train" else None,
                 power_a=c.power_a,
                 random_fill=c.random_fill,
+            )
+        if c.name == "needle":
+            return needle_batch(
+                rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_pairs=c.num_pairs
             )
         if c.name == "induction":
             return induction_batch(rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size)

@@ -126,6 +126,43 @@ def train_run(config, out_dir: Path, name: str, *, progress: bool = False) -> tu
     return summary, workdir
 
 
+def run_all(worker, todo: Sequence, jobs: int, report=None) -> dict:
+    """``{item: worker(item)}`` for every item of ``todo``, ``jobs`` at a time.
+
+    With ``jobs > 1`` each runs in a spawned process pinned to a core
+    (``train.compare.worker_init``; ``worker`` must be picklable, a module-level
+    function or a ``functools.partial`` of one); ``report(item, result)`` is called
+    as each finishes.
+    """
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    import train.compare
+    from train import plugins
+
+    results = {}
+    if jobs == 1:
+        for item in todo:
+            results[item] = worker(item)
+            if report is not None:
+                report(item, results[item])
+        return results
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        jobs,
+        mp_context=context,
+        initializer=train.compare.worker_init,
+        initargs=(context.Value("i", 0), plugins.loaded()),
+    ) as pool:
+        futures = {pool.submit(worker, item): item for item in todo}
+        for future in as_completed(futures):
+            item = futures[future]
+            results[item] = future.result()
+            if report is not None:
+                report(item, results[item])
+    return results
+
+
 def token_losses(model: nnx.Module, tokens, targets) -> np.ndarray:
     """Cross-entropy of each next-token prediction, ``[B,T]`` float32 (nats).
 

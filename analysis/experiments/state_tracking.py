@@ -31,9 +31,8 @@ the best rate's, both claims), ``table.md`` and ``state_tracking.png``
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
+import functools
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -222,7 +221,7 @@ def evaluate(model, train_cfg, config: Config) -> dict[str, Any]:
     return out
 
 
-def _train_and_test(config: Config, run: Run, out: str) -> dict[str, Any]:
+def _train_and_test(config: Config, run: Run, *, out: str) -> dict[str, Any]:
     """One run (in a worker or here): train (or resume), then test at every length."""
     import train.loop
     from train.run import load_run
@@ -245,29 +244,12 @@ def _train_and_test(config: Config, run: Run, out: str) -> dict[str, Any]:
 
 def train_all(config: Config, out: Path) -> dict[Run, dict]:
     """Every run, ``config.jobs`` at a time (each in a process pinned to a core)."""
-    import train.compare
-    from train import plugins
 
-    todo = runs(config)
-    results = {}
-    if config.jobs == 1:
-        for run in todo:
-            results[run] = _train_and_test(config, run, str(out))
-        return results
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        config.jobs,
-        mp_context=context,
-        initializer=train.compare.worker_init,
-        initargs=(context.Value("i", 0), plugins.loaded()),
-    ) as pool:
-        futures = {pool.submit(_train_and_test, config, r, str(out)): r for r in todo}
-        for future in as_completed(futures):
-            run = futures[future]
-            results[run] = future.result()
-            acc = results[run]["lengths"]["1"]["accuracy"]
-            print(f"{run.name}: accuracy at 1x {acc:.3f}", flush=True)
-    return results
+    def report(run, result):
+        print(f"{run.name}: accuracy at 1x {result['lengths']['1']['accuracy']:.3f}", flush=True)
+
+    worker = functools.partial(_train_and_test, config, out=str(out))
+    return _common.run_all(worker, runs(config), config.jobs, report if config.jobs > 1 else None)
 
 
 def best(config: Config, results: dict[Run, dict]) -> dict[str, dict[str, dict]]:

@@ -7,7 +7,14 @@ Modules:
 * ``gather``: softmax attention over the key ranges each query selected, the
   core every method ends in;
 * ``moba``: MoBA (Lu et al. 2025): ``moba_attention``, blocks chosen by the
-  query against each block's mean key.
+  query against each block's mean key;
+* ``nsa``: NSA (Yuan et al. 2025): ``nsa_attention``, compressed, selected and
+  window branches, one selection per kv head's group; ``compression_windows``;
+* ``dsa``: DeepSeek-V3.2's sparse attention: ``lightning_indexer``,
+  ``indexer_topk``, ``indexed_topk_attention`` and ``indexer_loss``;
+* ``pallas``: a block-sparse Pallas kernel for MoBA's and NSA's selected
+  blocks (``impl="pallas"``), each query block looping over the union of its
+  queries' blocks.
 """
 
 from attn.sparse.dsa import indexed_topk_attention, indexer_loss, indexer_topk, lightning_indexer

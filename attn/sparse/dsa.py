@@ -180,26 +180,36 @@ def indexer_loss(
 
 @gather.jit_static("top_k", "chunk")
 def _indexer_loss(c, q, k, index_q, index_k, index_w, *, top_k, chunk):
-    B, T, _, _, K, G, _, _ = c.dims
+    B, T, S, _, K, G, _, _ = c.dims
     q, k = jax.lax.stop_gradient(c.isolate(q, k, k)[:2])
-    start, stop = indexer_topk(c, index_q, index_k, index_w, top_k=top_k, chunk=chunk)
-    start, stop = gather.per_kv_head(start, K, G), gather.per_kv_head(stop, K, G)
     C, n = chunks(T, chunk)
     q_seg = None if c.q_segment_ids is None else split(c.q_segment_ids, C, PADDING)
+    dense = top_k >= S  # every visible token: the keys are gathered once per chunk
+    if dense:
+        start = jnp.zeros((n, B, C, K, 1, 1), jnp.int32)  # unused: every chunk reads all
+        stop = start
+    else:
+        start, stop = indexer_topk(c, index_q, index_k, index_w, top_k=top_k, chunk=chunk)
+        start, stop = gather.per_kv_head(start, K, G), gather.per_kv_head(stop, K, G)
+        start, stop = split(start, C), split(stop, C)
+    every = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, 1, K, 1, S))
 
     @jax.checkpoint
     def one(xs):
         qc, lo, hi, iq, iw, pos, seg, t0 = xs
-        real = hi > lo  # [B,C,K,1,n]
+        lo, real = (every, True) if dense else (lo, hi > lo)  # [B,C|1,K,1,M]
         s, ok = gather.logits(c, qc, k, lo, real, (pos, seg, t0))
         p = jnp.where(ok, jax.nn.softmax(jnp.where(ok, s, MASKED), axis=-1), 0.0)
         p = p.sum((2, 3))  # [B,C,M]: summed over heads
         total = p.sum(-1, keepdims=True)
         p = p / jnp.where(total > 0, total, 1.0)
-        kx = index_k[jnp.arange(B)[:, None, None], lo[:, :, 0, 0]]  # [B,C,M,F]
-        score = jnp.einsum("BCIF,BCMF->BCIM", iq, kx, preferred_element_type=jnp.float32)
+        if dense:
+            score = jnp.einsum("BCIF,BMF->BCIM", iq, index_k, preferred_element_type=jnp.float32)
+        else:
+            kx = index_k[jnp.arange(B)[:, None, None], lo[:, :, 0, 0]]  # [B,C,M,F]
+            score = jnp.einsum("BCIF,BCMF->BCIM", iq, kx, preferred_element_type=jnp.float32)
         score = jnp.einsum("BCI,BCIM->BCM", iw.astype(jnp.float32), jax.nn.relu(score))
-        seen = ok[:, :, 0, 0]
+        seen = jnp.broadcast_to(ok, s.shape)[:, :, 0, 0]
         log_q = jax.nn.log_softmax(jnp.where(seen, score, MASKED), axis=-1)  # finite
         log_p = jnp.log(jnp.where(p > 0, p, 1.0))
         kl = jnp.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)
@@ -207,8 +217,8 @@ def _indexer_loss(c, q, k, index_q, index_k, index_w, *, top_k, chunk):
 
     xs = (
         split(q, C),
-        split(start, C),
-        split(stop, C),
+        start,
+        stop,
         split(index_q, C),
         split(index_w, C),
         split(c.q_positions, C),

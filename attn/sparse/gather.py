@@ -55,19 +55,23 @@ def logits(c: Call, q, k, index, real, q_rows):
     which are visible (``[B,C,K,Gs,M]``).
 
     Args:
-      q: ``[B,C,N,H]``; k: ``[B,S,K,H]``; index, real: ``[B,C,K,Gs,M]``.
+      q: ``[B,C,N,H]``; k: ``[B,S,K,H]``; index, real: ``[B,C,K,Gs,M]``, or ``[B,1,K,1,M]``
+        for keys every query of the chunk reads (gathered once).
       q_rows: ``(q_pos, q_seg, t0)``: the chunk's positions and segment ids ``[B,C]`` (ids
         None without segments) and the index of its first query.
     """
     q_pos, q_seg, t0 = q_rows
-    B, C, K, Gs, _ = index.shape
-    G, H = c.dims.G, c.dims.H
-    kg = take(k, index)  # [B,C,K,Gs,M,H]
+    B, Ci, K, Gs, _ = index.shape
+    C, G, H = q.shape[1], c.dims.G, c.dims.H
+    kg = take(k, index)  # [B,C|1,K,Gs,M,H]
     qg = q.reshape(B, C, K, G, H)
-    if Gs == 1:
-        s = jnp.einsum("BCKGH,BCKMH->BCKGM", qg, kg[:, :, :, 0], preferred_element_type=jnp.float32)
+    f32 = jnp.float32
+    if Ci == 1 and C > 1:
+        s = jnp.einsum("BCKGH,BKMH->BCKGM", qg, kg[:, 0, :, 0], preferred_element_type=f32)
+    elif Gs == 1:
+        s = jnp.einsum("BCKGH,BCKMH->BCKGM", qg, kg[:, :, :, 0], preferred_element_type=f32)
     else:
-        s = jnp.einsum("BCKGH,BCKGMH->BCKGM", qg, kg, preferred_element_type=jnp.float32)
+        s = jnp.einsum("BCKGH,BCKGMH->BCKGM", qg, kg, preferred_element_type=f32)
     s = s * c.scale
     b = jnp.arange(B)[:, None, None, None, None]
     k_pos = c.kv_positions[b, index]  # [B,C,K,Gs,M]

@@ -33,6 +33,7 @@ from attn.checks import positive_int
 from attn.masks import BlockKind
 from attn.softmax.call import CallArgs, check_call, takes_call_args
 from attn.sparse import gather, layout
+from attn.sparse import pallas as sparse_pallas
 from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
 
 
@@ -46,6 +47,8 @@ def moba_attention(
     top_k: int,
     chunk: int = DEFAULT_CHUNK,
     return_lse: bool = False,
+    impl: str = "gather",
+    platform: str | None = None,
     **call_args: Unpack[CallArgs],
 ):
     """MoBA: each query head attends over its ``top_k`` blocks (module docstring).
@@ -57,7 +60,11 @@ def moba_attention(
       top_k: blocks read per query and head, its own block included; ``top_k``
         at least the number of blocks reads every visible key (dense attention).
       chunk: queries per step (memory ``chunk x`` what one query reads).
-      return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
+      return_lse: also return the float32 log-sum-exp ``[B,T,N]`` (``impl="gather"``).
+      impl: ``"gather"`` (XLA: the selected keys gathered per query, any call) or
+        ``"pallas"`` (``attn.sparse.pallas``: a block-sparse kernel over each query block's
+        selected blocks; default positions, no segments, modifiers or sinks).
+      platform: the Pallas kernel's (``attn.sparse.pallas.block_sparse_attention``).
       **call_args: the call's (``attn.softmax.call.CallArgs``); default mask
         ``full()`` as everywhere, so pass ``masks.causal()`` for a decoder.
         No bias or boolean mask array (a ``ValueError``).
@@ -70,13 +77,20 @@ def moba_attention(
     layout.check_runs(c)
     block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
     chunk = positive_int(chunk, "chunk")
-    out, lse = _moba(c, q, k, v, block_size=block_size, top_k=top_k, chunk=chunk)
+    sparse_pallas.check_impl(c, impl, platform, return_lse, "moba_attention")
+    out, lse = _moba(c, q, k, v, block_size=block_size, top_k=top_k, chunk=chunk, impl=impl,
+                     platform=platform)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
-@gather.jit_static("block_size", "top_k", "chunk")
-def _moba(c, q, k, v, *, block_size, top_k, chunk):
+@gather.jit_static("block_size", "top_k", "chunk", "impl", "platform")
+def _moba(c, q, k, v, *, block_size, top_k, chunk, impl, platform):
     start, stop = moba_select(c, q, k, block_size=block_size, top_k=top_k, chunk=chunk)
+    if impl == "pallas":
+        ids = sparse_pallas.block_ids(start, stop, block_size)
+        out = sparse_pallas.block_sparse_attention(c, q, k, v, ids, block=block_size,
+                                                   platform=platform)  # fmt: skip
+        return out, None
     return gather.gathered_attention(c, q, k, v, start, stop, block=block_size, chunk=chunk)
 
 

@@ -37,6 +37,7 @@ from attn.checks import fail, positive_int
 from attn.masks import PADDING, BlockKind
 from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args
 from attn.sparse import gather, layout
+from attn.sparse import pallas as sparse_pallas
 from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
 
 SIZES = (
@@ -140,6 +141,8 @@ def nsa_attention(
     initial_blocks: int = 1,
     local_blocks: int = 2,
     chunk: int = DEFAULT_CHUNK,
+    impl: str = "gather",
+    platform: str | None = None,
     **call_args: Unpack[CallArgs],
 ):
     """NSA's three branches, gated (module docstring). Defaults: the paper's sizes.
@@ -158,6 +161,10 @@ def nsa_attention(
       initial_blocks, local_blocks: selected blocks always read: the first ones of the
         sequence, and those ending at the query's own (0 for none).
       chunk: queries per step.
+      impl: ``"gather"`` (XLA) or ``"pallas"``: the selected branch as the block-sparse
+        kernel of ``attn.sparse.pallas`` (default positions, no segments, modifiers or
+        sinks), the other branches in XLA.
+      platform: the Pallas kernel's.
       **call_args: the call's (``attn.softmax.call.CallArgs``); no bias or mask array.
 
     Returns:
@@ -165,6 +172,7 @@ def nsa_attention(
     """
     c = check_call(q, k, v, **call_args)
     c.refuse_pairs("nsa_attention")
+    sparse_pallas.check_impl(c, impl, platform, False, "nsa_attention")
     layout.check_runs(c)
     B, T, S, N, K, _, H, E = c.dims
     block, stride = _compression(compress_block, compress_stride)
@@ -197,17 +205,22 @@ def nsa_attention(
         compressed_v,
         initial_blocks=initial_blocks,
         local_blocks=local_blocks,
+        impl=impl,
+        platform=platform,
         **sizes,
     )
 
 
-@gather.jit_static(*SIZES, "chunk")
-def _nsa(c, q, k, v, gates, ck, cv, **sizes):
-    chunk = sizes["chunk"]
+@gather.jit_static(*SIZES, "chunk", "impl", "platform")
+def _nsa(c, q, k, v, gates, ck, cv, *, impl, platform, **sizes):
+    chunk, block = sizes["chunk"], sizes["select_block"]
     o_cmp, start, stop = compressed_branch(c, q, ck, cv, **sizes)
-    o_slc, _ = gather.gathered_attention(
-        c, q, k, v, start, stop, block=sizes["select_block"], chunk=chunk
-    )
+    if impl == "pallas":
+        ids = sparse_pallas.block_ids(start, stop, block)
+        o_slc = sparse_pallas.block_sparse_attention(c, q, k, v, ids, block=block,
+                                                     platform=platform)  # fmt: skip
+    else:
+        o_slc, _ = gather.gathered_attention(c, q, k, v, start, stop, block=block, chunk=chunk)
     w_start, w_stop = window_ranges(c, sizes["window"])
     o_win, _ = gather.gathered_attention(
         c, q, k, v, w_start, w_stop, block=sizes["window"], chunk=chunk

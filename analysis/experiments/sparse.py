@@ -1,0 +1,349 @@
+"""Long-context recall: trainable sparse attention against a window that reads as many keys.
+
+    python -m analysis.experiments.sparse            # configs/sparse.py
+    python -m analysis.experiments.sparse --quick    # two tiny runs (the tests)
+
+Every variant (``VARIANTS``, all at one width and depth) trains on MQAR with
+uniformly spread query gaps and on the needle task (``train.tasks``: pairs
+anywhere in filler, queried at the end) at one length, and is tested at 1x to
+8x it (512 to 4096 by default). Beside each accuracy the table gives the keys
+a query at the last position reads (``keys_read``): all of them for MHA, the
+window's for the window, ``top_k`` blocks or tokens for MoBA and DSA, NSA's
+three branches (its compressed tokens counted as keys), a fixed state for
+Gated DeltaNet.
+
+The claim (the note's closing one): sparse attention keeps exact long-range
+lookups where a window reading as many keys per query does not. Its row
+compares, on the needle task at the training length, the sparse kinds that
+read no more keys than the window with the window itself.
+
+Writes ``results.json`` (every run's accuracy per length, the keys read, the
+claim), ``table.md`` and ``sparse.png`` (accuracy against test length, one
+panel per task).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from analysis.experiments import _common
+from attn.checks import fail
+
+NAME = "sparse"
+TASKS = ("needle", "mqar")
+VARIANTS = ("mha", "window", "moba", "nsa", "dsa", "gated_deltanet")
+SPARSE = ("moba", "nsa", "dsa")
+DESCRIPTIONS = {
+    "mha": "softmax MHA (every key)",
+    "window": "sliding window of `reads` keys",
+    "moba": "MoBA: top_k blocks of reads/top_k",
+    "nsa": "NSA: compressed + selected + window",
+    "dsa": "DSA: top `reads` tokens by the indexer",
+    "gated_deltanet": "Gated DeltaNet (fixed state)",
+}
+SOLVED, CHANCE_LIKE = 0.9, 0.5
+
+
+@dataclass(frozen=True)
+class Config:
+    """The experiment's grid and sizes.
+
+    Attributes:
+      tasks: names from ``TASKS``; variants: names from ``VARIANTS``.
+      reads: keys a query of the window, MoBA and DSA reads (the budget they share);
+        NSA reads ``reads / 2`` in its window and selected branches each, plus its
+        compressed tokens.
+      block: MoBA's and NSA's block (MoBA reads ``reads / block`` of them).
+      train_len: T of training; tested at ``train_len * f`` for f in ``factors``.
+      num_pairs: MQAR's pairs and the needle task's needles; vocab_size: V of both.
+      lr, steps, batch_size: training (one rate for every variant).
+      eval_batches: test batches per length (of ``batch_size`` examples).
+      width, num_layers, num_heads, head_dim: every variant's sizes.
+      seed: the runs' seed. jobs: runs trained at once, each pinned to a core.
+    """
+
+    tasks: tuple[str, ...] = TASKS
+    variants: tuple[str, ...] = VARIANTS
+    reads: int = 64
+    block: int = 16
+    train_len: int = 512
+    factors: tuple[int, ...] = (1, 2, 4, 8)
+    num_pairs: int = 8
+    vocab_size: int = 256
+    lr: float = 3e-3
+    steps: int = 800
+    batch_size: int = 16
+    eval_batches: int = 2
+    width: int = 64
+    num_layers: int = 2
+    num_heads: int = 2
+    head_dim: int = 32
+    seed: int = 0
+    jobs: int = 2
+
+    def __post_init__(self):
+        for field, names, allowed in (
+            ("tasks", self.tasks, TASKS),
+            ("variants", self.variants, VARIANTS),
+        ):
+            bad = [n for n in names if n not in allowed]
+            if bad or not names:
+                fail(field, f"a non-empty tuple of names in {allowed}", repr(names))
+        if self.reads % (2 * self.block):
+            fail("reads", f"a multiple of 2 * block = {2 * self.block}", self.reads)
+        if not self.factors or self.factors[0] != 1:
+            fail("factors", "a tuple of multiples starting at 1", repr(self.factors))
+
+
+def layer(config: Config, variant: str):
+    """The layer config of ``variant`` at the experiment's sizes."""
+    import models
+
+    p = models.presets(num_heads=config.num_heads, head_dim=config.head_dim)
+    R, b = config.reads, config.block
+    layers = {
+        "mha": p["mha"],
+        "window": dataclasses.replace(p["window"], window=R),
+        "moba": dataclasses.replace(p["moba"], block_size=b, top_k=R // b),
+        "nsa": dataclasses.replace(
+            p["nsa"],
+            compress_block=b,
+            compress_stride=b // 2,
+            select_block=b,
+            num_selected=R // (2 * b),
+            branch_window=R // 2,
+            compress_hidden=2 * b,
+        ),
+        "dsa": dataclasses.replace(p["dsa"], top_k=R),
+        "gated_deltanet": p["gated_deltanet"],
+    }
+    return layers[variant]
+
+
+def keys_read(config: Config, variant: str, T: int) -> int | None:
+    """Keys the query at position ``T - 1`` reads (None: a fixed state, no keys).
+
+    NSA's count adds its branches: the window, its selected blocks outside the
+    window (the query's own block lies inside it), and its compressed tokens.
+    """
+    cfg = layer(config, variant)
+    if variant == "mha":
+        return T
+    if variant == "window":
+        return min(cfg.window, T)
+    if variant == "moba":
+        own = (T - 1) % cfg.block_size + 1
+        return min(T, own + (cfg.top_k - 1) * cfg.block_size)
+    if variant == "dsa":
+        return min(cfg.top_k, T)
+    if variant == "nsa":
+        window = min(cfg.branch_window, T)
+        selected = (cfg.num_selected - cfg.local_blocks) * cfg.select_block
+        compressed = max(0, (T - cfg.compress_block) // cfg.compress_stride + 1)
+        return min(T, window + selected) + compressed
+    return None
+
+
+@dataclass(frozen=True)
+class Run:
+    task: str
+    variant: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.variant}"
+
+
+def runs(config: Config) -> list[Run]:
+    return [Run(t, v) for t in config.tasks for v in config.variants]
+
+
+def train_config(config: Config, run: Run):
+    """The ``TrainConfig`` of one run (evaluated once, at the end)."""
+    from models import ModelConfig
+    from train.config import OptimConfig, TrainConfig
+    from train.tasks import TaskConfig
+
+    task = TaskConfig(
+        name=run.task, seq_len=config.train_len, vocab_size=config.vocab_size,
+        num_pairs=config.num_pairs, power_a=1.0,
+    )  # fmt: skip
+    layers = (layer(config, run.variant),) * config.num_layers
+    return TrainConfig(
+        task=task,
+        model=ModelConfig(width=config.width, mlp_width=2 * config.width, layers=layers),
+        optim=OptimConfig(lr=config.lr, warmup_fraction=0.05),
+        steps=config.steps,
+        batch_size=config.batch_size,
+        eval_every=config.steps,
+        eval_batches=config.eval_batches,
+        ckpt_every=config.steps,
+        log_every=config.steps,
+        seed=config.seed,
+    ).with_task_vocab()
+
+
+def evaluate(model, train_cfg, config: Config) -> dict[str, Any]:
+    """Accuracy over the labelled positions per test length."""
+    from train.tasks import IGNORE, make_task
+
+    out = {}
+    for f in config.factors:
+        T = config.train_len * f
+        task = make_task(dataclasses.replace(train_cfg.task, seq_len=T, fingerprint=None))
+        hits, count = 0, 0
+        for i in range(config.eval_batches):
+            batch = task.batch(config.seed, "test", i, config.batch_size)
+            logits = _common.float32_logits(model, batch["tokens"])
+            scored = batch["labels"] != IGNORE
+            hits += int((np.asarray(logits).argmax(-1) == batch["labels"])[scored].sum())
+            count += int(scored.sum())
+        out[str(f)] = hits / count
+    return out
+
+
+def _train_and_test(config: Config, run: Run, *, out: str) -> dict[str, Any]:
+    """One run (in a worker or here): train (or resume), then test at every length."""
+    import train.loop
+    from train.run import load_run
+
+    workdir = _common.run_dir(Path(out), run.name)
+    cfg = train_config(config, run)
+    timer = _common.Timer()
+    try:
+        summary = train.loop.train(cfg, workdir, progress=False, desc=run.name)
+    except train.loop.NonFiniteLossError as e:
+        print(f"{run.name}: {e}", file=sys.stderr)
+        return {"diverged": True, "accuracy": {str(f): 0.0 for f in config.factors}}
+    train_s = timer()
+    model, cfg = load_run(workdir)
+    return {
+        "diverged": False,
+        "train_loss": summary.get("train_loss"),
+        "params": summary.get("params"),
+        "accuracy": evaluate(model, cfg, config),
+        "seconds": train_s,
+    }
+
+
+def train_all(config: Config, out: Path) -> dict[Run, dict]:
+    def report(run, result):
+        print(f"{run.name}: accuracy at 1x {result['accuracy']['1']:.3f}", flush=True)
+
+    worker = functools.partial(_train_and_test, config, out=str(out))
+    return _common.run_all(worker, runs(config), config.jobs, report)
+
+
+def claim(config: Config, results: dict[Run, dict]) -> dict[str, Any]:
+    """Sparse kinds reading at most the window's keys, against the window, on the needle task
+    at the training length."""
+    acc = {r.variant: res["accuracy"]["1"] for r, res in results.items() if r.task == "needle"}
+    T = config.train_len
+    window_reads = keys_read(config, "window", T)
+    lean = [v for v in SPARSE if v in acc and keys_read(config, v, T) <= window_reads]
+    if "window" not in acc or not lean:
+        return _common.claim("the needle task, the window and a sparse kind reading as few "
+                             "keys were not all run", "needs them", False)  # fmt: skip
+    shown = ", ".join(f"{v} {acc[v]:.2f}" for v in (*lean, "window", "mha") if v in acc)
+    holds = max(acc[v] for v in lean) >= SOLVED and acc["window"] < CHANCE_LIKE
+    return _common.claim(
+        f"needle accuracy at T = {T}, {window_reads} keys read per query: {shown}",
+        f"a sparse kind reading at most the window's keys reaches >= {SOLVED} where the "
+        f"window stays below {CHANCE_LIKE}",
+        holds,
+    )
+
+
+def table_md(config: Config, results: dict[Run, dict]) -> str:
+    rows = []
+    last = config.train_len * config.factors[-1]
+    for run, res in results.items():
+        accs = [res["accuracy"][str(f)] for f in config.factors]
+        reads = [
+            keys_read(config, run.variant, config.train_len * f) for f in (1, config.factors[-1])
+        ]
+        reads_text = "state" if reads[0] is None else f"{reads[0]} / {reads[1]}"
+        rows.append([run.task, run.variant, DESCRIPTIONS[run.variant], reads_text, *accs,
+                     f"{res.get('seconds', float('nan')):.0f}"])  # fmt: skip
+    heads = ["task", "variant", "what", f"keys read (T={config.train_len} / {last})",
+             *(f"acc {config.train_len * f}" for f in config.factors), "train s"]  # fmt: skip
+    examples = config.eval_batches * config.batch_size
+    intro = (
+        f"Trained at T = {config.train_len} ({config.steps} updates of {config.batch_size}, "
+        f"lr {config.lr}), tested at T = "
+        f"{', '.join(str(config.train_len * f) for f in config.factors)}; accuracy over the "
+        f"labelled positions ({config.num_pairs} per example, {examples} examples "
+        f"per length). {config.num_layers} layers of width {config.width} for every "
+        "variant; keys read by the query at the last position.\n\n"
+    )
+    return intro + _common.markdown_table(heads, rows)
+
+
+def plot(config: Config, results: dict[Run, dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in config.tasks if any(r.task == t for r in results)]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    lengths = [config.train_len * f for f in config.factors]
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for run, res in results.items():
+            if run.task != task:
+                continue
+            style = "-" if run.variant in SPARSE else "--"
+            ax.plot(lengths, [res["accuracy"][str(f)] for f in config.factors], style,
+                    marker="o", label=run.variant)  # fmt: skip
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(t) for t in lengths])
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{task} (trained at T = {config.train_len})")
+        ax.set_xlabel("test length")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("recall accuracy (higher is better)")
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(config: Config, out: Path) -> dict[str, Any]:
+    """Trains and tests every run, writes results.json, table.md and the figure."""
+    timer = _common.Timer()
+    out = Path(out)
+    results = train_all(config, out)
+    results = {r: results[r] for r in runs(config)}  # the grid's order
+    plot(config, results, out / f"{NAME}.png")
+    reads = {
+        v: {str(config.train_len * f): keys_read(config, v, config.train_len * f)
+            for f in config.factors}
+        for v in config.variants
+    }  # fmt: skip
+    payload = {
+        "name": NAME,
+        "config": config,
+        "claim": claim(config, results),
+        "keys_read": reads,
+        "runs": {
+            r.name: {"task": r.task, "variant": r.variant, **res} for r, res in results.items()
+        },
+        "runtime_s": timer(),
+    }
+    return _common.write_results(out, payload, table_md(config, results))
+
+
+def main(argv=None) -> int:
+    return _common.main(NAME, __doc__, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
