@@ -1,18 +1,18 @@
 """``python -m analysis.claims``: every claim the project reproduces, one measured row each.
 
-    python -m analysis.claims                  # fast checks (1-9) + committed results (10-17)
+    python -m analysis.claims                  # fast checks (1-9) + committed results (10-18)
     python -m analysis.claims --run            # also runs the comparison and the experiments
     python -m analysis.claims --only 1,5,10    # some rows only
 
 Claims 1 to 9 are fast checks computed here with ``attn`` and ``models``
 (``analysis.claim_checks``; under a minute on 2 CPU cores). Claim 10 reads the
 main comparison's ``compare_mqar/results.json`` (``python -m train.compare``);
-claims 11 to 17 read the experiments' ``<name>/results.json``
+claims 11 to 18 read the experiments' ``<name>/results.json``
 (``analysis.experiments``), each of which states its own measured value,
 criterion and verdict. Without ``--run`` those files are read from
 ``--results`` (default: the committed ``docs/results/``); a file that is not
 there gives a row "not run (use --run)", never a made-up value. With ``--run``
-claim 10 runs ``python -m train.compare --quick`` and claims 11 to 17 run each
+claim 10 runs ``python -m train.compare --quick`` and claims 11 to 18 run each
 experiment with its full config (the state-tracking experiment once, for its
 two rows), all into ``--out``, and the rows read what they wrote.
 
@@ -23,7 +23,8 @@ is malformed, a run failed), with the traceback on stderr.
 
 The fast checks take about 15 s on 2 CPU cores, and ``--run`` about 17.5
 minutes for claims 10 to 14 plus the recall frontier's 45 (claim 15, its cpu
-scale) and the state-tracking experiment's (claims 16 and 17); the measured
+scale), the state-tracking experiment's (claims 16 and 17) and the sparse recall
+experiment's (claim 18); the measured
 runtimes are in docs/results/README.md.
 """
 
@@ -96,9 +97,11 @@ CLAIMS: dict[int, str] = {
     17: "S5's word problem (not solvable) separates the families: products of Householders "
     "(DeltaProduct) can track it, fixed-depth attention and diagonal SSMs cannot "
     "(Merrill et al. 2024, Siems et al. 2025)",
+    18: "Trainable sparse attention (MoBA, NSA, DSA) keeps exact long-range lookups where a "
+    "window reading as many keys per query does not",
 }
 
-# Claims 11-17: the experiment (module analysis.experiments.<name>, config
+# Claims 11-18: the experiment (module analysis.experiments.<name>, config
 # configs/<name>.py) whose results.json holds the row, in its entry "claim"
 # unless CLAIM_KEYS names another (one experiment may hold two rows).
 EXPERIMENTS: dict[int, str] = {
@@ -109,6 +112,7 @@ EXPERIMENTS: dict[int, str] = {
     15: "recall_frontier",
     16: "state_tracking",
     17: "state_tracking",
+    18: "sparse",
 }
 CLAIM_KEYS: dict[int, str] = {17: "claim_s5"}
 COMPARE = "compare_mqar"  # the main job's results folder (python -m train.compare)
@@ -127,7 +131,7 @@ class Row:
     """One claim's line of the table.
 
     Attributes:
-      number: the claim's number, 1 to 17.
+      number: the claim's number, 1 to 18.
       claim: the claim in a short sentence.
       measured: what was measured (or why nothing was).
       criterion: what the measurement is judged by.
@@ -315,11 +319,11 @@ def run_compare(out: Path) -> Path:
 
 
 # ----------------------------------------------------------------------------
-# Claims 11-17: the experiments
+# Claims 11-18: the experiments
 
 
 def experiment_row(number: int, path: Path) -> Row:
-    """Claim ``number`` (11-17) from its experiment's ``results.json``.
+    """Claim ``number`` (11-18) from its experiment's ``results.json``.
 
     The file holds ``"claim": {"measured": str, "criterion": str, "holds":
     bool}`` (or the entry ``CLAIM_KEYS`` names) and ``"runtime_s"``; the row
@@ -394,10 +398,10 @@ def collect(
     """The rows of claims ``numbers``, in order.
 
     Args:
-      numbers: claim numbers, 1 to 17.
+      numbers: claim numbers, 1 to 18.
       run: train the comparison and run the experiments (into ``out``) first,
         and read their results from ``out``; else read them from ``results``.
-      results: where the results of claims 10-17 are read without ``run``.
+      results: where the results of claims 10-18 are read without ``run``.
       out: where ``run`` writes them.
     """
     rows, ran = [], {}
@@ -450,7 +454,7 @@ def format_table(rows: list[Row], *, header: str = "") -> str:
     lines += [
         "",
         "Claims 1-9 are measured by `analysis.claim_checks` on every run; claim 10 reads the "
-        "main comparison (`python -m train.compare`), claims 11-17 the experiments of "
+        "main comparison (`python -m train.compare`), claims 11-18 the experiments of "
         '`analysis.experiments`, which state their own criterion and verdict. "not run": no '
         "results file yet (`python -m analysis.claims --run` produces them).",
         "",
@@ -491,8 +495,8 @@ class Args:
       run: also train the comparison (``train.compare --quick``, a few minutes)
         and run the four experiments with their full configs, into ``out``.
       out: where table.md and results.json (and, with ``run``, the runs) go.
-      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 17.
-      results: where claims 10-17 are read from without ``run`` (the committed results).
+      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 18.
+      results: where claims 10-18 are read from without ``run`` (the committed results).
     """
 
     run: bool = False
@@ -509,7 +513,7 @@ def _numbers(only: str) -> list[int]:
     except ValueError:
         numbers = []
     if not numbers or any(n not in CLAIMS for n in numbers):
-        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 17, got {only!r}")
+        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 18, got {only!r}")
     return numbers
 
 

@@ -100,8 +100,10 @@ from models.sparse import (
     DSAConfig,
     IndexedCache,
     MobaAttention,
+    MobaCache,
     MobaConfig,
     NSAAttention,
+    NSACache,
     NSAConfig,
 )
 from models.taps import (
@@ -153,9 +155,11 @@ __all__ = [
     "Mamba2Config",
     "MaskedConfig",
     "MobaAttention",
+    "MobaCache",
     "MobaConfig",
     "ModelConfig",
     "NSAAttention",
+    "NSACache",
     "NSAConfig",
     "PresetSizes",
     "SelfAttention",

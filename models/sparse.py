@@ -13,12 +13,15 @@ soft-cap, sink logits) whose attention is one of ``attn.sparse``'s:
   (``attn.sparse.indexer_loss``, weight ``indexer_loss_weight``), which the
   layer adds to the gradient of whatever objective its output enters.
 
-Decode caches keep the full keys and values (the indexer's keys too for DSA)
-at one slot per position; the block means (MoBA) and compressed blocks (NSA)
-are recomputed from them at each call, which reads every cached key once per
-step. Prefill and decode attend over the cache in position order, so blocks
-are cut as the forward pass cut them: prefill in chunks and decoding equal the
-forward pass, packed rows equal each sequence alone, and a paged cache equals a
+Decode caches keep the full keys and values at one slot per position, and
+beside them what each method reads instead of all keys: MoBA each key's
+running sum along its block (``attn.sparse.block_key_sums``: a block's mean is
+its last key's sum over its length), NSA the compressed key and value of the
+block ending at each token (computed once, when the block completes), DSA the
+indexer's key of each token. Prefill and decode attend over the cache in
+position order, so blocks are cut as the forward pass cut them: prefill in
+chunks and decoding equal the forward pass, packed rows equal each sequence
+alone, and a paged cache equals a
 contiguous one. The kinds never run as ring attention, and need a full cache
 (no ``window``: NSA has its own window branch).
 """
@@ -185,6 +188,44 @@ def in_position_order(arrays: tuple, kv_pos):
     return tuple(take(x) for x in arrays), take(kv_pos)
 
 
+def read_positions(cache, x, positions):
+    """A cache payload ``x`` (``[B,S,...]``, or a paged pool) at ``positions [B,P]``: one
+    slot per position (a full cache), or through the block tables (a paged one)."""
+    if cache.paged:
+        size = x.shape[1]
+        pages = jnp.take_along_axis(cache.tables, positions // size, axis=1)
+        return x[jnp.maximum(pages, 0), positions % size]
+    return x[jnp.arange(x.shape[0])[:, None], positions]
+
+
+@struct.dataclass
+class MobaCache(KVCache):
+    """A MoBA layer's keys and values, with each key's running sum along its block.
+
+    Attributes:
+      ksum: ``[B,S,K,H]`` float32 (``attn.sparse.block_key_sums``).
+    """
+
+    ksum: jax.Array
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("k", "v", "ksum")
+
+
+@struct.dataclass
+class NSACache(KVCache):
+    """An NSA layer's keys and values, with the compressed key and value of the block ending
+    at each token (zeros where none ends).
+
+    Attributes:
+      ck, cv: ``[B,S,K,H]``.
+    """
+
+    ck: jax.Array
+    cv: jax.Array
+
+    PAYLOAD: ClassVar[tuple[str, ...]] = ("k", "v", "ck", "cv")
+
+
 class SparseAttention(SelfAttention):
     """Base of the sparse kinds: whole-sequence and cached calls of ``_sparse``.
 
@@ -215,33 +256,59 @@ class SparseAttention(SelfAttention):
         positions = step_positions(start, x.shape[1])
         q, k, v = self._qkv(x, positions)
         q_side, kv_side = self._token_arrays(x)
-        visible, kv_pos, cache = cache.extend((k, v, *kv_side), start, lengths)
-        (keys, values, *kv_side), kv_pos = in_position_order(visible, kv_pos)
+        kept = self._kept(cache, k, v, start, positions)
+        visible, kv_pos, cache = cache.extend((k, v, *kv_side, *kept), start, lengths)
+        (keys, values, *rest), kv_pos = in_position_order(visible, kv_pos)
+        kv_side, kept = tuple(rest[: len(kv_side)]), tuple(rest[len(kv_side) :])
         call = dict(self._cached(positions, kv_pos), score_mod=self._score_mod(x))
-        out = self._sparse(q, keys, values, q_side, tuple(kv_side), call, training=False)
+        out = self._sparse(q, keys, values, q_side, kv_side, call, training=False, kept=kept)
         return self._output(out), cache
 
-    def _sparse(self, q, k, v, q_side, kv_side, call, *, training: bool):
+    def _kept(self, cache, k, v, start, positions) -> tuple:
+        """What the cache keeps beside the keys for the new tokens ``[B,T,...]`` (none)."""
+        return ()
+
+    def _sparse(self, q, k, v, q_side, kv_side, call, *, training: bool, kept=None):
         """``out [B,T,N,E]``: the kind's attention of the call (``call``: positions, segment
-        ids, score modifier), with the layer's mask, soft-cap and sink logits."""
+        ids, score modifier), with the layer's mask, soft-cap and sink logits; ``kept``:
+        the cache's per-token summaries, in position order (None: computed from k, v)."""
         static, arrays = self._call(**call)
-        return self._attend(q, k, v, q_side, kv_side, training=training, **static, **arrays)
+        return self._attend(q, k, v, q_side, kv_side, training=training, kept=kept, **static,
+                            **arrays)  # fmt: skip
 
     def _weights(self, q, k, q_side, kv_side, call):
         static, arrays = self._call(**call)
-        fn = functools.partial(self._attend, q_side=q_side, kv_side=kv_side, training=False)
+        fn = functools.partial(self._attend, q_side=q_side, kv_side=kv_side, training=False,
+                               kept=None)  # fmt: skip
         return probed_weights(lambda q, k, v, **a: fn(q, k, v, **a), q, k, {**static, **arrays})
 
 
 @register_kind("moba", config=MobaConfig, family="sparse")
 class MobaAttention(SparseAttention):
-    """MoBA: the softmax layer reading each query head's ``top_k`` blocks."""
+    """MoBA: the softmax layer reading each query head's ``top_k`` blocks; its cache keeps
+    each key's running sum along its block (``MobaCache``)."""
 
-    def _attend(self, q, k, v, q_side, kv_side, *, training, **call):
+    def init_cache(self, batch: int, max_len: int) -> MobaCache:
+        cache = super().init_cache(batch, max_len)
+        sums = jnp.zeros(cache.k.shape, jnp.float32)
+        return MobaCache(cache.k, cache.v, sums, pos=cache.pos, pinned=cache.pinned,
+                         ring=cache.ring)  # fmt: skip
+
+    def _kept(self, cache, k, v, start, positions):
+        """The new keys' running sums: their own block's, continuing the cached one where
+        the first new key's block began before it."""
+        bs = self.cfg.block_size
+        sums = attn.sparse.block_key_sums(k, bs, kv_positions=positions)
+        before = jnp.maximum(start - 1, 0)
+        carry = read_positions(cache, cache.ksum, before[:, None])[:, 0]  # [B,K,H]
+        joins = (start % bs != 0)[:, None] & (positions // bs == (before // bs)[:, None])
+        return (sums + jnp.where(joins[..., None, None], carry[:, None], 0.0),)
+
+    def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
         cfg = self.cfg
-        return attn.moba_attention(
-            q, k, v, block_size=cfg.block_size, top_k=cfg.top_k, chunk=cfg.chunk, **call
-        )
+        return attn.moba_attention(q, k, v, block_size=cfg.block_size, top_k=cfg.top_k,
+                                   chunk=cfg.chunk, key_sums=kept[0] if kept else None,
+                                   **call)  # fmt: skip
 
 
 @register_kind("nsa", config=NSAConfig, family="sparse")
@@ -268,31 +335,62 @@ class NSAAttention(SparseAttention):
         gates = jax.nn.sigmoid(self.gate_proj(x).astype(jnp.float32))
         return (gates.reshape(B, T, self.cfg.num_heads, 3),), ()
 
-    def _compress(self, x, i: int, call):
-        """The compressed keys (``i = 0``) or values (1) of ``x [B,S,K,H]``: ``[B,M,K,H]``."""
-        cfg = self.cfg
-        windows, _ = compression_windows(
-            x,
-            compress_block=cfg.compress_block,
-            compress_stride=cfg.compress_stride,
-            kv_positions=call.get("kv_positions"),
-            kv_segment_ids=call.get("kv_segment_ids"),
-        )
+    def init_cache(self, batch: int, max_len: int) -> NSACache:
+        cache = super().init_cache(batch, max_len)
+        zeros = jnp.zeros(cache.k.shape, self.dtype)
+        return NSACache(cache.k, cache.v, zeros, zeros, pos=cache.pos, pinned=cache.pinned,
+                        ring=cache.ring)  # fmt: skip
+
+    def _phi(self, windows, i: int):
+        """The compression MLP on blocks ``[..., l, K, H]`` of keys (``i = 0``) or values (1):
+        ``[..., K, H]``."""
         windows = windows + self.compress_pos[...][i][:, None].astype(windows.dtype)
-        B, M, l, K, H = windows.shape
-        flat = jnp.moveaxis(windows, 2, 3).reshape(B, M, K, l * H)
+        *lead, l, K, H = windows.shape
+        flat = jnp.moveaxis(windows, -3, -2).reshape(*lead, K, l * H)
         return self.compress_out[i](jax.nn.gelu(self.compress_in[i](flat)))
 
-    def _attend(self, q, k, v, q_side, kv_side, *, training, **call):
+    def _compress(self, x, i: int, call):
+        """The compressed keys or values of ``x [B,S,K,H]`` in slot layout: ``[B,M,K,H]``."""
+        cfg = self.cfg
+        windows, _ = compression_windows(
+            x, compress_block=cfg.compress_block, compress_stride=cfg.compress_stride,
+            kv_positions=call.get("kv_positions"), kv_segment_ids=call.get("kv_segment_ids"),
+        )  # fmt: skip
+        return self._phi(windows, i)
+
+    def _kept(self, cache, k, v, start, positions):
+        """The compressed key and value of the block ending at each new token (zeros where
+        none ends), from the block's keys: the cached ones, then the new."""
+        l, d = self.cfg.compress_block, self.cfg.compress_stride
+        T = k.shape[1]
+        before = start[:, None] - l + 1 + jnp.arange(l - 1)  # the l - 1 positions before
+        first = positions - l + 1  # each new token's block would start here
+        ends = (first >= 0) & (first % d == 0)
+        idx = jnp.arange(T)[:, None] + jnp.arange(l)  # [T,l] into (l - 1 cached, T new)
+        out = []
+        for i, (x, name) in enumerate(((k, "k"), (v, "v"))):
+            past = read_positions(cache, getattr(cache, name), jnp.maximum(before, 0))
+            windows = jnp.concatenate([past.astype(x.dtype), x], 1)[:, idx]  # [B,T,l,K,H]
+            out.append(jnp.where(ends[..., None, None], self._phi(windows, i), 0.0))
+        return tuple(out)
+
+    def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
         cfg = self.cfg
         (gates,) = q_side
+        if kept:  # the cache's per-token compressed blocks, in slot layout
+            rows = dict(compress_block=cfg.compress_block, compress_stride=cfg.compress_stride,
+                        kv_positions=call.get("kv_positions"),
+                        kv_segment_ids=call.get("kv_segment_ids"))  # fmt: skip
+            ck, cv = (attn.sparse.compressed_at_ends(x, **rows) for x in kept)
+        else:
+            ck, cv = self._compress(k, 0, call), self._compress(v, 1, call)
         return attn.nsa_attention(
             q,
             k,
             v,
             gates,
-            self._compress(k, 0, call),
-            self._compress(v, 1, call),
+            ck,
+            cv,
             compress_block=cfg.compress_block,
             compress_stride=cfg.compress_stride,
             select_block=cfg.select_block,
@@ -356,7 +454,7 @@ class DSAAttention(SparseAttention):
             cache.k, cache.v, ik, pos=cache.pos, pinned=cache.pinned, ring=cache.ring
         )
 
-    def _attend(self, q, k, v, q_side, kv_side, *, training, **call):
+    def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
         cfg = self.cfg
         (iq, iw), (ik,) = q_side, kv_side
         out = attn.indexed_topk_attention(

@@ -13,6 +13,8 @@
 - ``state_tracking``: parity, addition mod m, S3 and S5 at 1x, 2x and 4x the training
   length, for MHA, linear attention, Mamba-2 and the delta rule with and without
   negative eigenvalues, DeltaProduct and a hybrid (two rows: claims 16 and 17).
+- ``sparse``: needles and MQAR at 256 to 4096 tokens for MoBA, NSA and DSA against MHA, a
+  window reading as many keys and Gated DeltaNet, with the keys each query reads (claim 18).
 
 Run one with ``python -m analysis.experiments.<name> [--quick] [--out DIR]``. Each
 module has ``NAME``, ``run(config, out_dir) -> dict`` and ``main(argv) -> int``;
@@ -26,4 +28,5 @@ NAMES = (
     "windows_global",
     "recall_frontier",
     "state_tracking",
+    "sparse",
 )

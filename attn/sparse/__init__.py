@@ -18,10 +18,12 @@ Modules:
 """
 
 from attn.sparse.dsa import indexed_topk_attention, indexer_loss, indexer_topk, lightning_indexer
-from attn.sparse.moba import moba_attention, moba_select
-from attn.sparse.nsa import compression_windows, nsa_attention
+from attn.sparse.moba import block_key_sums, moba_attention, moba_select
+from attn.sparse.nsa import compressed_at_ends, compression_windows, nsa_attention
 
 __all__ = [
+    "block_key_sums",
+    "compressed_at_ends",
     "compression_windows",
     "indexed_topk_attention",
     "indexer_loss",

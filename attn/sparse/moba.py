@@ -29,8 +29,8 @@ from typing import Unpack
 import jax
 import jax.numpy as jnp
 
-from attn.checks import positive_int
-from attn.masks import BlockKind
+from attn.checks import fail, positive_int
+from attn.masks import BlockKind, drop_padding
 from attn.softmax.call import CallArgs, check_call, takes_call_args
 from attn.sparse import gather, layout
 from attn.sparse import pallas as sparse_pallas
@@ -49,6 +49,7 @@ def moba_attention(
     return_lse: bool = False,
     impl: str = "gather",
     platform: str | None = None,
+    key_sums=None,
     **call_args: Unpack[CallArgs],
 ):
     """MoBA: each query head attends over its ``top_k`` blocks (module docstring).
@@ -65,6 +66,8 @@ def moba_attention(
         ``"pallas"`` (``attn.sparse.pallas``: a block-sparse kernel over each query block's
         selected blocks; default positions, no segments, modifiers or sinks).
       platform: the Pallas kernel's (``attn.sparse.pallas.block_sparse_attention``).
+      key_sums: ``[B,S,K,H]`` float32, ``block_key_sums(k, ...)`` kept by a decode cache
+        (each key's running sum along its block); None computes them from k.
       **call_args: the call's (``attn.softmax.call.CallArgs``); default mask
         ``full()`` as everywhere, so pass ``masks.causal()`` for a decoder.
         No bias or boolean mask array (a ``ValueError``).
@@ -78,14 +81,17 @@ def moba_attention(
     block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
     chunk = positive_int(chunk, "chunk")
     sparse_pallas.check_impl(c, impl, platform, return_lse, "moba_attention")
-    out, lse = _moba(c, q, k, v, block_size=block_size, top_k=top_k, chunk=chunk, impl=impl,
-                     platform=platform)  # fmt: skip
+    if key_sums is not None and getattr(key_sums, "shape", None) != k.shape:
+        fail("key_sums", f"shape {k.shape}, as k's", getattr(key_sums, "shape", key_sums))
+    out, lse = _moba(c, q, k, v, key_sums, block_size=block_size, top_k=top_k, chunk=chunk,
+                     impl=impl, platform=platform)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
 @gather.jit_static("block_size", "top_k", "chunk", "impl", "platform")
-def _moba(c, q, k, v, *, block_size, top_k, chunk, impl, platform):
-    start, stop = moba_select(c, q, k, block_size=block_size, top_k=top_k, chunk=chunk)
+def _moba(c, q, k, v, key_sums, *, block_size, top_k, chunk, impl, platform):
+    start, stop = moba_select(c, q, k, block_size=block_size, top_k=top_k, chunk=chunk,
+                              key_sums=key_sums)  # fmt: skip
     if impl == "pallas":
         ids = sparse_pallas.block_ids(start, stop, block_size)
         out = sparse_pallas.block_sparse_attention(c, q, k, v, ids, block=block_size,
@@ -94,16 +100,21 @@ def _moba(c, q, k, v, *, block_size, top_k, chunk, impl, platform):
     return gather.gathered_attention(c, q, k, v, start, stop, block=block_size, chunk=chunk)
 
 
-def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CHUNK):
+def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CHUNK,
+                key_sums=None):  # fmt: skip
     """The blocks each query head reads: ``(start, stop)`` ``[B,T,N,top_k]`` key index ranges.
 
     Not differentiated (the selection is discrete). ``stop <= start`` where a
-    query has fewer than ``top_k`` blocks to read.
+    query has fewer than ``top_k`` blocks to read. A block's mean key is its
+    last key's running sum (``key_sums``, or ``block_key_sums``) over its length.
     """
     B, T, S, N, K, G, H, _ = c.dims
     q, k, _ = c.isolate(q, k, k)
     runs = layout.locate(c)
-    means = jax.lax.stop_gradient(block_means(c, k, block_size))  # [B,S,K,H]
+    if key_sums is None:
+        key_sums = block_key_sums(k, block_size, kv_positions=c.kv_positions,
+                                  kv_segment_ids=c.kv_segment_ids)  # fmt: skip
+    sums = jax.lax.stop_gradient(drop_padding(key_sums, c.kv_segment_ids))
     J = layout.max_blocks(S, block_size)
     n = min(top_k, J)
     C, _ = chunks(T, chunk)
@@ -113,7 +124,9 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
         runs_c = layout.Runs(*rc)
         blk = layout.blocks(c.mask, runs_c, pos, block_size, S)
         b = jnp.arange(B)[:, None, None]
-        mean = means[b, jnp.minimum(blk.start, S - 1)]  # [B,C,M,K,H]
+        last = jnp.clip(blk.stop - 1, 0, S - 1)
+        count = jnp.maximum(blk.stop - blk.start, 1).astype(jnp.float32)[..., None, None]
+        mean = sums[b, last].astype(jnp.float32) / count  # [B,C,M,K,H]
         gate = jnp.einsum(
             "BCKGH,BCMKH->BCKGM",
             qc.reshape(B, -1, K, G, H),
@@ -136,14 +149,33 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
     return unsplit(start, T), unsplit(stop, T)
 
 
-def block_means(c, k, block_size: int):
-    """``[B,S,K,H]`` float32: each block's mean key, at the index of the block's first key
-    (other entries 0)."""
+def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None):
+    """Each key's running sum along its block: ``[B,S,K,H]`` float32.
+
+    Blocks are ``position // block_size`` within each segment's run of keys
+    (``attn.sparse.layout``); key s holds the sum of its block's keys up to and
+    including s, so a block's last key holds the block's sum. A decode cache
+    keeps these beside the keys: a new key's sum is its predecessor's plus
+    itself, or itself where its block starts.
+
+    Args:
+      k: ``[B,S,K,H]``; kv_positions, kv_segment_ids: ``[B,S]`` (default ``arange(S)``,
+        one segment).
+    """
+    k = jnp.asarray(k)
     B, S = k.shape[:2]
-    pos = c.kv_positions
-    ids = c.kv_segment_ids if c.kv_segment_ids is not None else jnp.ones((B, S), jnp.int32)
-    first = jnp.maximum(jnp.arange(S) - pos % block_size, layout.run_starts(ids))
-    b = jnp.arange(B)[:, None]
-    sums = jnp.zeros(k.shape, jnp.float32).at[b, first].add(k.astype(jnp.float32))
-    counts = jnp.zeros((B, S), jnp.float32).at[b, first].add(1.0)
-    return sums / jnp.maximum(counts, 1.0)[..., None, None]
+    pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if kv_positions is None
+                           else jnp.asarray(kv_positions, jnp.int32), (B, S))  # fmt: skip
+    ids = jnp.ones((B, S), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
+    block = pos // block_size
+    starts = jnp.concatenate(
+        [jnp.ones((B, 1), bool), (block[:, 1:] != block[:, :-1]) | (ids[:, 1:] != ids[:, :-1])], 1
+    )
+
+    def add(a, b):  # a segmented sum: a run restarts where a block starts
+        (a_start, a_sum), (b_start, b_sum) = a, b
+        keep = b_start[..., None, None]
+        return a_start | b_start, jnp.where(keep, b_sum, a_sum + b_sum)
+
+    _, sums = jax.lax.associative_scan(add, (starts, k.astype(jnp.float32)), axis=1)
+    return sums

@@ -98,6 +98,23 @@ def compression_windows(
     return jnp.where(mask, windows, jnp.zeros((), windows.dtype)), real
 
 
+def compressed_at_ends(x, *, compress_block: int = 32, compress_stride: int = 16,
+                       kv_positions=None, kv_segment_ids=None):  # fmt: skip
+    """Per-token values ``x [B,S,...]`` (a decode cache's compressed key or value of the
+    block ending at each token) in ``nsa_attention``'s slot layout ``[B,M,...]``.
+
+    Slot m's block ends at key ``start + compress_block - 1`` (``compression_slots``);
+    slots without a block hold zeros.
+    """
+    c = _slots_call(x, kv_positions, kv_segment_ids)
+    block, stride = _compression(compress_block, compress_stride)
+    start, real = compression_slots(c, block, stride)
+    x = jnp.asarray(x)
+    ends = x[jnp.arange(x.shape[0])[:, None], jnp.minimum(start + block - 1, c.dims.S - 1)]
+    mask = real.reshape(real.shape + (1,) * (ends.ndim - 2))
+    return jnp.where(mask, ends, jnp.zeros((), ends.dtype))
+
+
 def _slots_call(x, kv_positions, kv_segment_ids) -> Call:
     x = jnp.asarray(x)
     if x.ndim < 3:

@@ -29,6 +29,7 @@ from analysis.experiments import (
     induction_heads,
     recall_frontier,
     sinks_streaming,
+    sparse,
     state_tracking,
     windows_global,
 )
@@ -47,6 +48,7 @@ MODULES = {
     "windows_global": windows_global,
     "recall_frontier": recall_frontier,
     "state_tracking": state_tracking,
+    "sparse": sparse,
 }
 
 
@@ -232,6 +234,38 @@ def test_state_tracking_claims_read_the_table():
     assert not none["holds"] and "deltaproduct3 0.20, mha 0.10" in none["measured"]
     with pytest.raises(ValueError, match=r"^variants: expected"):
         state_tracking.Config(variants=("mamba3",))
+
+
+def test_sparse_quick(tmp_path):
+    config = quick_config("sparse")
+    results = sparse.run(config, tmp_path)
+    check_common(results, tmp_path, "sparse")
+    assert len(results["runs"]) == len(config.variants) * len(config.tasks)
+    for run in results["runs"].values():
+        assert all(0 <= run["accuracy"][str(f)] <= 1 for f in config.factors)
+    assert results["keys_read"]["window"]["32"] == config.reads
+    assert "keys read per query" in results["claim"]["measured"]
+
+
+def test_sparse_keys_read_and_claim():
+    """Keys read by the last query of each variant, and the claim's rule on hand-made
+    accuracies."""
+    config = sparse.Config()
+    assert sparse.keys_read(config, "mha", 1024) == 1024
+    assert sparse.keys_read(config, "window", 1024) == sparse.keys_read(config, "dsa", 1024) == 64
+    assert sparse.keys_read(config, "moba", 1024) == 64  # 4 blocks of 16, its own one full
+    assert sparse.keys_read(config, "moba", 1000) == 56  # its own block holds 8 positions
+    assert sparse.keys_read(config, "nsa", 1024) == 16 + 32 + (1024 - 16) // 8 + 1
+    assert sparse.keys_read(config, "gated_deltanet", 1024) is None
+
+    def results(accs):
+        return {sparse.Run("needle", v): {"accuracy": {"1": a}} for v, a in accs.items()}
+
+    assert sparse.claim(config, results({"moba": 0.95, "window": 0.3}))["holds"]
+    assert not sparse.claim(config, results({"moba": 0.95, "window": 0.6}))["holds"]
+    assert not sparse.claim(config, results({"nsa": 0.99, "window": 0.3}))["holds"]  # reads more
+    with pytest.raises(ValueError, match="reads"):
+        sparse.Config(reads=40)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -40,6 +40,30 @@ def test_mqar_labels_are_the_values_of_the_queried_keys(random_fill):
             assert (tok[blanks] == 0).all()
 
 
+def test_needles_lie_anywhere_and_are_queried_at_the_end():
+    cfg = TaskConfig(name="needle", seq_len=60, vocab_size=64, num_pairs=6)
+    b = make_task(cfg).batch(seed=1, split="test", step=0, batch_size=64)
+    tokens, labels = b["tokens"], b["labels"]
+    n, T, quarter, half = 6, 60, 16, 32
+    starts = []
+    for tok, lab in zip(tokens, labels, strict=True):
+        where = np.flatnonzero(lab != IGNORE)
+        assert where.tolist() == list(range(T - n, T))  # the queries: the last n tokens
+        hay = tok[: T - n]
+        found = np.flatnonzero(hay < quarter)  # keys are the only tokens below V/4
+        assert len(found) == n and sorted(hay[found]) == sorted(tok[T - n :])
+        assert ((hay[found + 1] >= quarter) & (hay[found + 1] < half)).all()  # then its value
+        pairs = dict(zip(hay[found], hay[found + 1], strict=True))
+        assert [pairs[k] for k in tok[T - n :]] == lab[T - n :].tolist()
+        others = np.setdiff1d(np.arange(T - n), np.concatenate([found, found + 1]))
+        assert (hay[others] >= half).all()  # filler only in between
+        starts += found.tolist()
+    # the needles are spread over the whole haystack, its first and last pairs included
+    assert min(starts) == 0 and max(starts) == T - n - 2
+    with pytest.raises(ValueError, match="num_pairs"):
+        TaskConfig(name="needle", seq_len=12, vocab_size=64, num_pairs=5)
+
+
 def test_mqar_min_pairs_varies_training_examples_only():
     cfg = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8, min_pairs=2)
     task = make_task(cfg)

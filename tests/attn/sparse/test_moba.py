@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attn import dot_product_attention, masks, scores
-from attn.sparse import moba_attention
+from attn.sparse import block_key_sums, moba_attention
 from tests.attn.sparse import reference as ref
 from tests.util import qkv, rel_err
 
@@ -90,6 +90,24 @@ def test_packed_rows_choose_within_their_sequence():
             q[:1, lo:hi], k[:1, lo:hi], v[:1, lo:hi], block_size=4, top_k=2, mask=masks.causal()
         )
         assert rel_err(got[:1, lo:hi], alone) <= RTOL
+
+
+def test_key_sums_kept_by_a_cache_give_the_same_selection():
+    """Running sums along blocks (what a decode cache keeps) equal the sums of each block's
+    keys so far, and passing them changes nothing."""
+    (q, k, v), rows = inputs(7)
+    k = np.nan_to_num(k)
+    sums = block_key_sums(k, 4, kv_positions=rows["kv_positions"],
+                          kv_segment_ids=rows["kv_segment_ids"])  # fmt: skip
+    seg, pos = rows["kv_segment_ids"][0], rows["kv_positions"][0]
+    for s in (0, 3, 4, 14, 16, 33):  # block starts, ends and middles, over three sequences
+        same = (seg == seg[s]) & (pos // 4 == pos[s] // 4) & (np.arange(T) <= s)
+        np.testing.assert_allclose(sums[0, s], k[0, same].sum(0), rtol=1e-5, atol=1e-6)
+    kw = dict(block_size=4, top_k=2, mask=masks.causal(), **rows)
+    want = moba_attention(q, k, v, **kw)
+    assert rel_err(moba_attention(q, k, v, key_sums=sums, **kw), want) == 0
+    with pytest.raises(ValueError, match="key_sums"):
+        moba_attention(q, k, v, key_sums=sums[:, :5], **kw)
 
 
 def test_bad_input():

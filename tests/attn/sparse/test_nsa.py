@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attn import dot_product_attention, masks
-from attn.sparse import compression_windows, nsa_attention
+from attn.sparse import compressed_at_ends, compression_windows, nsa_attention
 from tests.attn.sparse import reference as ref
 from tests.util import normal, qkv, rel_err
 
@@ -114,6 +114,21 @@ def test_compression_windows_hold_each_complete_block():
     # row 0: sequences of 13, 17 and 6 at 0, 13 and 30: blocks start every 2 positions
     assert starts == [0, 2, 4, 6, 8, 13, 15, 17, 19, 21, 23, 25, 30, 32]
     assert (np.diff(np.asarray(win[0])[np.asarray(real[0])][..., 0, 0], axis=1) == 1).all()
+
+
+def test_per_token_compressed_blocks_in_slot_layout():
+    """What a decode cache keeps (the compressed block ending at each token) read back in
+    slot layout equals compressing the slots' windows."""
+    (_, k, *_), rows = inputs(4)
+    k = jnp.nan_to_num(k)
+    win = dict(compress_block=4, compress_stride=2, kv_positions=rows["kv_positions"],
+               kv_segment_ids=rows["kv_segment_ids"])  # fmt: skip
+    slots, real = compression_windows(k, **win)
+    want = slots.sum(2)  # a stand-in compression: the block's sum
+    padded = jnp.pad(k, ((0, 0), (3, 0), (0, 0), (0, 0)))
+    ending = sum(padded[:, i : i + T] for i in range(4))  # the 4 keys ending at each token
+    got = compressed_at_ends(ending, **win)
+    assert real.any() and rel_err(got, want) <= 1e-6
 
 
 def test_bad_input():
