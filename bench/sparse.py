@@ -11,8 +11,9 @@ Measures, at B=1, N=8 query heads over K=2 kv heads, H=64, causal, float32:
    FLOP count of each forward + backward program; the speed-up over blockwise
    and the length where it crosses 1x.
 2. One decode step (T = 1) over a context of ``decode_context`` keys: each
-   method against dense attention over the whole cache (the sparse methods
-   find their blocks or tokens from the keys at each step).
+   method, reading what its decode cache keeps beside the keys (MoBA's running
+   key sums, NSA's compressed blocks, DSA's indexer keys), against dense
+   attention over the whole cache.
 
 Every method reads about ``reads`` = 512 keys per query: MoBA 8 blocks of 64,
 NSA 4 selected blocks of 64 and a window of 256 beside its compressed tokens,
@@ -159,14 +160,23 @@ def vs_length(cfg: Config, lengths) -> dict:
 
 
 def decode_step(cfg: Config) -> dict:
-    """One query over ``decode_context`` keys: seconds per method (dense over the whole cache
-    for the baseline: one query has no blocks to skip)."""
+    """One query over ``decode_context`` keys: seconds per method, each reading what its
+    decode cache keeps beside the keys (MoBA's running key sums, NSA's compressed blocks,
+    DSA's indexer keys); the baseline is dense attention over the whole cache (one query
+    has no blocks to skip)."""
     fns, _ = method_fns(cfg)
-    fns = dict(fns, blockwise=lambda q, k, v, *_: attn.dot_product_attention(q, k, v))
-    S = cfg.decode_context
+    S, b = cfg.decode_context, cfg.block
     args = inputs(cfg, 1, S)
-    # the query is the last position: NSA's gates and DSA's indexer inputs for one token
-    seconds = best_times({name: (fn, args) for name, fn in fns.items()}, cfg.repeats)
+    sums = attn.sparse.block_key_sums(args[1], b)
+
+    def moba(q, k, v, *rest, key_sums):
+        return attn.moba_attention(q, k, v, block_size=b, top_k=cfg.reads // b, chunk=cfg.chunk,
+                                   mask=masks.causal(), key_sums=key_sums)  # fmt: skip
+
+    jobs = {name: (fn, args) for name, fn in fns.items() if name != "moba"}
+    jobs["blockwise"] = (lambda q, k, v, *_: attn.dot_product_attention(q, k, v), args)
+    jobs["moba"] = (lambda *a: moba(*a[:-1], key_sums=a[-1]), (*args, sums))
+    seconds = best_times(jobs, cfg.repeats)
     for name, s in seconds.items():
         print(f"  decode S={S}: {name:>9} {s * 1e3:9.3f} ms", flush=True)
     return {"S": S, "seconds": seconds, "baseline": "dense"}
@@ -218,6 +228,21 @@ def main(cfg: Config) -> dict:
     return result
 
 
+def attention_flops(c: dict, method: str, T: int) -> float:
+    """Forward FLOPs of the score and value products over the keys each query reads."""
+    N, H = c["heads"], c["head_dim"]
+    if method == "blockwise":
+        reads = T * (T + 1) / 2
+    elif method == "nsa":
+        b = c["block"]
+        window, selected = c["reads"] // 2, (c["reads"] // (2 * b)) * b
+        compressed = max(0, (T - b // 2) // (b // 4) + 1)
+        reads = T * (window + selected + compressed / 2)  # a query sees half the blocks on average
+    else:
+        reads = T * c["reads"]
+    return 4.0 * c["batch"] * N * H * reads
+
+
 def _ms(x):
     return "skipped" if x is None else f"{x * 1e3:.1f}"
 
@@ -250,16 +275,26 @@ def markdown(r: dict) -> str:
             for m, x in r["crossover"][kind].items()
         )
         lines.append(f"\nCrosses 1x: {cross}.\n")
-    lines.append("\n## forward + backward temporary memory (MiB, XLA) and GFLOP\n")
+    lines.append(
+        "\n## forward: attention GFLOP (the score and value products of what each query reads) "
+        "and the rate achieved; forward + backward temporary memory (MiB, XLA)\n"
+    )
     lines.append("| T | " + " | ".join(METHODS) + " |")
     lines.append("|---|" + "---|" * len(METHODS))
     for T in r["lengths"]:
         cells = []
         for m in METHODS:
+            t = L["forward"][m].get(str(T), L["forward"][m].get(T))
             b = L["temp_bytes"][m].get(str(T), L["temp_bytes"][m].get(T))
-            f = L["flops"][m].get(str(T), L["flops"][m].get(T))
-            cells.append("skipped" if b is None else f"{b / 2**20:.0f} / {(f or 0) / 1e9:.1f}")
+            f = attention_flops(c, m, T)
+            rate = "" if not t else f" at {f / t / 1e9:.0f} GFLOP/s"
+            cells.append(f"{f / 1e9:.1f}{rate}; {'-' if b is None else f'{b / 2**20:.0f}'}")
         lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    lines.append(
+        "\nGFLOP count 2 flops per multiply-add of q.k and p.v over the keys read (causal "
+        "dense: T(T+1)/2 per head; NSA: its window, selected blocks and compressed tokens); "
+        "XLA's own count (`flops` in the JSON) sees a loop's body once and is not used.\n"
+    )
     d = r["decode"]
     base = d["seconds"]["blockwise"]
     lines.append(f"\n## one decode step over S = {d['S']} keys (ms)\n")

@@ -119,20 +119,27 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
     n = min(top_k, J)
     C, _ = chunks(T, chunk)
 
+    def means(blk):  # [B,C|1,M,K,H]: each candidate block's mean key
+        last = jnp.clip(blk.stop - 1, 0, S - 1)
+        count = jnp.maximum(blk.stop - blk.start, 1).astype(jnp.float32)[..., None, None]
+        return sums[jnp.arange(B)[:, None, None], last].astype(jnp.float32) / count
+
+    # Without segment ids every query's run is the whole row: its blocks, and their means,
+    # are the same for all queries, so they are gathered once rather than per query.
+    shared = None
+    if c.q_segment_ids is None:
+        row = layout.Runs(*(x[:, :1] for x in runs))
+        shared = means(layout.blocks(c.mask, row, c.q_positions[:, :1], block_size, S))[:, 0]
+
     def one(xs):
         qc, pos, *rc = xs
         runs_c = layout.Runs(*rc)
         blk = layout.blocks(c.mask, runs_c, pos, block_size, S)
-        b = jnp.arange(B)[:, None, None]
-        last = jnp.clip(blk.stop - 1, 0, S - 1)
-        count = jnp.maximum(blk.stop - blk.start, 1).astype(jnp.float32)[..., None, None]
-        mean = sums[b, last].astype(jnp.float32) / count  # [B,C,M,K,H]
-        gate = jnp.einsum(
-            "BCKGH,BCMKH->BCKGM",
-            qc.reshape(B, -1, K, G, H),
-            mean,
-            preferred_element_type=jnp.float32,
-        )
+        qg, f32 = qc.reshape(B, -1, K, G, H), jnp.float32
+        if shared is None:
+            gate = jnp.einsum("BCKGH,BCMKH->BCKGM", qg, means(blk), preferred_element_type=f32)
+        else:
+            gate = jnp.einsum("BCKGH,BMKH->BCKGM", qg, shared, preferred_element_type=f32)
         own = jnp.arange(J) == layout.own_block(runs_c, pos, block_size)[..., None]
         own &= blk.kind != int(BlockKind.EMPTY)
         forced = own | (blk.kind == int(BlockKind.PARTIAL))

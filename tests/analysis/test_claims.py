@@ -292,7 +292,7 @@ def test_cli_exit_code_is_one_on_errors(tmp_path):
     assert data["rows"][0]["status"] == "error"
 
 
-@pytest.mark.parametrize("only", ["18", "0", "1,x", ","])
+@pytest.mark.parametrize("only", ["19", "0", "1,x", ","])
 def test_cli_rejects_bad_claim_numbers(tmp_path, only):
     with pytest.raises(ValueError, match="--only"):
         claims.main(["--only", only, "--out", str(tmp_path)])

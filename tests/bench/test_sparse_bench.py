@@ -16,19 +16,20 @@ def bench():
 
 
 def test_a_tiny_run_writes_the_report(bench, tmp_path):
-    cfg = bench.Config(quick=True, lengths=(128, 256), out_dir=str(tmp_path), chunk=64)
+    cfg = bench.Config(quick=True, lengths=(256,), out_dir=str(tmp_path), chunk=64, heads=4)
     result = bench.main(cfg)
     L = result["vs_length"]
     for kind in ("forward", "forward_backward"):
         for m in bench.METHODS:
-            assert all(L[kind][m][T] > 0 for T in (128, 256)), (kind, m)
+            assert L[kind][m][256] > 0, (kind, m)
     assert all(L["temp_bytes"][m][256] > 0 for m in bench.METHODS)
     assert set(result["decode"]["seconds"]) == set(bench.METHODS)
     assert set(result["crossover"]["forward"]) == {"moba", "nsa", "dsa"}
     saved = json.loads((tmp_path / "sparse-cpu-quick.json").read_text())
-    assert saved["lengths"] == [128, 256]
+    assert saved["lengths"] == [256]
     report = (tmp_path / "sparse-cpu-quick.md").read_text()
     assert "| 256 |" in report and "Crosses 1x" in report and "decode step" in report
+    assert "GFLOP/s" in report
     assert (tmp_path / "sparse-cpu-quick.png").stat().st_size > 0
 
 
