@@ -163,6 +163,39 @@ def run_all(worker, todo: Sequence, jobs: int, report=None) -> dict:
     return results
 
 
+def plot_lengths(path: Path, panels: dict, lengths, *, ylabel: str, dashed=(), chance=None):
+    """Accuracy against test length, one panel per entry of ``panels``.
+
+    Args:
+      panels: title -> {label: accuracies at ``lengths``}.
+      dashed: labels drawn dashed (the baselines).
+      chance: title -> the chance level, drawn dotted (None: none).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
+        for label, accs in lines.items():
+            ax.plot(lengths, accs, "--" if label in dashed else "-", marker="o", label=label)
+        if chance and title in chance:
+            ax.axhline(chance[title], color="gray", ls=":", lw=1, label="chance")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(t) for t in lengths])
+        ax.set_ylim(0, 1.02)
+        ax.set_title(title)
+        ax.set_xlabel("test length (trained at the first)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def token_losses(model: nnx.Module, tokens, targets) -> np.ndarray:
     """Cross-entropy of each next-token prediction, ``[B,T]`` float32 (nats).
 

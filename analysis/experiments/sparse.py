@@ -286,40 +286,30 @@ def table_md(config: Config, results: dict[Run, dict]) -> str:
         f"lr {config.lr}), tested at T = "
         f"{', '.join(str(config.train_len * f) for f in config.factors)}; accuracy over the "
         f"labelled positions ({config.num_pairs} per example, {examples} examples "
-        f"per length). {config.num_layers} layers of width {config.width} for every "
-        "variant; keys read by the query at the last position.\n\n"
+        f"per length; chance {', '.join(f'{t} {chance(config, t):.3f}' for t in config.tasks)})."
+        f" {config.num_layers} layers of width {config.width} for every variant; keys read by "
+        "the query at the last position.\n\n"
     )
     return intro + _common.markdown_table(heads, rows)
 
 
+def chance(config: Config, task: str) -> float:
+    """Accuracy by guessing: a value among ``V/4`` (needles) or ``V/2`` (MQAR)."""
+    return 1 / (config.vocab_size // 4 if task == "needle" else config.vocab_size // 2)
+
+
 def plot(config: Config, results: dict[Run, dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = [t for t in config.tasks if any(r.task == t for r in results)]
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.5 * len(tasks), 3.6), squeeze=False)
+    panels = {}
+    for run, res in results.items():
+        title = f"{run.task} (trained at T = {config.train_len})"
+        panels.setdefault(title, {})[run.variant] = [
+            res["accuracy"][str(f)] for f in config.factors
+        ]
+    levels = {f"{t} (trained at T = {config.train_len})": chance(config, t) for t in config.tasks}
     lengths = [config.train_len * f for f in config.factors]
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for run, res in results.items():
-            if run.task != task:
-                continue
-            style = "-" if run.variant in SPARSE else "--"
-            ax.plot(lengths, [res["accuracy"][str(f)] for f in config.factors], style,
-                    marker="o", label=run.variant)  # fmt: skip
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [str(t) for t in lengths])
-        ax.set_ylim(0, 1.02)
-        ax.set_title(f"{task} (trained at T = {config.train_len})")
-        ax.set_xlabel("test length")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("recall accuracy (higher is better)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    dashed = [v for v in VARIANTS if v not in SPARSE]
+    return _common.plot_lengths(path, panels, lengths, dashed=dashed, chance=levels,
+                                ylabel="recall accuracy (higher is better)")  # fmt: skip
 
 
 def run(config: Config, out: Path) -> dict[str, Any]:

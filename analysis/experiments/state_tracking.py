@@ -333,33 +333,14 @@ def _group_order(config: Config, task: str) -> int:
 
 
 def plot(config: Config, table: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = list(table)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.6), squeeze=False)
+    panels = {
+        task: {v: [r["accuracy"][str(f)] for f in config.factors] for v, r in per.items()}
+        for task, per in table.items()
+    }
+    chance = {task: 1 / _group_order(config, task) for task in table}
     lengths = [config.train_len * f for f in config.factors]
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for variant, r in table[task].items():
-            style = "--" if variant in POSITIVE else "-"
-            accs = [r["accuracy"][str(f)] for f in config.factors]
-            ax.plot(lengths, accs, style, marker="o", label=variant)
-        chance = 1 / _group_order(config, task)
-        ax.axhline(chance, color="gray", ls=":", lw=1, label="chance")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [str(t) for t in lengths])
-        ax.set_ylim(0, 1.02)
-        ax.set_title(task)
-        ax.set_xlabel("test length (trained at the first)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("accuracy over positions (higher is better)")
-    axes[0][-1].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _common.plot_lengths(path, panels, lengths, dashed=POSITIVE, chance=chance,
+                                ylabel="accuracy over positions (higher is better)")  # fmt: skip
 
 
 def run(config: Config, out: Path) -> dict[str, Any]:
