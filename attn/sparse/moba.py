@@ -170,6 +170,9 @@ def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None
         one segment).
     """
     k = jnp.asarray(k)
+    block_size = positive_int(block_size, "block_size")
+    if k.ndim != 4:
+        fail("k", "keys [B,S,K,H]", k.shape)
     B, S = k.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if kv_positions is None
                            else jnp.asarray(kv_positions, jnp.int32), (B, S))  # fmt: skip

@@ -108,6 +108,16 @@ def test_key_sums_kept_by_a_cache_give_the_same_selection():
     assert rel_err(moba_attention(q, k, v, key_sums=sums, **kw), want) == 0
     with pytest.raises(ValueError, match="key_sums"):
         moba_attention(q, k, v, key_sums=sums[:, :5], **kw)
+    # linear in k: the gradient of <sums, ct> at key s sums ct over s and its block's later keys
+    ct = np.random.default_rng(2).standard_normal(sums.shape).astype(np.float32)
+    grad = jax.grad(lambda k: jnp.sum(block_key_sums(k, 4, kv_positions=rows["kv_positions"],
+                                                     kv_segment_ids=rows["kv_segment_ids"]) * ct))(
+        jnp.asarray(k)
+    )  # fmt: skip
+    s = 13  # the second sequence's first key: its block holds keys 13 to 16
+    np.testing.assert_allclose(grad[0, s], ct[0, 13:17].sum(0), rtol=1e-5)
+    with pytest.raises(ValueError, match="block_size"):
+        block_key_sums(k, 0)
 
 
 def test_bad_input():
