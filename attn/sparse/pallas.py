@@ -99,7 +99,8 @@ def block_sparse_attention(c: Call, q, k, v, ids, *, block: int, block_q: int | 
       q: ``[B,T,N,H]``; k: ``[B,S,K,H]``; v: ``[B,S,K,E]``.
       ids: ``[B,T,X,n]`` int32 selected blocks of ``block`` keys (-1: none); X is 1, K
         or N (who shares a selection, as in ``attn.sparse.gather``).
-      block_q: queries per program (default 64, or T rounded up to 8 when smaller).
+      block_q: queries per program (default 64, or T's next power of two, at least 16,
+        when smaller).
       interpret: Pallas interpret mode; None: on a CPU.
       platform: lower for ``"cpu"``, ``"gpu"`` (``"cuda"``) or ``"tpu"``; None: the host's.
 
@@ -112,9 +113,20 @@ def block_sparse_attention(c: Call, q, k, v, ids, *, block: int, block_q: int | 
     platform = PLATFORMS[given]
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     T = c.dims.T
-    bq = block_q or min(DEFAULT_BLOCK_Q, -(-T // 8) * 8)
+    bq = block_q or min(DEFAULT_BLOCK_Q, max(16, _pow2(T)))
+    if not interpret and platform == "gpu":  # Triton's tiles are powers of two, at least 16
+        H, E = c.dims.H, c.dims.E
+        for name, x in (("block_size", block), ("block_q", bq), ("head dim", H), ("value dim", E)):
+            if x < 16 or x != _pow2(x):
+                fail(name, "a power of two >= 16 for the Pallas kernel on a GPU "
+                     "(impl='gather' takes any)", x)  # fmt: skip
     static = (block, bq, interpret, platform)
     return _sparse(static, c, q, k, v, ids)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -148,7 +160,7 @@ def _forward(static, c: Call, q, k, v, ids):
     B, T, S, N, _, G, H, E = c.dims
     X, n = ids.shape[2], ids.shape[3]
     Tp, Sp = -(-T // bq) * bq, -(-S // block) * block
-    n_pad = 1 << max(0, (n - 1).bit_length())  # Triton tiles are powers of two
+    n_pad = _pow2(n)  # Triton's tiles are powers of two
     q = jnp.pad(q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
     k = jnp.pad(k, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, Sp - S), (0, 0), (0, 0)))

@@ -71,6 +71,8 @@ def test_what_the_kernel_cannot_take_is_refused():
         moba_attention(q, k, v, block_size=4, top_k=2, impl="triton")
     with pytest.raises(ValueError, match="platform"):
         moba_attention(q, k, v, block_size=4, top_k=2, impl="pallas", platform="npu")
+    with pytest.raises(ValueError, match="block_size: expected a power of two >= 16"):
+        moba_attention(q, k, v, block_size=4, top_k=2, impl="pallas", platform="cuda")
 
 
 @pytest.mark.parametrize("method", ["moba", "nsa"])
