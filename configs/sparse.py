@@ -11,8 +11,8 @@ window, MoBA and DSA read 64 keys per query at every length, MHA all of them.
 
 Why 256: on this CPU at T = 512, 300 updates left MHA at 0.19 on the needles (chance
 0.06) and MoBA at 0.15; at T = 256, 600 updates took MHA to 1.00 and MoBA to 0.65
-(training at 512 long enough to learn would take the grid past an hour). The test lengths
-cover the issue's 512 to 4096.
+(training at 512 long enough to learn would take the grid past an hour). The long contexts
+(512 to 4096) are test lengths.
 """
 
 from analysis.experiments.sparse import Config

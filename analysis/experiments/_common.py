@@ -39,6 +39,12 @@ TABLE_FILE = "table.md"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def check_names(field: str, names, allowed) -> None:
+    """Refuses an empty tuple or a name outside ``allowed``, naming the config ``field``."""
+    if not names or any(n not in allowed for n in names):
+        fail(field, f"a non-empty tuple of names in {allowed}", repr(names))
+
+
 def claim(measured: str, criterion: str, holds: bool) -> dict[str, Any]:
     """The claim entry of ``results.json``: the measured value, the rule, the verdict."""
     if not isinstance(measured, str) or not measured:

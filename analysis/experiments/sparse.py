@@ -93,13 +93,8 @@ class Config:
     jobs: int = 2
 
     def __post_init__(self):
-        for field, names, allowed in (
-            ("tasks", self.tasks, TASKS),
-            ("variants", self.variants, VARIANTS),
-        ):
-            bad = [n for n in names if n not in allowed]
-            if bad or not names:
-                fail(field, f"a non-empty tuple of names in {allowed}", repr(names))
+        _common.check_names("tasks", self.tasks, TASKS)
+        _common.check_names("variants", self.variants, VARIANTS)
         if self.reads % (2 * self.block):
             fail("reads", f"a multiple of 2 * block = {2 * self.block}", self.reads)
         if not self.factors or self.factors[0] != 1:

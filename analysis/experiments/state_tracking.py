@@ -142,13 +142,8 @@ class Config:
     jobs: int = 2
 
     def __post_init__(self):
-        for field, names, allowed in (
-            ("tasks", self.tasks, TASKS),
-            ("variants", self.variants, VARIANTS),
-        ):
-            bad = [n for n in names if n not in allowed]
-            if bad or not names:
-                fail(field, f"a non-empty tuple of names in {allowed}", repr(names))
+        _common.check_names("tasks", self.tasks, TASKS)
+        _common.check_names("variants", self.variants, VARIANTS)
         missing = [t for t in self.tasks if t not in dict(self.steps)]
         if missing:
             fail("steps", f"(task, updates) pairs for every task {self.tasks}", repr(self.steps))
