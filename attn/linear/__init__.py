@@ -15,6 +15,11 @@ Modules:
   eigenvalues), ``ssd_step``;
 * ``product``: DeltaProduct, several delta-rule steps per token:
   ``delta_product``, ``delta_product_step``;
+* ``sharded``: every family (and ``attn.conv``'s short convolution) with the
+  sequence split over a mesh axis: ``sharded_linear_attention``,
+  ``sharded_delta_rule``, ``sharded_delta_product``, ``sharded_ssd``,
+  ``sharded_short_conv``; ``chain`` drives them (the states chained across
+  devices, a backward pass of its own);
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
 * ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
   ``register_feature_map`` adds to) and FAVOR+'s projection.
@@ -43,6 +48,13 @@ from attn.linear.features import (
 )
 from attn.linear.mamba import SSD_FORMS, init_ssd_state, ssd, ssd_decay, ssd_step
 from attn.linear.product import delta_product, delta_product_step
+from attn.linear.sharded import (
+    sharded_delta_product,
+    sharded_delta_rule,
+    sharded_linear_attention,
+    sharded_short_conv,
+    sharded_ssd,
+)
 
 __all__ = [
     "DELTA_FORMS",
@@ -67,6 +79,11 @@ __all__ = [
     "linear_feature_dim",
     "register_feature_map",
     "relu",
+    "sharded_delta_product",
+    "sharded_delta_rule",
+    "sharded_linear_attention",
+    "sharded_short_conv",
+    "sharded_ssd",
     "ssd",
     "ssd_decay",
     "ssd_step",
