@@ -13,6 +13,7 @@ from attn import masks
 from models.cache import CrossCache
 from models.config import KINDS, AttentionConfig, ModelConfig
 from models.heads import dense, fused
+from models.mesh import in_sequence
 from models.softmax import CrossAttention
 
 
@@ -54,7 +55,7 @@ class ShortConv(nnx.Module):
 
     def __call__(self, x, segment_ids=None):
         """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` keep packed sequences apart."""
-        return attn.short_conv(x, self.weight[...], segment_ids=segment_ids)[0]
+        return in_sequence(attn.short_conv)(x, self.weight[...], segment_ids=segment_ids)[0]
 
     def init_state(self, batch: int):
         """Zeros ``[B,W-1,D]``: no input before the first token."""

@@ -65,7 +65,11 @@ class LayerKind:
       check: ``check(cfg)`` raising ``ValueError`` for values the kind cannot take, or None.
       sequence_parallel: True if the module runs under a mesh whose ``"seq"`` axis
         splits each sequence (it attends by the tokens' positions, as ring attention
-        does); otherwise False, or a string saying why it cannot (train refuses it).
+        does, or by its sharded form over the tokens in order: ``in_order``);
+        otherwise False, or a string saying why it cannot (train refuses it).
+      in_order: True if the module runs a recurrence over the tokens in array
+        order (linear attention, the delta rule, Mamba-2): a sequence-parallel
+        run then lays each sequence out in contiguous spans, one per device.
     """
 
     name: str
@@ -74,6 +78,7 @@ class LayerKind:
     config: type | None = None
     check: Callable[[AttentionConfig], None] | None = None
     sequence_parallel: bool | str = False
+    in_order: bool = False
 
     @property
     def config_class(self) -> type:
@@ -101,6 +106,7 @@ def register_kind(
     family: str | None = None,
     check=None,
     sequence_parallel: bool | str = False,
+    in_order: bool = False,
     fields=None,
 ):
     """Adds a layer kind (see ``LayerKind``); a call, or a decorator of the module class.
@@ -155,7 +161,9 @@ def register_kind(
                 "a bool or the reason it cannot (a str)",
                 repr(sequence_parallel),
             )
-        entry = LayerKind(name, module, kind_family, cls, check, sequence_parallel)
+        if not isinstance(in_order, bool):
+            fail("in_order", "a bool", repr(in_order))
+        entry = LayerKind(name, module, kind_family, cls, check, sequence_parallel, in_order)
         KINDS.add(name, entry, defined_by=module)
         return module
 

@@ -24,6 +24,7 @@ from attn import masks
 from attn.checks import fail
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.heads import HeadGate, Heads, dense
+from models.mesh import in_sequence
 from models.patterns import PresetSizes, register_preset
 
 GATES = ("none", "head", "channel")
@@ -118,8 +119,8 @@ def decay_init(heads: int, channels: int, key):
     "delta",
     config=DeltaConfig,
     family="linear",
-    sequence_parallel="the delta rule runs its recurrence in array order, which the "
-    "sequence-parallel layout permutes; it cannot run sequence-parallel",
+    sequence_parallel=True,
+    in_order=True,
 )
 class DeltaAttention(Heads):
     """The delta rule (``attn.delta_rule``) with the layer the papers put around it.
@@ -234,11 +235,11 @@ class DeltaAttention(Heads):
         del positions  # the recurrence orders the tokens
         mixed = self.qkv_proj(x)
         if self.conv is not None:
-            mixed = attn.short_conv(mixed, self.conv[...], segment_ids=segment_ids)[0]
+            mixed = in_sequence(attn.short_conv)(mixed, self.conv[...], segment_ids=segment_ids)[0]
         q, k, v = self._split(mixed)
         beta, log_g = self._beta_and_gates(x)
         call = functools.partial(
-            self._rule,
+            in_sequence(self._rule),
             log_gates=log_g,
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,

@@ -21,6 +21,7 @@ from models.config import (
     register_kind,
 )
 from models.heads import Buffer, Heads, dense, step_positions
+from models.mesh import in_sequence
 
 # Gated linear attention: gates are sigmoid(x W + b) ** (1 / 16) (Yang et al.
 # 2023), so they start close to 1 (long memory) and learn to forget.
@@ -113,8 +114,8 @@ class LinearConfig(AttentionConfig):
     "linear",
     config=LinearConfig,
     family="linear",
-    sequence_parallel="linear attention runs its recurrence in array order, which the "
-    "sequence-parallel layout permutes; it cannot run sequence-parallel",
+    sequence_parallel=True,
+    in_order=True,
 )
 class LinearAttention(Heads):
     """Linear attention ``phi(q).phi(k)`` (``attn.linear``), any feature map, form and decay.
@@ -183,8 +184,11 @@ class LinearAttention(Heads):
     def _sequence(self, q, k, v, log_gates, segment_ids, **kwargs):
         """``linear_attention`` over T tokens with this layer's options."""
         cfg = self.cfg
+        # A causal layer follows the mesh (sharded over "seq"); a bidirectional
+        # one reads global sums, which XLA partitions.
+        fn = in_sequence(attn.linear_attention) if self.causal else attn.linear_attention
         call = functools.partial(
-            attn.linear_attention,
+            fn,
             causal=self.causal,
             chunk_size=cfg.chunk_size,
             log_gates=log_gates,

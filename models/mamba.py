@@ -22,6 +22,7 @@ from attn.checks import fail
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.delta import decay_init
 from models.heads import Heads, dense
+from models.mesh import in_sequence
 from models.patterns import PresetSizes, register_preset
 
 NORM_EPS = 1e-5  # Mamba-2's gated RMSNorm epsilon
@@ -85,8 +86,8 @@ class Mamba2Cache:
     "mamba2",
     config=Mamba2Config,
     family="linear",
-    sequence_parallel="Mamba-2 runs its recurrence in array order, which the "
-    "sequence-parallel layout permutes; it cannot run sequence-parallel",
+    sequence_parallel=True,
+    in_order=True,
 )
 class Mamba2(Heads):
     """Mamba-2's block as its paper and reference code build it.
@@ -172,12 +173,12 @@ class Mamba2(Heads):
         """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
         del positions  # the recurrence orders the tokens
         z, xbc, dt = self._split(x)
-        conv = attn.short_conv(
+        conv = in_sequence(attn.short_conv)(
             xbc, self.conv_weight[...], self.conv_bias[...], segment_ids=segment_ids
         )[0]
         xs, b, c = self._ssd_inputs(conv)
         call = functools.partial(
-            attn.ssd,
+            in_sequence(attn.ssd),
             dt=dt,
             B=b,
             C=c,

@@ -4,8 +4,10 @@ A model holds no mesh. Its layers read the mesh the caller set with
 ``jax.set_mesh(mesh)`` (``jax.sharding.get_abstract_mesh()`` while tracing):
 
 * ``SEQ_AXIS`` ("seq") splits sequences: softmax layers run as ring attention
-  over it (``models.softmax``), and ``ring_layout`` is the order a sequence is
-  laid out in over its devices;
+  over it (``models.softmax``), the recurrent layers and short convolutions as
+  their sharded forms (``in_sequence``: ``attn.linear.sharded``, states chained
+  across devices), and ``ring_layout`` is the order a sequence is laid out in
+  over its devices (contiguous where a layer runs in array order);
 * ``BATCH_AXES`` ("data", "fsdp") split the batch: attention runs per shard
   of rows (``batch_axes``).
 
@@ -23,6 +25,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
+import attn
 from attn import ring, scores
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "SEQ_AXIS",
     "batch_axes",
     "explicit_spec",
+    "in_sequence",
     "ring_layout",
     "seq_devices",
     "shard_rows",
@@ -62,20 +66,52 @@ def batch_axes(batch: int) -> tuple[str, ...]:
     return axes if batch % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
-def ring_layout(length: int, num_devices: int) -> np.ndarray:
+def ring_layout(length: int, num_devices: int, in_order: bool = False) -> np.ndarray:
     """The order in which to lay a sequence of ``length`` out over ``num_devices`` devices.
 
     ``x[:, order]`` puts device i's tokens in the i-th run of ``length / P``
     (a sharded ``[B,T]`` array's layout) and ``order`` is their positions. The
     zigzag layout (``attn.ring.zigzag_order``, every device one early and one
-    late chunk: the same causal work on each) where ``2P`` divides the length,
-    else the contiguous one.
+    late chunk: the same causal work on each) where ``2P`` divides the length
+    and no layer runs in array order (``in_order``: a recurrence or a short
+    convolution, whose devices hold contiguous spans), else the contiguous one.
 
     Raises:
       ValueError: naming ``length`` unless ``num_devices`` divides it.
     """
-    layout = "zigzag" if length % (2 * num_devices) == 0 else "contiguous"
-    return ring.layout_order(length, num_devices, layout)
+    zigzag = not in_order and length % (2 * num_devices) == 0
+    return ring.layout_order(length, num_devices, "zigzag" if zigzag else "contiguous")
+
+
+# The sharded form of each function a layer runs in array order (attn.linear.sharded).
+_SHARDED = {
+    attn.linear_attention: attn.sharded_linear_attention,
+    attn.delta_rule: attn.sharded_delta_rule,
+    attn.delta_product: attn.sharded_delta_product,
+    attn.ssd: attn.sharded_ssd,
+    attn.short_conv: attn.sharded_short_conv,
+}
+
+
+def in_sequence(fn):
+    """``fn`` (one of ``attn``'s recurrences or ``short_conv``), run the way the context mesh
+    splits sequences.
+
+    Without a "seq" axis of several devices, ``fn`` itself; with one, its
+    ``attn.linear.sharded`` form over ``SEQ_AXIS`` (the batch split over the
+    ``batch_axes`` that divide it), called with the same arguments. The
+    sequence must be laid out contiguously (``ring_layout(..., in_order=True)``).
+    """
+    devices = seq_devices()
+    if devices is None or devices == 1:
+        return fn
+    sharded = _SHARDED[fn]
+
+    def call(*args, **kwargs):
+        rows = batch_axes(np.shape(args[0])[0])
+        return sharded(*args, axis_name=SEQ_AXIS, batch_axes=rows, **kwargs)
+
+    return call
 
 
 def explicit_spec(x) -> PartitionSpec | None:

@@ -236,7 +236,8 @@ class Session:
         self.model, self.optimizer = init_state(config, self.task.vocab_size, model_fn)
         if mesh is not None:  # the restore target then carries the mesh's shardings
             place(mesh, self.model, self.optimizer)
-        self.steps = Steps(mesh, self.model, self.optimizer)
+        ordered = sharding.in_order(config.model)
+        self.steps = Steps(mesh, self.model, self.optimizer, ordered)
         # One compile, not one per op.
         self.schedule = jax.jit(optimizer.make_schedule(config.optim, config.steps))
         self.ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)

@@ -21,15 +21,19 @@ shardings) and continues with the same result up to float rounding: the
 reductions over sharded axes may add in another order.
 
 ``seq > 1`` is sequence parallelism: every batch is laid out on the host in
-the zigzag order of ``models.mesh.ring_layout`` (each seq device holds an
-early and a late chunk, which balances causal attention) with the tokens' real
-``positions`` added to it, and the steps run under ``jax.set_mesh(mesh)``, where
-the models' softmax layers (``impl="auto"`` or ``"ring"``) run as ring
-attention over ``seq``. Everything else in a decoder works token by token and
-the loss is a mean over tokens, so the order changes nothing but float
-rounding. Layers that depend on the array order or see the whole sequence
-(linear attention, short convolutions, MLA, explicit other impls) are refused
-by ``check_sequence_parallel`` with a ``ValueError`` naming the layer.
+the order of ``models.mesh.ring_layout`` with the tokens' real ``positions``
+added to it, and the steps run under ``jax.set_mesh(mesh)``, where the models'
+softmax layers (``impl="auto"`` or ``"ring"``) run as ring attention over
+``seq`` and the recurrent layers (linear attention, the delta rule, Mamba-2)
+and short convolutions as their sharded forms (``attn.linear.sharded``: each
+device its span, the states chained across devices). The order is zigzag
+(each seq device holds an early and a late chunk, which balances causal
+attention) unless a layer runs in array order (``in_order``), which needs
+contiguous spans. Everything else in a decoder works token by token and the
+loss is a mean over tokens, so the order changes nothing but float rounding.
+Layers that see the whole sequence another way (MLA, FoX, explicit other
+impls) are refused by ``check_sequence_parallel`` with a ``ValueError`` naming
+the layer.
 
 ``jit`` does the rest: XLA inserts the collectives (all-gathers of fsdp shards,
 reductions of gradients over ``data``) from the input shardings, and the step
@@ -58,6 +62,7 @@ __all__ = [
     "check_sequence_parallel",
     "constrain",
     "gather",
+    "in_order",
     "is_explicit",
     "make_mesh",
     "mesh_shape",
@@ -233,15 +238,13 @@ def check_seq_len(mesh: Mesh, seq_len: int) -> None:
 def check_sequence_parallel(model, name: str = "model") -> None:
     """Raises ``ValueError`` naming the first layer that cannot run with the sequence sharded.
 
-    Sequence-parallel steps feed the model its tokens in the zigzag order with
-    their positions (see the module docstring). A softmax layer attends by
-    position, as ring attention over ``seq``; these cannot:
+    Sequence-parallel steps feed the model its tokens in the ``ring_layout``
+    order with their positions (see the module docstring). A softmax layer
+    attends by position, as ring attention over ``seq``, and a recurrence or a
+    short convolution runs sharded over contiguous spans; these cannot:
 
     - a kind not registered with ``sequence_parallel=True`` (``models.LayerKind``),
-      e.g. ``"linear"``: its recurrence runs in array order, which the layout
-      permutes; ``"mla"``: no ring implementation (the registry says why);
-    - ``short_conv > 0``: each token mixes its array neighbours, which the layout
-      separates (and the shard boundaries cut);
+      e.g. ``"mla"``: no ring implementation (the registry says why);
     - ``score="forgetting"`` (FoX): its forget gates are summed in array order;
     - layers with an explicit ``impl`` other than ``"auto"``/``"ring"``:
       those kernels would gather the whole sequence on every device.
@@ -261,12 +264,6 @@ def check_sequence_parallel(model, name: str = "model") -> None:
                     f"{where}.kind: expected one of {able} under a mesh with seq > 1, "
                     f"got {layer.kind!r} ({why})"
                 )
-            if layer.short_conv:
-                raise ValueError(
-                    f"{where}.short_conv: expected 0 under a mesh with seq > 1, got "
-                    f"{layer.short_conv} (a short convolution mixes array neighbours, which the "
-                    "sequence-parallel layout separates across devices)"
-                )
             if getattr(layer, "score", None) == "forgetting":
                 raise ValueError(
                     f"{where}.score: expected not 'forgetting' under a mesh with seq > 1 (FoX "
@@ -281,9 +278,17 @@ def check_sequence_parallel(model, name: str = "model") -> None:
                 )
 
 
-def seq_layout(mesh: Mesh, batch: dict) -> dict:
+def in_order(model) -> bool:
+    """Whether a layer of ``model`` (a ``models.ModelConfig``) runs over its tokens in array
+    order: a kind registered ``in_order`` (a recurrence) or a short convolution."""
+    layers = (*(getattr(model, "layers", ()) or ()), *(getattr(model, "encoder_layers", ()) or ()))
+    return any(KINDS[layer.kind].in_order or layer.short_conv for layer in layers)
+
+
+def seq_layout(mesh: Mesh, batch: dict, ordered: bool = False) -> dict:
     """A host batch in the sequence-parallel layout: its ``[B,T,...]`` arrays reordered
-    along T by ``ring_layout``, with ``positions [B,T]`` int32 (the order) added.
+    along T by ``ring_layout`` (contiguous when ``ordered``: see ``in_order``), with
+    ``positions [B,T]`` int32 (the order) added.
 
     Unchanged when the mesh's ``seq`` is 1.
     """
@@ -291,16 +296,17 @@ def seq_layout(mesh: Mesh, batch: dict) -> dict:
     if seq == 1:
         return batch
     T = next(np.shape(x)[1] for x in batch.values() if np.ndim(x) > 1)
-    order = ring_layout(T, seq)
+    order = ring_layout(T, seq, ordered)
     out = {k: np.asarray(x)[:, order] if np.ndim(x) > 1 else x for k, x in batch.items()}
     B = next(iter(out.values())).shape[0]
     out["positions"] = np.broadcast_to(order.astype(np.int32), (B, T)).copy()
     return out
 
 
-def shard_batch(mesh: Mesh, batch):
-    """A host batch (arrays ``[B, ...]``) as global arrays on ``mesh``: in the ``seq_layout``,
-    split by ``batch_sharding``, each process supplying its own block."""
-    batch = seq_layout(mesh, batch)
+def shard_batch(mesh: Mesh, batch, ordered: bool = False):
+    """A host batch (arrays ``[B, ...]``) as global arrays on ``mesh``: in the ``seq_layout``
+    (contiguous when ``ordered``), split by ``batch_sharding``, each process supplying its
+    own block."""
+    batch = seq_layout(mesh, batch, ordered)
     specs = {k: batch_sharding(mesh, np.ndim(x)) for k, x in batch.items()}
     return distributed.put_batch(mesh, batch, specs)

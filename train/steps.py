@@ -187,8 +187,10 @@ class Steps:
     into them).
     """
 
-    def __init__(self, mesh, model: nnx.Module, optimizer: nnx.Optimizer):
-        self.mesh, self.objects = mesh, (model, optimizer)
+    def __init__(self, mesh, model: nnx.Module, optimizer: nnx.Optimizer, ordered: bool = False):
+        """``ordered``: a layer runs in array order (``train.sharding.in_order``), so a
+        sequence-parallel batch is laid out in contiguous spans."""
+        self.mesh, self.objects, self.ordered = mesh, (model, optimizer), ordered
         self.reload()
 
     def reload(self) -> None:
@@ -203,7 +205,9 @@ class Steps:
             self.synced = True
 
     def _batch(self, batch):
-        return batch if self.mesh is None else sharding.shard_batch(self.mesh, batch)
+        if self.mesh is None:
+            return batch
+        return sharding.shard_batch(self.mesh, batch, self.ordered)
 
     def _context(self):
         # Models read the mesh when they trace (ring attention over "seq", models.softmax).

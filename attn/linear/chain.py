@@ -240,7 +240,7 @@ def chain_over_axis(
         cs = continues(aux.get("seg"), axis_name, P)
         G, d_state0 = _chain_back(rec, Ms, Ds, cs, d_final, me, P)
         d_tokens, d_params, _ = vjp((dy, G))
-        d_params = lax.psum(d_params, axis_name)
+        d_params = lax.psum(d_params, (axis_name, *batch_axes))  # every shard's share
         return d_tokens, d_params, d_state0
 
     specs = (token_spec, PartitionSpec(), token_spec, row_spec)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from attn.checks import fail
@@ -93,6 +94,27 @@ def _abstract(mesh):
     if not isinstance(mesh, Mesh):
         fail("mesh", "a jax.sharding.Mesh or None (the context mesh)", type(mesh).__name__)
     return mesh.abstract_mesh
+
+
+def _check_whole(fn, *args, **kwargs):
+    """Checks a call's arguments by tracing ``fn`` on their whole shapes (nothing runs).
+
+    The arrays are traced unsharded: what is checked is the call, not its layout
+    (on an Explicit mesh the one-device form could not even trace a sharded T).
+    """
+
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+
+    def call(*values):
+        filled = list(leaves)
+        for i, value in zip(arrays, values, strict=True):
+            filled[i] = value
+        a, k = jax.tree.unflatten(tree, filled)
+        return fn(*a, **k)
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in arrays]
+    jax.eval_shape(call, *shapes)
 
 
 def _mesh_size(mesh, axis_name):
@@ -197,7 +219,9 @@ def _linear(options):
         )
 
     def zeros(t, p):
-        shape = jax.eval_shape(lambda: run(t, p, {}, None)[1])
+        # Traced on unsharded shapes: only the state's shape is wanted.
+        plain = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (t, p))
+        shape = jax.eval_shape(lambda t, p: run(t, p, {}, None)[1], *plain)
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shape)
 
     def transition(t, p, a):
@@ -249,17 +273,16 @@ def sharded_linear_attention(
     arrays = dict(q=q, k=k, v=v, log_gates=log_gates)
     state = initial_state
     # The whole call's arguments are checked once, with their whole shapes.
-    jax.eval_shape(
-        lambda: linear_attention(
-            **arrays,
-            decay=decay,
-            projection=projection,
-            negative_gates=negative_gates,
-            q_segment_ids=q_segment_ids,
-            kv_segment_ids=kv_segment_ids,
-            initial_state=state,
-            **options,
-        )
+    _check_whole(
+        linear_attention,
+        **arrays,
+        decay=decay,
+        projection=projection,
+        negative_gates=negative_gates,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        initial_state=state,
+        **options,
     )
     params = dict(decay=None if decay is None else jnp.asarray(decay, jnp.float32))
     params["projection"] = projection
@@ -326,10 +349,8 @@ def sharded_ssd(
     Returns:
       y ``[B,T,N,E]``, or ``(y, state [B,N,H,E])`` with ``return_state``.
     """
-    jax.eval_shape(
-        lambda: ssd(
-            x, dt, A, B, C, D=D, segment_ids=segment_ids, initial_state=initial_state, **options
-        )
+    _check_whole(
+        ssd, x, dt, A, B, C, D=D, segment_ids=segment_ids, initial_state=initial_state, **options
     )
     tokens = dict(x=jnp.asarray(x), dt=jnp.asarray(dt), B=jnp.asarray(B), C=jnp.asarray(C))
     params = dict(A=jnp.asarray(A), D=None if D is None else jnp.asarray(D))
@@ -374,18 +395,17 @@ def _delta(options, product: bool):
 
 def _delta_call(product, q, k, v, beta, log_gates, seg, state, return_state, kw, options):
     fn = delta_product if product else delta_rule
-    jax.eval_shape(
-        lambda: fn(
-            q,
-            k,
-            v,
-            beta,
-            log_gates=log_gates,
-            q_segment_ids=seg,
-            kv_segment_ids=seg,
-            initial_state=state,
-            **options,
-        )
+    _check_whole(
+        fn,
+        q,
+        k,
+        v,
+        beta,
+        log_gates=log_gates,
+        q_segment_ids=seg,
+        kv_segment_ids=seg,
+        initial_state=state,
+        **options,
     )
     tokens = dict(q=q, k=k, v=v, beta=beta, log_gates=log_gates)
     tokens = {name: None if x is None else jnp.asarray(x) for name, x in tokens.items()}
@@ -506,7 +526,7 @@ def sharded_short_conv(
     Returns:
       ``(y [B,T,D], new_state [B,W-1,D])`` as ``attn.short_conv``.
     """
-    jax.eval_shape(lambda: short_conv(x, weight, bias, state=state, segment_ids=segment_ids))
+    _check_whole(short_conv, x, weight, bias, state=state, segment_ids=segment_ids)
     W = jnp.shape(weight)[0]
     x = jnp.asarray(x)
     if W == 1:  # no window: every token alone

@@ -130,8 +130,7 @@ def case_bad_meshes(root):
     ok &= sharding.make_mesh("seq=8").shape["seq"] == 8
     seq = dict(mesh="data=2,fsdp=2,seq=2")
     layers = presets(num_heads=4, head_dim=16)
-    mha, linear = layers["mha"], layers["linear"]
-    conv = dataclasses.replace(mha, short_conv=3)
+    mha, mla = layers["mha"], layers["mla"]
     dense = dataclasses.replace(mha, impl="dense")
     runs = {
         "batch_size:": config(mesh="fsdp=8", batch_size=4),
@@ -139,10 +138,7 @@ def case_bad_meshes(root):
             mesh="seq=8", task=dataclasses.replace(get_config().task, seq_len=12)
         ),
         "model.layers[1].kind:": config(
-            model=dataclasses.replace(config().model, layers=(mha, linear)), **seq
-        ),
-        "model.layers[0].short_conv:": config(
-            model=dataclasses.replace(config().model, layers=(conv,)), **seq
+            model=dataclasses.replace(config().model, layers=(mha, mla)), **seq
         ),
         "model.layers[0].impl:": config(
             model=dataclasses.replace(config().model, layers=(dense,)), **seq
@@ -166,10 +162,13 @@ def main(root):
     root = Path(root)
     assert jax.device_count() == 8, jax.devices()
     jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
-    from tests.models import test_ring_models
+    from tests.models import test_ring_models, test_sequence_models
 
     cases = [(n, f) for n, f in globals().items() if n.startswith("case_")]
-    cases += [(n, f) for n, f in vars(test_ring_models).items() if n.startswith("case_")]
+    for module in (test_ring_models, test_sequence_models):
+        cases += [(n, f) for n, f in vars(module).items() if n.startswith("case_")]
+    only = sys.argv[2:]  # case names: run only those (by hand)
+    cases = [(n, f) for n, f in cases if not only or n[5:] in only]
     failed = 0
     t_all = time.perf_counter()
     for name, fn in cases:
