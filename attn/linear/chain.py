@@ -54,9 +54,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from attn.checks import fail
 from attn.masks import PADDING
 
-__all__ = ["Recurrence", "chain_over_axis", "continues"]
+__all__ = ["EXCHANGES", "Recurrence", "chain_over_axis", "continues"]
+
+# How the devices exchange their (transition, state) pairs: see the module docstring.
+EXCHANGES = ("gather", "scan")
 
 
 class Recurrence(NamedTuple):
@@ -159,6 +163,53 @@ def _chain_back(rec: Recurrence, Ms, Ds, cs, d_final, me, num_devices: int):
     return mine, G
 
 
+def _scan_chain(rec: Recurrence, M, span, c, state0, me, axis_name: str, num_devices: int):
+    """Forward chain as an associative scan over the axis: ``(incoming, final)``.
+
+    Device j's map is ``S -> c_j M_j S + S_j``; log2 P rounds of ``ppermute``
+    compose each device's prefix of maps (``(A, b) o (A', b') = (A A', A b' + b)``),
+    one more hands each device its predecessor's outgoing state and an
+    all-reduce the last device's to every device.
+    """
+    A, b = (M if c is None else _scale_rows(c, M)), span
+    d = 1
+    while d < num_devices:
+        pairs = [(j, j + d) for j in range(num_devices - d)]
+        A_in, b_in = lax.ppermute((A, b), axis_name, pairs)
+        later = me >= d
+        A, b = _select(later, rec.apply(A, A_in), A), _select(later, _add(rec.apply(A, b_in), b), b)
+        d *= 2
+    out = _add(rec.apply(A, state0), b)  # device me's outgoing state
+    before = lax.ppermute(out, axis_name, [(j, j + 1) for j in range(num_devices - 1)])
+    incoming = _select(me == 0, state0, before if c is None else _scale_rows(c, before))
+    last = _select(me == num_devices - 1, out, jax.tree.map(jnp.zeros_like, out))
+    return incoming, lax.psum(last, axis_name)
+
+
+def _scan_chain_back(rec: Recurrence, M, D, c, d_final, me, axis_name: str, num_devices: int):
+    """Backward chain as a suffix scan over the axis: ``(G of device me, initial's cotangent)``.
+
+    Device j's map takes the cotangent of its outgoing state to that of the
+    state before it, ``G -> c_j (D_j + M_j^T G)``; the suffix of these maps is
+    composed as ``_scan_chain`` composes prefixes, keeping the transposes as
+    products of the transitions themselves (``M_j^T M_k^T = (M_k M_j)^T``).
+    """
+    N, b = (M, D) if c is None else (_scale_rows(c, M), _scale_rows(c, D))
+    d = 1
+    while d < num_devices:
+        pairs = [(j + d, j) for j in range(num_devices - d)]
+        N_in, b_in = lax.ppermute((N, b), axis_name, pairs)
+        earlier = me + d < num_devices
+        composed = (rec.apply(N_in, N), _add(rec.apply_t(N, b_in), b))
+        N, b = _select(earlier, composed[0], N), _select(earlier, composed[1], b)
+        d *= 2
+    value = _add(rec.apply_t(N, d_final), b)  # the cotangent of the state entering me
+    after = lax.ppermute(value, axis_name, [(j + 1, j) for j in range(num_devices - 1)])
+    mine = _select(me == num_devices - 1, d_final, after)
+    first = _select(me == 0, value, jax.tree.map(jnp.zeros_like, value))
+    return mine, lax.psum(first, axis_name)
+
+
 def _stacked(tree):
     return jax.tree.map(lambda x: x[None], tree)
 
@@ -173,6 +224,7 @@ def chain_over_axis(
     axis_name: str,
     mesh=None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
 ):
     """``rec.run`` over whole sequences sharded on T over ``axis_name``: ``(y, final state)``.
 
@@ -185,6 +237,8 @@ def chain_over_axis(
       mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes) or None: the
         context mesh (``jax.set_mesh``).
       batch_axes: mesh axes that split B (they must divide it).
+      exchange: ``"gather"`` (all-gather the pairs, chain locally) or
+        ``"scan"`` (an associative scan of ``ppermute`` rounds); the same result.
 
     Returns:
       ``(y, final)``: y as ``rec.run`` gives it over the whole sequence, the
@@ -217,12 +271,19 @@ def chain_over_axis(
 
     aux = {k: v for k, v in aux.items() if v is not None}
 
+    if exchange not in EXCHANGES:
+        fail("exchange", f"one of {EXCHANGES}", repr(exchange))
+
     def forward_local(tokens, params, aux, state0):
         me = lax.axis_index(axis_name)
         span, M = rec.transition(tokens, params, aux)
-        pairs = lax.all_gather((M, span), axis_name)
         cs = continues(aux.get("seg"), axis_name, P)
-        incoming, final = _chain(rec, pairs, cs, state0, me, P)
+        if exchange == "scan":
+            c = None if cs is None else cs[me]
+            incoming, final = _scan_chain(rec, M, span, c, state0, me, axis_name, P)
+        else:
+            pairs = lax.all_gather((M, span), axis_name)
+            incoming, final = _chain(rec, pairs, cs, state0, me, P)
         y, _ = rec.run(tokens, params, aux, incoming)
         return y, final, _stacked(incoming), _stacked(M)
 
@@ -236,9 +297,13 @@ def chain_over_axis(
         (_, final_local), vjp = jax.vjp(run, tokens, params, incoming)
         zero = jax.tree.map(jnp.zeros_like, final_local)
         D = vjp((dy, zero))[2]  # through the outputs alone; XLA drops the rest
-        Ms, Ds = lax.all_gather((M, D), axis_name)
         cs = continues(aux.get("seg"), axis_name, P)
-        G, d_state0 = _chain_back(rec, Ms, Ds, cs, d_final, me, P)
+        if exchange == "scan":
+            c = None if cs is None else cs[me]
+            G, d_state0 = _scan_chain_back(rec, M, D, c, d_final, me, axis_name, P)
+        else:
+            Ms, Ds = lax.all_gather((M, D), axis_name)
+            G, d_state0 = _chain_back(rec, Ms, Ds, cs, d_final, me, P)
         d_tokens, d_params, _ = vjp((dy, G))
         d_params = lax.psum(d_params, (axis_name, *batch_axes))  # every shard's share
         return d_tokens, d_params, d_state0

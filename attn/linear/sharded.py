@@ -152,7 +152,7 @@ def _pad_time(tokens: dict, aux: dict, T: int, P: int):
     return tokens, aux
 
 
-def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes):
+def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
     """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``."""
     P = _mesh_size(mesh, axis_name)
     if T % P and _explicit(mesh):  # an Explicit axis pads only whole: gather T first
@@ -176,6 +176,7 @@ def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes):
         axis_name=axis_name,
         mesh=mesh,
         batch_axes=tuple(batch_axes),
+        exchange=exchange,
     )
     if y.shape[1] == T:
         return y, final
@@ -241,6 +242,7 @@ def sharded_linear_attention(
     axis_name: str,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
     log_gates=None,
     decay=None,
     projection=None,
@@ -261,6 +263,10 @@ def sharded_linear_attention(
       mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes), or None for the
         context mesh of ``jax.set_mesh``.
       batch_axes: mesh axes that split B as well.
+      exchange: how the devices pass their states on (``attn.linear.chain.EXCHANGES``):
+        ``"gather"`` (one all-gather of every device's transition and state,
+        the default) or ``"scan"`` (an associative scan in log2 P rounds of
+        ``ppermute``); the same result.
       **options: ``form``, ``feature_map``, ``normalize``, ``chunk_size``,
         ``eps``, ``scale``: as in ``attn.linear_attention``.
 
@@ -289,7 +295,7 @@ def sharded_linear_attention(
     aux = dict(neg=negative_gates, q_seg=q_segment_ids, seg=kv_segment_ids)
     rec = _linear(options)
     T = jnp.shape(q)[1]
-    kw = dict(T=T, axis_name=axis_name, mesh=mesh, batch_axes=batch_axes)
+    kw = dict(T=T, axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
     arrays = {k_: None if x is None else jnp.asarray(x) for k_, x in arrays.items()}
     y, final = _drive(rec, arrays, params, aux, state, **kw)
     return _finish(y, final, return_state)
@@ -332,6 +338,7 @@ def sharded_ssd(
     axis_name: str,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
     D=None,
     segment_ids=None,
     initial_state=None,
@@ -343,7 +350,7 @@ def sharded_ssd(
     Args:
       x, dt, A, B, C, D, segment_ids, initial_state, return_state: as in
         ``attn.ssd``, whole arrays.
-      axis_name, mesh, batch_axes: as in ``sharded_linear_attention``.
+      axis_name, mesh, batch_axes, exchange: as in ``sharded_linear_attention``.
       **options: ``form``, ``chunk_size``, ``negative_eigenvalues``.
 
     Returns:
@@ -354,7 +361,9 @@ def sharded_ssd(
     )
     tokens = dict(x=jnp.asarray(x), dt=jnp.asarray(dt), B=jnp.asarray(B), C=jnp.asarray(C))
     params = dict(A=jnp.asarray(A), D=None if D is None else jnp.asarray(D))
-    kw = dict(T=jnp.shape(x)[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes)
+    kw = dict(
+        T=jnp.shape(x)[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange
+    )
     y, final = _drive(_ssd(options), tokens, params, dict(seg=segment_ids), initial_state, **kw)
     return _finish(y, final, return_state)
 
@@ -429,6 +438,7 @@ def sharded_delta_rule(
     axis_name: str,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
     log_gates=None,
     q_segment_ids=None,
     kv_segment_ids=None,
@@ -441,14 +451,14 @@ def sharded_delta_rule(
     Args:
       q, k, v, beta, log_gates, q_segment_ids, kv_segment_ids, initial_state,
         return_state: as in ``attn.delta_rule`` (the same ids), whole arrays.
-      axis_name, mesh, batch_axes: as in ``sharded_linear_attention``.
+      axis_name, mesh, batch_axes, exchange: as in ``sharded_linear_attention``.
       **options: ``form``, ``chunk_size``, ``scale``.
 
     Returns:
       out ``[B,T,N,E]``, or ``(out, state [B,N,H,E])`` with ``return_state``.
     """
     seg = _one_seg(q_segment_ids, kv_segment_ids)
-    kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes)
+    kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
     args = (q, k, v, beta, log_gates, seg, initial_state, return_state, kw, options)
     return _delta_call(False, *args)
 
@@ -462,6 +472,7 @@ def sharded_delta_product(
     axis_name: str,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
     log_gates=None,
     q_segment_ids=None,
     kv_segment_ids=None,
@@ -471,7 +482,7 @@ def sharded_delta_product(
 ):
     """``attn.delta_product`` with T sharded over ``axis_name`` (as ``sharded_delta_rule``)."""
     seg = _one_seg(q_segment_ids, kv_segment_ids)
-    kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes)
+    kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
     args = (q, k, v, beta, log_gates, seg, initial_state, return_state, kw, options)
     return _delta_call(True, *args)
 
@@ -508,6 +519,7 @@ def sharded_short_conv(
     axis_name: str,
     mesh: Mesh | None = None,
     batch_axes: tuple[str, ...] = (),
+    exchange: str = "gather",
     state=None,
     segment_ids=None,
 ):
@@ -521,7 +533,7 @@ def sharded_short_conv(
 
     Args:
       x, weight, bias, state, segment_ids: as in ``attn.short_conv``, whole arrays.
-      axis_name, mesh, batch_axes: as in ``sharded_linear_attention``.
+      axis_name, mesh, batch_axes, exchange: as in ``sharded_linear_attention``.
 
     Returns:
       ``(y [B,T,D], new_state [B,W-1,D])`` as ``attn.short_conv``.
@@ -532,5 +544,7 @@ def sharded_short_conv(
     if W == 1:  # no window: every token alone
         return short_conv(x, weight, bias, state=state, segment_ids=segment_ids)
     params = dict(weight=jnp.asarray(weight), bias=None if bias is None else jnp.asarray(bias))
-    kw = dict(T=x.shape[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes)
+    kw = dict(
+        T=x.shape[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange
+    )
     return _drive(_conv(W), dict(x=x), params, dict(seg=segment_ids), state, **kw)

@@ -108,3 +108,8 @@ def test_a_recurrent_model_is_laid_out_in_order():
     assert sharding.in_order(with_conv)
     np.testing.assert_array_equal(ring_layout(16, 4, in_order=True), np.arange(16))
     sharding.check_sequence_parallel(model)  # every kind here runs sequence-parallel
+
+
+def test_recurrent_hybrids_train_as_on_one_device(tmp_path_factory):
+    result = sharding_cases.results(tmp_path_factory)["hybrids_train_as_one_device"]
+    assert result["ok"], result

@@ -212,10 +212,13 @@ def reference(name: str, segments: bool):
     return values_and_grads(call, single, arrays, seg)
 
 
-def equal_case(name: str, num_devices: int, explicit: bool, segments: bool = True):
+def equal_case(
+    name: str, num_devices: int, explicit: bool, segments: bool = True, exchange: str = "gather"
+):
     arrays, call, (_, sharded), seg = family(name, segments)
     mesh = mesh_of(num_devices, explicit)
-    out, final, grads = values_and_grads(call, sharded, arrays, seg, axis_name=AXIS, mesh=mesh)
+    kw = dict(axis_name=AXIS, mesh=mesh, exchange=exchange)
+    out, final, grads = values_and_grads(call, sharded, arrays, seg, **kw)
     want_out, want_final, want_grads = reference(name, segments)
     errors = {"out": rel_err(out, want_out)}
     for i, (s, w) in enumerate(
@@ -244,6 +247,12 @@ for _name in FAMILIES:
     CASES[f"{_name}_8_explicit"] = functools.partial(equal_case, _name, 8, True)
     CASES[f"{_name}_4_auto"] = functools.partial(equal_case, _name, 4, False)
     CASES[f"{_name}_2_auto_unpacked"] = functools.partial(equal_case, _name, 2, False, False)
+# The associative-scan exchange: 3 rounds on 8 devices (and 2 on 4, Explicit).
+for _name in ("linear", "gated_deltanet", "mamba2", "short_conv"):
+    CASES[f"{_name}_8_auto_scan"] = functools.partial(equal_case, _name, 8, False, True, "scan")
+CASES["deltaproduct_4_explicit_scan"] = functools.partial(
+    equal_case, "deltaproduct", 4, True, True, "scan"
+)
 
 
 def main(names) -> int:
