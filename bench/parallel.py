@@ -53,6 +53,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
+from bench import _sequence  # noqa: E402
 from bench._report import write_report  # noqa: E402
 from models import ModelConfig, pattern, presets  # noqa: E402
 from train import sharding, steps  # noqa: E402
@@ -86,6 +87,7 @@ class Config:
     seq_len: int = 256  # T of the MQAR batches (16 pairs; at least 64)
     batch: int = 16  # B
     meshes: tuple[str, ...] = ()  # the meshes to measure; (): MESHES (with quick: QUICK_MESHES)
+    families: bool = True  # also each fixed-state family's sharded form, both exchanges
 
 
 def train_config(cfg: Config = Config()) -> TrainConfig:
@@ -280,6 +282,7 @@ def markdown(result: dict) -> str:
         "Collective cells: MiB (number of collectives executed). The loss column is the "
         "warm-up step's; it agrees across meshes (the same step, up to float rounding).",
     ]
+    lines += _sequence.markdown(result.get("families", []))
     return "\n".join(lines) + "\n"
 
 
@@ -344,10 +347,12 @@ def main(cfg: Config) -> None:
             f"(compiled in {row['compile_s']:.0f} s)",
             flush=True,
         )
+    families = _sequence.family_rows(collective_bytes, cfg.quick) if cfg.families else []
     meta["load_after"] = round(os.getloadavg()[0], 2)
     result = {
         "meta": meta,
         "rows": rows,
+        "families": families,
         "wall_seconds": time.perf_counter() - t_begin,
         "config": dataclasses.asdict(cfg),
     }

@@ -1,5 +1,6 @@
 """bench/parallel.py end to end at a tiny size on 8 fake devices: the step ``train`` runs,
-compiled per mesh, with its collectives and memory read from the compiled program.
+compiled per mesh, with its collectives and memory read from the compiled program, and
+two fixed-state families' sharded forms with each exchange.
 
 The script sets its own device count, so it runs as the command line does, in a
 subprocess. Timings are never asserted.
@@ -28,4 +29,15 @@ def test_the_quick_meshes_at_a_tiny_size(tmp_path):
     assert sharded["argument_bytes"] < rows["single device"]["argument_bytes"]  # fsdp shards
     # The same step on both: the losses agree up to float rounding.
     assert abs(sharded["loss"] - rows["single device"]["loss"]) < 1e-4
-    assert (tmp_path / "parallel-cpu-quick.md").read_text().startswith("# One training step")
+    report = (tmp_path / "parallel-cpu-quick.md").read_text()
+    assert report.startswith("# One training step") and "## The fixed-state families" in report
+    # Each family's sharded form, with each exchange: the all-gather receives 7 pairs on 8
+    # devices, the scan log2 8 = 3 pairs plus a shifted state and the final one.
+    families = {(r["family"], r["exchange"]): r for r in saved["families"]}
+    assert set(families) == {
+        (f, e) for f in ("gated_deltanet", "short_conv") for e in ("gather", "scan")
+    }
+    gather, scan = families["gated_deltanet", "gather"], families["gated_deltanet", "scan"]
+    assert gather["collectives"]["all-gather"]["bytes"] > 0
+    assert scan["collectives"]["collective-permute"]["bytes"] > 0
+    assert scan["received_bytes"] < gather["received_bytes"]
