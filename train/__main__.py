@@ -11,7 +11,10 @@ checkpoint is left as it was. Ctrl-C lets the current step finish, saves a
 checkpoint of it, prints it and the command that resumes, and exits with
 status 130 (a second Ctrl-C stops at once, keeping the checkpoints written);
 a bad config or a workdir holding another run's config is one line on stderr
-and status 2.
+and status 2. In a job of several processes, a collective that fails because
+another process stopped (killed, crashed) is one line on stderr and status 3,
+at once: the process exits without JAX's shutdown barrier, which would wait
+out the coordinator's heartbeat timeout for the process that is gone.
 
 ``--mesh data=2,fsdp=4`` (the ``TrainConfig.mesh`` field) trains sharded over a
 device mesh (``train.sharding``); a run may resume under another mesh. A ``seq``
@@ -31,6 +34,8 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
+
+import jax  # noqa: E402
 
 from train import distributed  # noqa: E402
 from train.cli import enable_compilation_cache, parse  # noqa: E402
@@ -121,7 +126,13 @@ def _run(config, args, argv) -> tuple[int, dict | None]:
         command = shlex.join(["python", "-m", "train", *(sys.argv[1:] if argv is None else argv)])
         print(f"{e}. Resume with: {command}", file=sys.stderr)
         return EXIT_INTERRUPTED, None
-    except ValueError as e:  # e.g. a workdir holding a run of another config: one line
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        if jax.process_count() > 1 and distributed.is_runtime_failure(e):
+            print(f"error: {distributed.lost_peer(e)}", file=sys.stderr, flush=True)
+            os._exit(distributed.EXIT_PEER_LOST)  # what was saved is complete: nothing to flush
+        if not isinstance(e, ValueError):
+            raise
+        # e.g. a workdir holding a run of another config: one line
         print(f"error: {e}", file=sys.stderr)
         return 2, None
     return 0, summary

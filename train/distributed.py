@@ -33,7 +33,19 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
-__all__ = ["initialize", "local_batch", "multihost_settings", "process_block", "put_batch"]
+__all__ = [
+    "EXIT_PEER_LOST",
+    "initialize",
+    "is_runtime_failure",
+    "local_batch",
+    "lost_peer",
+    "multihost_settings",
+    "process_block",
+    "put_batch",
+]
+
+# ``python -m train``'s exit status when a collective failed because another process stopped.
+EXIT_PEER_LOST = 3
 
 # The variables that make a launch explicit (JAX reads only the first itself).
 EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -104,6 +116,38 @@ def initialize(environ: Mapping[str, str] | None = None, *, init: Callable | Non
         return False
     (init or jax.distributed.initialize)(**settings)
     return True
+
+
+# The status codes XLA's runtime errors start with ("UNKNOWN: Gloo all-reduce failed: ...").
+_STATUS_CODES = ("UNKNOWN", "UNAVAILABLE", "INTERNAL", "ABORTED", "DEADLINE_EXCEEDED", "CANCELLED")
+
+
+def is_runtime_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a failure of XLA's runtime (a collective, the coordinator).
+
+    ``jax.errors.JaxRuntimeError``, or the ``ValueError`` some dispatch paths
+    raise with the same status-coded message (``multihost_utils``'s all-gather,
+    which orbax's saves synchronize with); never one of attnlab's own
+    ``ValueError`` s, which start with the argument's name.
+    """
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return True
+    return isinstance(error, ValueError) and str(error).split(":", 1)[0] in _STATUS_CODES
+
+
+def lost_peer(error: BaseException) -> str:
+    """The one line ``python -m train`` prints when a collective of a multi-process job fails.
+
+    On CPU (gloo) a killed process closes its connections, so the others'
+    next collective fails at once with this error; on accelerators the
+    coordinator's heartbeat timeout ends the job.
+    """
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (
+        f"process {jax.process_index()} of {jax.process_count()}: a collective failed, so "
+        f"another process of the job has stopped ({first}); restart every process with the "
+        "same command to resume from the last checkpoint"
+    )
 
 
 def process_block(process_grid, process_index: int, shape) -> tuple[slice, slice]:

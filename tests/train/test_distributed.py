@@ -164,3 +164,13 @@ def test_two_processes_print_only_json_and_refuse_different_arguments(tmp_path):
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 2 and out == "" and len(errors) == 1, err[-2000:]
         assert "arguments differ from process 0's (process 1)" in errors[0]
+
+
+def test_runtime_failures_are_told_from_our_own_errors():
+    gloo = ValueError("UNKNOWN: Gloo AllGather failed: Connection closed by peer [127.0.0.1]:1")
+    assert distributed.is_runtime_failure(gloo)  # multihost_utils raises it as a ValueError
+    assert not distributed.is_runtime_failure(ValueError("mesh: expected ..., got 'x'"))
+    assert not distributed.is_runtime_failure(RuntimeError("UNKNOWN: not from XLA's runtime"))
+    line = distributed.lost_peer(gloo)
+    assert "another process of the job has stopped" in line and "\n" not in line
+    assert "Gloo AllGather failed" in line
