@@ -7,7 +7,6 @@ processes given different runs refused in one line before training.
 """
 
 import itertools
-import json
 import os
 import socket
 import subprocess
