@@ -35,7 +35,8 @@ The families, each a package whose docstring lists its pieces:
     ring/      ring attention over a mesh axis, layouts, sharded_attention, work counts
     pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
     linear/    linear attention in three forms, segments, feature maps; the delta rule
-               and DeltaProduct; Mamba-2's SSD
+               and DeltaProduct; Mamba-2's SSD; all of them (and the short conv)
+               with the sequence sharded over a mesh axis (sharded, chain)
     sparse/    trainable sparse attention: MoBA, NSA, DSA's indexed top-k, each query
                reading a few blocks or tokens exactly
 

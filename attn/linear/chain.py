@@ -333,9 +333,13 @@ def chain_over_axis(
     sharded.defvjp(forward, backward)
     if state0 is None:
         state0 = rec.zeros(tokens, params)
-    return sharded(
+    y, final = sharded(
         place(tokens, token_spec),
         place(params, PartitionSpec()),
         place(aux, token_spec),
         place(state0, row_spec),
     )
+    if explicit:  # back in the layout the tokens came in (a model's residual stream)
+        given = jax.typeof(next(iter(tokens.values()))).sharding
+        y = jax.tree.map(lambda x: jax.sharding.reshard(x, given), y)
+    return y, final

@@ -110,10 +110,13 @@ def losses(workdir) -> list[float]:
 
 
 def case_hybrids_train_as_one_device(root):
-    """``python -m train --mesh data=2,seq=4`` on a recurrent hybrid (Gated DeltaNet and
-    Mamba-2 layers with their short convolutions, then softmax on the ring): 20 steps'
-    losses equal one device's to 5 digits, and so do the final parameters as one vector
-    (Adam's moments of near-zero gradients, leaf by leaf, amplify float rounding)."""
+    """``python -m train --mesh data=2,seq=4 --mesh-axis-types explicit`` on a recurrent
+    hybrid (Gated DeltaNet and Mamba-2 layers with their short convolutions, then softmax
+    on the ring): 20 steps' losses equal one device's to 5 digits, and so do the final
+    parameters as one vector (Adam's moments of near-zero gradients, leaf by leaf, amplify
+    float rounding). Explicit axes: every array states its sharding, so each sharded layer
+    reshards its inputs and hands its output back in the residual stream's layout (Auto
+    axes: ``tests/models/test_sequence_models.py``)."""
     layers = pattern(
         ("gated_deltanet_conv", "mamba2_conv", "mha"), presets(num_heads=2, head_dim=8)
     )
@@ -122,7 +125,8 @@ def case_hybrids_train_as_one_device(root):
         get_config(), model=model, steps=20, log_every=1, eval_every=1000, ckpt_every=20
     )
     train(cfg, root / "hybrid_single", progress=False)
-    train(dataclasses.replace(cfg, mesh="data=2,seq=4"), root / "hybrid_seq", progress=False)
+    seq = dataclasses.replace(cfg, mesh="data=2,seq=4", mesh_axis_types="explicit")
+    train(seq, root / "hybrid_seq", progress=False)
     single, seq = losses(root / "hybrid_single"), losses(root / "hybrid_seq")
     rel = max(abs(a - b) / abs(b) for a, b in zip(seq, single, strict=True))
     got, want = params(root / "hybrid_seq", cfg), params(root / "hybrid_single", cfg)

@@ -2,9 +2,10 @@
 
 The multi-device cases run in one subprocess on 8 fake CPU devices
 (``tests/attn/linear/sharded_checks.py``): every family on 8 devices of an
-Explicit mesh, 4 of an Auto one (both with packed segments crossing device
-boundaries and NaN in the padding) and 2 without segments, T = 27 a multiple
-of none, an initial state, the final state and every gradient. The argument
+Explicit mesh and 4 of an Auto one (both with packed segments crossing device
+boundaries and NaN in the padding), each function on 2 without segments and
+with the associative-scan exchange; T = 27 a multiple of none, an initial
+state, the final state and every gradient. The argument
 checks need no devices and run here.
 """
 
