@@ -16,6 +16,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -71,3 +73,22 @@ def _run(argv: list[str], timeout: float) -> dict[str, dict]:
     if not found:  # the others then fail at once instead of rerunning
         return {"error": f"no result (exit {out.returncode}):\n{out.stderr[-3000:]}"}
     return {r["case"]: r for r in found}
+
+
+def run_cases(cases: dict, names) -> int:
+    """Runs the named cases (all if none) of a checks file, one JSON line each; the exit status.
+
+    A case returns a dict with ``"ok"``; one that raises is reported (with its
+    traceback) and the others still run.
+    """
+    failed = 0
+    for name in names or cases:
+        start = time.perf_counter()
+        try:
+            result = cases[name]()
+        except Exception:  # report and go on: one broken case must not hide the others
+            result = {"ok": False, "exception": traceback.format_exc()}
+        result = {"case": name, **result, "seconds": round(time.perf_counter() - start, 2)}
+        failed += not result["ok"]
+        print(json.dumps(result), flush=True)
+    return 1 if failed else 0

@@ -2,7 +2,7 @@
 
 Each process is a JAX runtime of its own with fake CPU devices, joined by
 ``jax.distributed`` (coordinator on 127.0.0.1, gloo collectives), as on a
-cluster of hosts. The run is the tiny config with a Gated DeltaNet layer and a
+cluster of hosts. The run is the tiny config with a gated linear-attention layer and a
 softmax layer on ``--mesh seq=4``, so the sequence's spans, the recurrence's
 state chain and the ring cross process boundaries. One process with 4 devices
 is the reference: 2 processes of 2 devices train its first 2 steps (and save),
@@ -37,12 +37,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(workdir, processes: int, devices: int, *extra: str) -> list[subprocess.Popen]:
-    """``python -m train`` as ``processes`` processes of ``devices`` fake CPU devices each."""
+def launch(
+    workdir, processes: int, devices: int, *extra: str, cache=None
+) -> list[subprocess.Popen]:
+    """``python -m train`` as ``processes`` processes of ``devices`` fake CPU devices each
+    (compiling into ``cache``, the tests' folder, when given)."""
     port = free_port()
     procs = []
     for i in range(processes):
         env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+        if cache is not None:
+            env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         flags = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
         )
@@ -82,24 +87,27 @@ def final_params(workdir) -> np.ndarray:
     return np.concatenate([np.ravel(saved[k]) for k in names])
 
 
-def test_processes_train_and_resume_as_one_process(tmp_path):
+def test_processes_train_and_resume_as_one_process(tmp_path, compilation_cache_dir):
     ref, job = tmp_path / "one", tmp_path / "job"
-    for code, _, err in finish(launch(ref, 1, 4, "--mesh", "seq=4")):
+    cache = compilation_cache_dir
+    for code, _, err in finish(launch(ref, 1, 4, "--mesh", "seq=4", cache=cache)):
         assert code == 0, err[-3000:]
-    for code, out, err in finish(launch(job, 2, 2, "--mesh", "seq=4", "--stop-at", "2")):
+    stop = ("--mesh", "seq=4", "--stop-at", "2")
+    for code, out, err in finish(launch(job, 2, 2, *stop, cache=cache)):
         assert code == 0, err[-3000:]
         assert json.loads(out)["step"] == 2
     np.testing.assert_allclose(losses(job), losses(ref)[:2], rtol=1e-6)
     # Resumed by a job of another process count (orbax restores onto the new layout).
-    for code, out, err in finish(launch(job, 4, 1, "--mesh", "seq=4")):
+    for code, out, err in finish(launch(job, 4, 1, "--mesh", "seq=4", cache=cache)):
         assert code == 0, err[-3000:]
         assert json.loads(out)["step"] == 4
     np.testing.assert_allclose(losses(job), losses(ref), rtol=1e-6)
     assert rel_err(final_params(job), final_params(ref)) <= 1e-6
 
 
-def test_a_killed_process_stops_the_others_with_one_line(tmp_path):
-    procs = launch(tmp_path / "w", 2, 1, "--mesh", "data=2", "--steps", "100000")
+def test_a_killed_process_stops_the_others_with_one_line(tmp_path, compilation_cache_dir):
+    run = ("--mesh", "data=2", "--steps", "100000")
+    procs = launch(tmp_path / "w", 2, 1, *run, cache=compilation_cache_dir)
     metrics = tmp_path / "w" / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
     while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:

@@ -19,10 +19,7 @@ if __name__ == "__main__":  # imported by test_sharded.py for the case names: ch
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import functools  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,6 +27,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import attn  # noqa: E402
+from tests import fake_devices  # noqa: E402
 from tests.util import normal, rel_err  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -257,19 +255,5 @@ CASES["deltaproduct_4_explicit_scan"] = functools.partial(
 )
 
 
-def main(names) -> int:
-    failed = 0
-    for name in names or CASES:
-        start = time.perf_counter()
-        try:
-            result = CASES[name]()
-        except Exception:  # report and go on: one broken case must not hide the others
-            result = {"ok": False, "exception": traceback.format_exc()}
-        result = {"case": name, **result, "seconds": round(time.perf_counter() - start, 2)}
-        failed += not result["ok"]
-        print(json.dumps(result), flush=True)
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(fake_devices.run_cases(CASES, sys.argv[1:]))
