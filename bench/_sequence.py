@@ -135,7 +135,7 @@ def measure_family(family, exchange, collective_bytes, *, B=2, T=2048, N=4, H=64
 def family_rows(collective_bytes, quick: bool = False) -> list[dict]:
     """Every family with every exchange (quick: Gated DeltaNet, a short sequence)."""
     families = ("gated_deltanet",) if quick else FAMILIES
-    size = dict(T=256, H=16, repeats=1) if quick else {}
+    size = dict(T=64, H=8, repeats=1) if quick else {}
     rows = []
     for family in families:
         for exchange in EXCHANGES:

@@ -111,15 +111,13 @@ def losses(workdir) -> list[float]:
 
 def case_hybrids_train_as_one_device(root):
     """``python -m train --mesh data=2,seq=4 --mesh-axis-types explicit`` on a recurrent
-    hybrid (Gated DeltaNet and Mamba-2 layers with their short convolutions, then softmax
-    on the ring): 20 steps' losses equal one device's to 5 digits, and so do the final
-    parameters as one vector (Adam's moments of near-zero gradients, leaf by leaf, amplify
-    float rounding). Explicit axes: every array states its sharding, so each sharded layer
-    reshards its inputs and hands its output back in the residual stream's layout (Auto
-    axes: ``tests/models/test_sequence_models.py``)."""
-    layers = pattern(
-        ("gated_deltanet_conv", "mamba2_conv", "mha"), presets(num_heads=2, head_dim=8)
-    )
+    hybrid (a Gated DeltaNet and a Mamba-2 layer, then softmax on the ring): 20 steps'
+    losses equal one device's to 5 digits, and so do the final parameters as one vector
+    (Adam's moments of near-zero gradients, leaf by leaf, amplify float rounding).
+    Explicit axes: every array states its sharding, so each sharded layer reshards its
+    inputs and hands its output back in the residual stream's layout (Auto axes, and the
+    sharded short convolutions: ``tests/models/test_sequence_models.py``)."""
+    layers = pattern(("gated_deltanet", "mamba2", "mha"), presets(num_heads=2, head_dim=8))
     model = dataclasses.replace(get_config().model, layers=layers)
     cfg = dataclasses.replace(
         get_config(), model=model, steps=20, log_every=1, eval_every=1000, ckpt_every=20

@@ -2,10 +2,10 @@
 
 The multi-device cases run in one subprocess on 8 fake CPU devices
 (``tests/attn/linear/sharded_checks.py``): every family on 8 devices of an
-Explicit mesh and 4 of an Auto one (both with packed segments crossing device
-boundaries and NaN in the padding), each function on 2 without segments and
-with the associative-scan exchange; T = 27 a multiple of none, an initial
-state, the final state and every gradient. The argument
+Explicit mesh (all-gather exchange) and 4 of an Auto one (associative scan),
+both with packed segments crossing device boundaries and NaN in the padding,
+and each function on 2 without segments; T = 27 a multiple of none, an
+initial state, the final state and every gradient. The argument
 checks need no devices and run here.
 """
 
@@ -43,7 +43,7 @@ def test_sharded_case(checks, case):
 
 def test_every_family_is_checked_on_both_mesh_types(checks):
     for name in sharded_checks.FAMILIES:
-        assert f"{name}_8_explicit" in checks and f"{name}_4_auto" in checks
+        assert f"{name}_8_explicit" in checks and f"{name}_4_auto_scan" in checks
 
 
 def one_device_mesh():
@@ -54,9 +54,11 @@ def test_one_device_is_the_plain_call():
     q, k, v = normal(0, (2, 9, 2, 4)), normal(1, (2, 9, 2, 4)), normal(2, (2, 9, 2, 4))
     beta = jax.nn.sigmoid(normal(3, (2, 9, 2)))
     want = attn.delta_rule(q, k, v, beta, chunk_size=4)
-    got = attn.sharded_delta_rule(
-        q, k, v, beta, chunk_size=4, axis_name="seq", mesh=one_device_mesh()
+    mesh = one_device_mesh()
+    sharded = jax.jit(
+        lambda *a: attn.sharded_delta_rule(*a, chunk_size=4, axis_name="seq", mesh=mesh)
     )
+    got = sharded(q, k, v, beta)
     assert rel_err(got, want) < 1e-6
 
 
