@@ -86,5 +86,7 @@ def test_arguments_are_checked_with_their_whole_shapes():
         )
     with pytest.raises(ValueError, match=r"^weight: expected"):
         attn.sharded_short_conv(normal(0, (2, 9, 6)), jnp.ones((4, 5)), axis_name="seq", mesh=mesh)
+    with pytest.raises(ValueError, match=r"^exchange: expected one of \('gather', 'scan'\)"):
+        attn.sharded_delta_rule(q, k, v, beta, axis_name="seq", mesh=mesh, exchange="ring")
     with pytest.raises(ValueError, match=r"^A: expected shape \(2,\)"):
         attn.sharded_ssd(v, jnp.ones((2, 9, 2)), jnp.ones((3,)), q, k, axis_name="seq", mesh=mesh)
