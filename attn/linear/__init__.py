@@ -19,7 +19,7 @@ Modules:
   sequence split over a mesh axis: ``sharded_linear_attention``,
   ``sharded_delta_rule``, ``sharded_delta_product``, ``sharded_ssd``,
   ``sharded_short_conv``; ``chain`` drives them (the states chained across
-  devices, a backward pass of its own);
+  devices, a backward pass of its own) and ``drive`` takes whole arrays to it;
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
 * ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
   ``register_feature_map`` adds to) and FAVOR+'s projection.

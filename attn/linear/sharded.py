@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from attn.checks import fail
 from attn.conv import short_conv
 from attn.linear.attention import LinearState, linear_attention
-from attn.linear.chain import Recurrence, chain_over_axis
+from attn.linear.chain import Recurrence
 from attn.linear.delta import delta_rule
+from attn.linear.drive import check_whole, drive, finish
 from attn.linear.mamba import ssd
 from attn.linear.product import delta_product
-from attn.masks import PADDING
 
 __all__ = [
     "sharded_delta_product",
@@ -81,121 +80,6 @@ def _widen(x, extra: int):
 def _start(zeros, eye):
     """A state ``[..., E + e]``: zeros, then ``eye [..., e]`` (the extra columns)."""
     return jnp.concatenate([zeros, jnp.broadcast_to(eye, (*zeros.shape[:-1], eye.shape[-1]))], -1)
-
-
-# ----------------------------------------------------------------------------
-# Shared driving
-
-
-def _abstract(mesh):
-    """The abstract mesh of ``mesh``, or of the context mesh when None."""
-    if mesh is None:
-        return jax.sharding.get_abstract_mesh()
-    if not isinstance(mesh, Mesh):
-        fail("mesh", "a jax.sharding.Mesh or None (the context mesh)", type(mesh).__name__)
-    return mesh.abstract_mesh
-
-
-def _check_whole(fn, *args, **kwargs):
-    """Checks a call's arguments by tracing ``fn`` on their whole shapes (nothing runs).
-
-    The arrays are traced unsharded: what is checked is the call, not its layout
-    (on an Explicit mesh the one-device form could not even trace a sharded T).
-    """
-
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-
-    def call(*values):
-        filled = list(leaves)
-        for i, value in zip(arrays, values, strict=True):
-            filled[i] = value
-        a, k = jax.tree.unflatten(tree, filled)
-        return fn(*a, **k)
-
-    shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in arrays]
-    jax.eval_shape(call, *shapes)
-
-
-def _mesh_size(mesh, axis_name):
-    abstract = _abstract(mesh)
-    if abstract.empty or axis_name not in abstract.axis_names:
-        names = () if abstract.empty else abstract.axis_names
-        fail("axis_name", f"an axis of the mesh {names}", repr(axis_name))
-    return abstract.shape[axis_name]
-
-
-def _pad_time(tokens: dict, aux: dict, T: int, P: int):
-    """Pads every ``[B,T,...]`` array to a multiple of P: zeros, and padding ids.
-
-    Without segment ids the real tokens get id 1, so the tail is padding,
-    which neither writes nor decays a state and outputs 0.
-    """
-    pad = -T % P
-    if not pad:
-        return tokens, aux
-
-    def grow(x, value=0):
-        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
-        return jnp.pad(x, widths, constant_values=value)
-
-    aux = dict(aux)
-    for name in ("seg", "q_seg"):
-        if aux.get(name) is None:
-            B = next(iter(tokens.values())).shape[0]
-            aux[name] = jnp.ones((B, T), jnp.int32)
-        aux[name] = grow(jnp.asarray(aux[name]), PADDING)
-    aux = {
-        k: None if v is None else (v if k in ("seg", "q_seg") else grow(v)) for k, v in aux.items()
-    }
-    tokens = {k: None if v is None else grow(v) for k, v in tokens.items()}
-    return tokens, aux
-
-
-def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
-    """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``."""
-    P = _mesh_size(mesh, axis_name)
-    if T % P and _explicit(mesh):  # an Explicit axis pads only whole: gather T first
-        whole = _rows_whole(mesh, batch_axes)
-        tokens, aux = (
-            {
-                k: None if v is None else jax.sharding.reshard(jnp.asarray(v), whole)
-                for k, v in d.items()
-            }
-            for d in (tokens, aux)
-        )
-    tokens, aux = _pad_time(tokens, aux, T, P)
-    tokens = {k: v for k, v in tokens.items() if v is not None}
-    params = {k: v for k, v in params.items() if v is not None}
-    y, final = chain_over_axis(
-        rec,
-        tokens,
-        params,
-        aux,
-        state0,
-        axis_name=axis_name,
-        mesh=mesh,
-        batch_axes=tuple(batch_axes),
-        exchange=exchange,
-    )
-    if y.shape[1] == T:
-        return y, final
-    if _explicit(mesh):  # an Explicit axis cuts only at shard boundaries: gather T first
-        y = jax.sharding.reshard(y, _rows_whole(mesh, batch_axes))
-    return y[:, :T], final
-
-
-def _rows_whole(mesh, batch_axes):
-    """Arrays ``[B,T,...]`` split over ``batch_axes`` on B only, T whole."""
-    return NamedSharding(_abstract(mesh), PartitionSpec(tuple(batch_axes) or None))
-
-
-def _finish(y, final, return_state: bool):
-    return (y, final) if return_state else y
-
-
-def _explicit(mesh) -> bool:
-    return AxisType.Explicit in _abstract(mesh).axis_types
 
 
 # ----------------------------------------------------------------------------
@@ -279,7 +163,7 @@ def sharded_linear_attention(
     arrays = dict(q=q, k=k, v=v, log_gates=log_gates)
     state = initial_state
     # The whole call's arguments are checked once, with their whole shapes.
-    _check_whole(
+    check_whole(
         linear_attention,
         **arrays,
         decay=decay,
@@ -297,8 +181,8 @@ def sharded_linear_attention(
     T = jnp.shape(q)[1]
     kw = dict(T=T, axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
     arrays = {k_: None if x is None else jnp.asarray(x) for k_, x in arrays.items()}
-    y, final = _drive(rec, arrays, params, aux, state, **kw)
-    return _finish(y, final, return_state)
+    y, final = drive(rec, arrays, params, aux, state, **kw)
+    return finish(y, final, return_state)
 
 
 def _ssd(options):
@@ -356,7 +240,7 @@ def sharded_ssd(
     Returns:
       y ``[B,T,N,E]``, or ``(y, state [B,N,H,E])`` with ``return_state``.
     """
-    _check_whole(
+    check_whole(
         ssd, x, dt, A, B, C, D=D, segment_ids=segment_ids, initial_state=initial_state, **options
     )
     tokens = dict(x=jnp.asarray(x), dt=jnp.asarray(dt), B=jnp.asarray(B), C=jnp.asarray(C))
@@ -364,8 +248,8 @@ def sharded_ssd(
     kw = dict(
         T=jnp.shape(x)[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange
     )
-    y, final = _drive(_ssd(options), tokens, params, dict(seg=segment_ids), initial_state, **kw)
-    return _finish(y, final, return_state)
+    y, final = drive(_ssd(options), tokens, params, dict(seg=segment_ids), initial_state, **kw)
+    return finish(y, final, return_state)
 
 
 # ----------------------------------------------------------------------------
@@ -404,7 +288,7 @@ def _delta(options, product: bool):
 
 def _delta_call(product, q, k, v, beta, log_gates, seg, state, return_state, kw, options):
     fn = delta_product if product else delta_rule
-    _check_whole(
+    check_whole(
         fn,
         q,
         k,
@@ -419,8 +303,8 @@ def _delta_call(product, q, k, v, beta, log_gates, seg, state, return_state, kw,
     tokens = dict(q=q, k=k, v=v, beta=beta, log_gates=log_gates)
     tokens = {name: None if x is None else jnp.asarray(x) for name, x in tokens.items()}
     kw = dict(kw, T=jnp.shape(q)[1])
-    y, final = _drive(_delta(options, product), tokens, {}, dict(seg=seg), state, **kw)
-    return _finish(y, final, return_state)
+    y, final = drive(_delta(options, product), tokens, {}, dict(seg=seg), state, **kw)
+    return finish(y, final, return_state)
 
 
 def _one_seg(q_segment_ids, kv_segment_ids):
@@ -538,7 +422,7 @@ def sharded_short_conv(
     Returns:
       ``(y [B,T,D], new_state [B,W-1,D])`` as ``attn.short_conv``.
     """
-    _check_whole(short_conv, x, weight, bias, state=state, segment_ids=segment_ids)
+    check_whole(short_conv, x, weight, bias, state=state, segment_ids=segment_ids)
     W = jnp.shape(weight)[0]
     x = jnp.asarray(x)
     if W == 1:  # no window: every token alone
@@ -547,4 +431,4 @@ def sharded_short_conv(
     kw = dict(
         T=x.shape[1], axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange
     )
-    return _drive(_conv(W), dict(x=x), params, dict(seg=segment_ids), state, **kw)
+    return drive(_conv(W), dict(x=x), params, dict(seg=segment_ids), state, **kw)

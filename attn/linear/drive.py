@@ -1,0 +1,132 @@
+"""Whole arrays in and out of ``attn.linear.chain``: the checks, the mesh, whole spans.
+
+Internal to ``attn.linear.sharded``: a call's arguments checked once on their
+whole shapes (``check_whole``), T padded to whole spans with padding tokens and
+cut back (``drive``), and the layout of the result on an Explicit mesh.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from attn.checks import fail
+from attn.linear.chain import chain_over_axis
+from attn.masks import PADDING
+
+__all__ = ["abstract_mesh", "check_whole", "drive", "finish", "mesh_size"]
+
+
+def abstract_mesh(mesh):
+    """The abstract mesh of ``mesh``, or of the context mesh when None."""
+    if mesh is None:
+        return jax.sharding.get_abstract_mesh()
+    if not isinstance(mesh, Mesh):
+        fail("mesh", "a jax.sharding.Mesh or None (the context mesh)", type(mesh).__name__)
+    return mesh.abstract_mesh
+
+
+def check_whole(fn, *args, **kwargs):
+    """Checks a call's arguments by tracing ``fn`` on their whole shapes (nothing runs).
+
+    The arrays are traced unsharded: what is checked is the call, not its layout
+    (on an Explicit mesh the one-device form could not even trace a sharded T).
+    """
+
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+
+    def call(*values):
+        filled = list(leaves)
+        for i, value in zip(arrays, values, strict=True):
+            filled[i] = value
+        a, k = jax.tree.unflatten(tree, filled)
+        return fn(*a, **k)
+
+    shapes = [jax.ShapeDtypeStruct(np.shape(leaves[i]), leaves[i].dtype) for i in arrays]
+    jax.eval_shape(call, *shapes)
+
+
+def mesh_size(mesh, axis_name):
+    abstract = abstract_mesh(mesh)
+    if abstract.empty or axis_name not in abstract.axis_names:
+        names = () if abstract.empty else abstract.axis_names
+        fail("axis_name", f"an axis of the mesh {names}", repr(axis_name))
+    return abstract.shape[axis_name]
+
+
+def pad_time(tokens: dict, aux: dict, T: int, P: int):
+    """Pads every ``[B,T,...]`` array to a multiple of P: zeros, and padding ids.
+
+    Without segment ids the real tokens get id 1, so the tail is padding,
+    which neither writes nor decays a state and outputs 0.
+    """
+    pad = -T % P
+    if not pad:
+        return tokens, aux
+
+    def grow(x, value=0):
+        widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        return jnp.pad(x, widths, constant_values=value)
+
+    aux = dict(aux)
+    for name in ("seg", "q_seg"):
+        if aux.get(name) is None:
+            B = next(iter(tokens.values())).shape[0]
+            aux[name] = jnp.ones((B, T), jnp.int32)
+        aux[name] = grow(jnp.asarray(aux[name]), PADDING)
+    aux = {
+        k: None if v is None else (v if k in ("seg", "q_seg") else grow(v)) for k, v in aux.items()
+    }
+    tokens = {k: None if v is None else grow(v) for k, v in tokens.items()}
+    return tokens, aux
+
+
+def drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
+    """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``."""
+    P = mesh_size(mesh, axis_name)
+    if T % P and is_explicit(mesh):  # an Explicit axis pads only whole: gather T first
+        whole = rows_whole(mesh, batch_axes)
+        tokens, aux = (
+            {
+                k: None if v is None else jax.sharding.reshard(jnp.asarray(v), whole)
+                for k, v in d.items()
+            }
+            for d in (tokens, aux)
+        )
+    tokens, aux = pad_time(tokens, aux, T, P)
+    tokens = {k: v for k, v in tokens.items() if v is not None}
+    params = {k: v for k, v in params.items() if v is not None}
+    y, final = chain_over_axis(
+        rec,
+        tokens,
+        params,
+        aux,
+        state0,
+        axis_name=axis_name,
+        mesh=mesh,
+        batch_axes=tuple(batch_axes),
+        exchange=exchange,
+    )
+    if y.shape[1] == T:
+        return y, final
+    if is_explicit(mesh):  # an Explicit axis cuts only at shard boundaries: gather T first
+        y = jax.sharding.reshard(y, rows_whole(mesh, batch_axes))
+    return y[:, :T], final
+
+
+def rows_whole(mesh, batch_axes):
+    """Arrays ``[B,T,...]`` split over ``batch_axes`` on B only, T whole."""
+    return NamedSharding(abstract_mesh(mesh), PartitionSpec(tuple(batch_axes) or None))
+
+
+def finish(y, final, return_state: bool):
+    """``(y, final)`` with ``return_state``, else ``y``: the one-device functions' returns."""
+    return (y, final) if return_state else y
+
+
+def is_explicit(mesh) -> bool:
+    """Whether ``mesh`` (or the context mesh) has Explicit axes."""
+    return AxisType.Explicit in abstract_mesh(mesh).axis_types
