@@ -92,3 +92,18 @@ def run_cases(cases: dict, names) -> int:
         failed += not result["ok"]
         print(json.dumps(result), flush=True)
     return 1 if failed else 0
+
+
+def mesh_of(num_devices: int, explicit: bool = False, axis: str = "seq"):
+    """A one-axis mesh of the first devices: Auto axis types (``Mesh``) or Explicit ones
+    (``jax.make_mesh``)."""
+    from jax.sharding import AxisType, Mesh
+
+    devices = jax.devices()[:num_devices]
+    if explicit:
+        mesh = jax.make_mesh((num_devices,), (axis,), devices=devices)
+        assert mesh.axis_types == (AxisType.Explicit,)
+        return mesh
+    import numpy as np
+
+    return Mesh(np.array(devices), (axis,))

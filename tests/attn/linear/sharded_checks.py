@@ -24,7 +24,6 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import AxisType, Mesh  # noqa: E402
 
 import attn  # noqa: E402
 from tests import fake_devices  # noqa: E402
@@ -39,13 +38,7 @@ B, T, N, K, H, E = 2, 27, 4, 2, 4, 4  # T a multiple of none of 2, 4, 8
 CHUNK = 4
 
 
-def mesh_of(num_devices: int, explicit: bool) -> Mesh:
-    devices = jax.devices()[:num_devices]
-    if explicit:
-        mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
-        assert mesh.axis_types == (AxisType.Explicit,)
-        return mesh
-    return Mesh(np.array(devices), (AXIS,))
+mesh_of = fake_devices.mesh_of
 
 
 def crossing_segments():

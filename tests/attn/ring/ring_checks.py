@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend.core import ClosedJaxpr, Jaxpr  # noqa: E402
-from jax.sharding import AxisType, Mesh, PartitionSpec  # noqa: E402
+from jax.sharding import PartitionSpec  # noqa: E402
 
 import attn  # noqa: E402
 from attn import masks, ring  # noqa: E402
@@ -43,14 +43,7 @@ CAUSAL = masks.causal()
 STREAMING = masks.causal() & (masks.sliding_window(5) | masks.initial_tokens(3))
 
 
-def mesh_of(num_devices: int, explicit: bool = False) -> Mesh:
-    """A one-axis mesh: Auto axis types (``Mesh``) or Explicit ones (``jax.make_mesh``)."""
-    devices = jax.devices()[:num_devices]
-    if explicit:
-        mesh = jax.make_mesh((num_devices,), (AXIS,), devices=devices)
-        assert mesh.axis_types == (AxisType.Explicit,)
-        return mesh
-    return Mesh(np.array(devices), (AXIS,))
+mesh_of = fake_devices.mesh_of
 
 
 def grads_of(fn, q, k, v, sink):
