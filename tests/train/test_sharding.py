@@ -75,7 +75,7 @@ def test_fsdp_shards_the_largest_divisible_dim_of_large_arrays():
 
 
 def test_sharded_runs_match_single_device(tmp_path_factory):
-    """One step on data=8, fsdp=8 and data=2,fsdp=2,seq=2 equals one device's; a run saved
+    """One step on data=2,fsdp=2,seq=2 (Auto and Explicit axes) equals one device's; a run saved
     on data=8 resumes on fsdp=4,data=2 and ends where an uninterrupted single-device run
     does (rel <= 1e-5); bad meshes, batches and sequence-parallel layers raise naming the field."""
     results = sharding_cases.results(tmp_path_factory)
