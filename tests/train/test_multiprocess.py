@@ -1,4 +1,4 @@
-"""Real processes: ``python -m train`` as 2 and 4 processes of one job on this machine.
+"""Real processes: ``python -m train`` as 2 processes of one job on this machine.
 
 Each process is a JAX runtime of its own with fake CPU devices, joined by
 ``jax.distributed`` (coordinator on 127.0.0.1, gloo collectives), as on a
@@ -6,9 +6,10 @@ cluster of hosts. The run is the tiny config with a gated linear-attention layer
 softmax layer on ``--mesh seq=4``, so the sequence's spans, the recurrence's
 state chain and the ring cross process boundaries. One process with 4 devices
 is the reference: 2 processes of 2 devices train its first 2 steps (and save),
-4 processes of 1 device resume that checkpoint for the last 2; the losses and
-the final parameters equal the reference's. A killed process makes the other
-exit at once with one ``error:`` line.
+and one process of 4 devices resumes that checkpoint for the last 2 (the
+reference's program, from the compilation cache); the losses and the final
+parameters equal the reference's. A killed process makes the other exit at once
+with one ``error:`` line.
 """
 
 import json
@@ -98,7 +99,7 @@ def test_processes_train_and_resume_as_one_process(tmp_path, compilation_cache_d
         assert json.loads(out)["step"] == 2
     np.testing.assert_allclose(losses(job), losses(ref)[:2], rtol=1e-6)
     # Resumed by a job of another process count (orbax restores onto the new layout).
-    for code, out, err in finish(launch(job, 4, 1, "--mesh", "seq=4", cache=cache)):
+    for code, out, err in finish(launch(job, 1, 4, "--mesh", "seq=4", cache=cache)):
         assert code == 0, err[-3000:]
         assert json.loads(out)["step"] == 4
     np.testing.assert_allclose(losses(job), losses(ref), rtol=1e-6)
