@@ -42,7 +42,9 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one l
 
     exit_on_sigint("python -m train.compare")
 
+import contextlib
 import ctypes
+import math
 import multiprocessing
 import os
 import shutil
@@ -57,7 +59,12 @@ from tqdm.auto import tqdm
 
 from train import interrupt, plugins
 from train.cli import enable_compilation_cache, parse
-from train.compare_report import format_table, summarize_variant, write_results
+from train.compare_report import (
+    best_lr,
+    format_table,
+    summarize_variant,
+    write_results,
+)
 from train.config import to_json
 from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
 from train.loop import NonFiniteLossError, train
@@ -170,6 +177,78 @@ def stop_workers(signum=None, frame=None) -> None:
     raise ComparisonInterrupted("the workers were stopped; every run keeps its checkpoints")
 
 
+def _per_lr(config: CompareConfig, variant: str, runs: list[dict]) -> dict[float, list[dict]]:
+    """The variant's run records by learning rate."""
+    return {lr: [r for r in runs if (r["variant"], r["lr"]) == (variant, lr)] for lr in config.lrs}
+
+
+def _done_line(desc: str, summary: dict, bits: bool) -> str:
+    """A finished run's progress line, in the task's own terms."""
+    if bits:
+        loss = summary.get("test_loss")
+        score = "diverged" if loss is None else f"test bits/byte {loss / math.log(2):.3f}"
+    else:
+        score = f"test accuracy {summary['test_accuracy']:.3f}"
+    timing = f", {summary['wall_s']:.0f} s" if "wall_s" in summary else ", diverged"
+    return f"{desc}: {score} at step {summary['step']}" + timing
+
+
+@contextlib.contextmanager
+def _runner(config: CompareConfig, total: int):
+    """``run(specs) -> records``: trains ``(variant, lr, seed)`` specs in order of the list
+    (numbered ``[i/total]`` across calls), in this process or in a pool of ``config.jobs``
+    workers kept for every call."""
+    count = [0]
+    bits = metric(config.train.task) == "bits_per_byte"
+
+    def descs(specs):
+        first = count[0]
+        count[0] += len(specs)
+        return [
+            f"[{first + i + 1}/{total}] {v} lr={lr:g} seed={s}"
+            for i, (v, lr, s) in enumerate(specs)
+        ]
+
+    if config.jobs == 1:
+        yield lambda specs: [
+            _train_one(config, *spec, desc, config.progress)
+            for spec, desc in zip(specs, descs(specs), strict=True)
+        ]
+        return
+    if interrupt.active():  # the command line: Ctrl-C stops the workers, then this process
+        signal.signal(signal.SIGINT, stop_workers)
+        # Workers killed that way leave the semaphore of the core counter registered;
+        # multiprocessing's tracker (started below, with this environment) frees it,
+        # and says so in a warning that would be the only noise of an interrupt.
+        os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
+    context = multiprocessing.get_context("spawn")  # fork and XLA's threads do not mix
+    with (
+        ProcessPoolExecutor(
+            config.jobs,
+            mp_context=context,
+            initializer=worker_init,
+            initargs=(context.Value("i", 0), plugins.loaded()),
+        ) as pool,
+        tqdm(total=total, desc=config.name, disable=not config.progress) as bar,
+    ):
+
+        def run(specs):
+            labels = descs(specs)
+            futures = {
+                pool.submit(_train_one, config, *spec, desc, False): i
+                for i, (spec, desc) in enumerate(zip(specs, labels, strict=True))
+            }
+            runs = [None] * len(specs)
+            for future in as_completed(futures):
+                i = futures[future]
+                runs[i] = future.result()
+                bar.write(_done_line(labels[i], runs[i]["summary"], bits))
+                bar.update(1)
+            return runs
+
+        yield run
+
+
 def run_comparison(config: CompareConfig) -> dict[str, Any]:
     """Trains every (variant, lr, seed) and summarizes each variant at its best learning rate.
 
@@ -192,55 +271,19 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
     check_writable(Path(config.runs_dir), "runs_dir")
     if config.fresh:
         shutil.rmtree(Path(config.runs_dir) / config.name, ignore_errors=True)
-    specs = [
+    sweep = [
         (variant, lr, seed)
         for lr in config.lrs
         for seed in config.seeds
         for variant in config.variants
     ]
-    descs = [f"[{i + 1}/{len(specs)}] {v} lr={lr:g} seed={s}" for i, (v, lr, s) in enumerate(specs)]
-    if config.jobs == 1:
-        runs = [
-            _train_one(config, *spec, desc, config.progress)
-            for spec, desc in zip(specs, descs, strict=True)
-        ]
-    else:
-        if interrupt.active():  # the command line: Ctrl-C stops the workers, then this process
-            signal.signal(signal.SIGINT, stop_workers)
-            # Workers killed that way leave the semaphore of the core counter registered;
-            # multiprocessing's tracker (started below, with this environment) frees it,
-            # and says so in a warning that would be the only noise of an interrupt.
-            os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
-        runs = [None] * len(specs)
-        context = multiprocessing.get_context("spawn")  # fork and XLA's threads do not mix
-        with (
-            ProcessPoolExecutor(
-                config.jobs,
-                mp_context=context,
-                initializer=worker_init,
-                initargs=(context.Value("i", 0), plugins.loaded()),
-            ) as pool,
-            tqdm(total=len(specs), desc=config.name, disable=not config.progress) as bar,
-        ):
-            futures = {
-                pool.submit(_train_one, config, *spec, desc, False): i
-                for i, (spec, desc) in enumerate(zip(specs, descs, strict=True))
-            }
-            for future in as_completed(futures):
-                i = futures[future]
-                runs[i] = future.result()
-                s = runs[i]["summary"]
-                bar.write(
-                    f"{descs[i]}: test accuracy {s['test_accuracy']:.3f} at step {s['step']}"
-                    + (f", {s['wall_s']:.0f} s" if "wall_s" in s else ", diverged")
-                )
-                bar.update(1)
-    variants = {}
-    for variant in config.variants:
-        per_lr = {
-            lr: [r for r in runs if (r["variant"], r["lr"]) == (variant, lr)] for lr in config.lrs
-        }
-        variants[variant] = summarize_variant(config, variant, per_lr)
+    total = len(sweep) + len(config.variants) * len(config.best_lr_seeds)
+    with _runner(config, total) as run:
+        runs = run(sweep)
+        if config.best_lr_seeds:  # a second wave: more seeds at each variant's best rate
+            best = {v: best_lr(config, _per_lr(config, v, runs)) for v in config.variants}
+            runs += run([(v, best[v], s) for s in config.best_lr_seeds for v in config.variants])
+    variants = {v: summarize_variant(config, v, _per_lr(config, v, runs)) for v in config.variants}
     task = config.train.task
     return {
         "config": to_json(config),

@@ -32,6 +32,7 @@ from train.workdir import check_writable, write_atomic
 
 __all__ = [
     "aggregate",
+    "best_lr",
     "curves_figure",
     "first_reached",
     "format_table",
@@ -96,6 +97,29 @@ def _run_numbers(run: dict[str, Any], headline: str) -> dict[str, Any]:
     }
 
 
+def best_lr(config: CompareConfig, per_lr: dict[float, list[dict]]) -> float:
+    """The learning rate whose runs on the sweep's seeds (``config.seeds``) score best: the
+    lowest mean bits per byte (a diverged run counts as infinite), or the highest mean
+    accuracy to 3 digits, ties going to the rate that got there first.
+
+    Args:
+      per_lr: each rate's run records (``train.compare``'s), any seeds.
+    """
+    headline = metric(config.train.task)
+    numbers = {
+        lr: [_run_numbers(r, headline) for r in runs if r["seed"] in config.seeds]
+        for lr, runs in per_lr.items()
+    }
+
+    def score(lr):  # higher is better
+        if headline == "bits_per_byte":
+            return (-np.mean([n["bits_per_byte"] or math.inf for n in numbers[lr]]),)
+        accs = np.mean([n["accuracy"] for n in numbers[lr]])
+        return (round(float(accs), 3), -np.mean([n["steps_run"] for n in numbers[lr]]))
+
+    return max(numbers, key=score)
+
+
 def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, list]) -> dict:
     """The variant's entry of ``results["variants"]``: its best learning rate's runs over seeds.
 
@@ -109,19 +133,16 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     ``accuracy["mean"]`` is the headline), ``test_loss``, ``bits_per_byte``
     (on the bytes task only), ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``;
     ``target_reached`` and ``diverged`` (seeds counted), ``metric_per_lr``
-    (the sweep's means), ``tokens_per_s`` and ``wall_s`` (means).
+    (the sweep's means, over ``config.seeds``), ``seeds`` (those of the best rate's
+    runs, ``best_lr_seeds`` included), ``tokens_per_s`` and ``wall_s`` (means).
     """
     headline = metric(config.train.task)
     numbers = {lr: [_run_numbers(r, headline) for r in runs] for lr, runs in per_lr.items()}
-
-    def score(lr):  # higher is better
-        if headline == "bits_per_byte":
-            return (-np.mean([n["bits_per_byte"] or math.inf for n in numbers[lr]]),)
-        # Ties (every seed at the target) go to the learning rate that got there first.
-        accs = np.mean([n["accuracy"] for n in numbers[lr]])
-        return (round(float(accs), 3), -np.mean([n["steps_run"] for n in numbers[lr]]))
-
-    lr = max(per_lr, key=score)
+    swept = {  # the sweep's seeds: the rates are compared on these only
+        lr: [n for n, r in zip(numbers[lr], runs, strict=True) if r["seed"] in config.seeds]
+        for lr, runs in per_lr.items()
+    }
+    lr = best_lr(config, per_lr)
     runs, nums = per_lr[lr], numbers[lr]
     model_config = run_config(config, variant, lr, config.seeds[0]).model
     model_config = dataclasses.replace(model_config, vocab_size=config.train.task.vocab)
@@ -145,8 +166,9 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
         "target_reached": sum(n["target_reached"] for n in nums),
         "diverged": sum(r["diverged_at"] is not None for r in runs),
         "metric_per_lr": {
-            f"{k:g}": aggregate([n[headline] for n in numbers[k]])["mean"] for k in per_lr
+            f"{k:g}": aggregate([n[headline] for n in swept[k]])["mean"] for k in per_lr
         },
+        "seeds": [r["seed"] for r in runs],
         "tokens_per_s": mean("tokens_per_s"),
         "wall_s": mean("wall_s"),
     }
@@ -196,6 +218,16 @@ def _task_line(config: CompareConfig) -> str:
         f"at most {tr.steps} steps of batch {tr.batch_size}{stop}; "
         f"lr sweep {', '.join(f'{x:g}' for x in config.lrs)}; "
         f"seeds {', '.join(map(str, config.seeds))}"
+        + (
+            f" (the sweep), {', '.join(map(str, config.best_lr_seeds))} (at the best rate)"
+            if config.best_lr_seeds
+            else ""
+        )
+        + (
+            f"; each variant's MLP width matched to {config.match_params}'s parameters"
+            if config.match_params
+            else ""
+        )
     )
 
 
@@ -211,7 +243,9 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
     """The markdown table of ``results``: one row per variant, at its best learning rate."""
     bpb = results["metric"] == "bits_per_byte"
     later = ("final test accuracy",) if bpb else tuple(f"step to {m:g}" for m in MILESTONES)
-    head = ("variant", "layers", "softmax layers", "params", "state bytes/seq")
+    matched = config.match_params is not None
+    head = ("variant", "layers", "softmax layers", "params", *("MLP width",) * matched)
+    head += ("state bytes/seq",)
     head += ("final bits/byte" if bpb else "final test accuracy", *later)
     head += ("steps run", "best lr")
     lines = [
@@ -228,6 +262,7 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
             v["layers"],
             which_layers(v["softmax_layers"], config.num_layers),
             f"{v['params']:,}",
+            *(str(v["model"]["mlp_width"]),) * matched,
             _bytes(v["state_bytes"]),
         ]
         if bpb:
@@ -240,10 +275,13 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
             steps += f", {v['diverged']} diverged"
         row += [steps, f"{v['lr']:g}"]
         lines.append("| " + " | ".join(row) + " |")
-    n_seeds = len(config.seeds)
+    n_seeds = len(config.seeds) + len(config.best_lr_seeds)
     over = f"the mean over {n_seeds} seeds (range in brackets)" if n_seeds > 1 else "one seed's"
+    picked = ""
+    if config.best_lr_seeds and len(config.lrs) > 1:
+        picked = f" (picked on seeds {', '.join(map(str, config.seeds))})"
     notes = [
-        f"Each cell is {over} at the variant's best learning rate of the sweep. "
+        f"Each cell is {over} at the variant's best learning rate of the sweep{picked}. "
         + (
             "Bits per byte: the test loss / ln 2 on "
             if bpb

@@ -33,6 +33,7 @@ __all__ = [
     "Variant",
     "cache_sizes",
     "chance_accuracy",
+    "matched_mlp_width",
     "metric",
     "param_count",
     "preset_sizes",
@@ -46,6 +47,8 @@ __all__ = [
 
 # The accuracies whose first step the table reports.
 MILESTONES = (0.5, 0.9)
+# How far a variant's parameters may be from the reference's under ``match_params``.
+MATCH_TOLERANCE = 0.02
 # ``--task`` values: the config file's get_config(task=...) builds each.
 TASKS = ("mqar", "induction", "selective_copy", "bytes")
 
@@ -147,6 +150,10 @@ class CompareConfig:
         added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
+      best_lr_seeds: seeds trained after the sweep, at each variant's best learning
+        rate only (picked on ``seeds``); the variant's numbers are then over
+        ``seeds + best_lr_seeds`` at that rate. E.g. ``seeds=(0,)``,
+        ``best_lr_seeds=(1,)``: the sweep on seed 0, a second seed at its best rate.
       num_layers: L, layers of every variant.
       num_heads: N query heads; head dim is ``width / N``.
       gqa_kv_heads: K for ``gqa``.
@@ -156,6 +163,11 @@ class CompareConfig:
       q_rank: MLA query latent rank (None: direct query projection).
       rope_head_dim: MLA decoupled RoPE key width.
       chunk_size: C of the chunkwise linear attention.
+      match_params: a variant name, or None. Each variant's SwiGLU width is then the
+        one that brings its parameters nearest the named variant's at
+        ``train.model.mlp_width`` (within 2%, or the config raises): the MLP absorbs
+        what the attention layers add or save, as Gated DeltaNet's and Mamba's papers
+        match their baselines. None: every variant at ``train.model.mlp_width``.
       name: results go to ``results_dir/name`` and runs to ``runs_dir/name``.
         The test metric, the step cap and the early stop are the train config's:
         ``train.steps`` caps every run and ``train.target_accuracy`` (checked at
@@ -172,6 +184,7 @@ class CompareConfig:
     variants: tuple[str, ...] = ("mha", "linear")
     lrs: tuple[float, ...] = (1e-3,)
     seeds: tuple[int, ...] = (0,)
+    best_lr_seeds: tuple[int, ...] = ()
     num_layers: int = 2
     num_heads: int = 4
     gqa_kv_heads: int = 2
@@ -181,6 +194,7 @@ class CompareConfig:
     q_rank: int | None = None
     rope_head_dim: int = 4
     chunk_size: int = 32
+    match_params: str | None = None
     name: str = "compare"
     results_dir: str = "results"
     runs_dir: str = "runs"
@@ -201,6 +215,12 @@ class CompareConfig:
             raise ValueError(f"lrs: expected positive learning rates, got {self.lrs}")
         if not self.seeds:
             raise ValueError(f"seeds: expected at least one seed, got {self.seeds}")
+        every = self.seeds + self.best_lr_seeds
+        if len(set(every)) != len(every):
+            raise ValueError(
+                f"best_lr_seeds: expected seeds not in seeds={self.seeds} nor repeated, "
+                f"got {self.best_lr_seeds}"
+            )
         if self.jobs < 1:
             raise ValueError(f"jobs: expected an int >= 1, got {self.jobs}")
         if self.num_layers < 1:
@@ -217,6 +237,13 @@ class CompareConfig:
             )
         if not self.name or "/" in self.name:
             raise ValueError(f"name: expected a folder name, got {self.name!r}")
+        if self.match_params is not None and self.match_params not in VARIANTS:
+            raise ValueError(
+                f"match_params: expected None or a name from {sorted(VARIANTS)}, "
+                f"got {self.match_params!r}"
+            )
+        for variant in self.variants:  # a variant that cannot be matched fails here, not later
+            matched_mlp_width(self, variant)
 
 
 def preset_sizes(config: CompareConfig) -> dict:
@@ -251,12 +278,52 @@ def variant_layers(config: CompareConfig, variant: str):
     return pattern(variant_pattern(config, variant), presets(**preset_sizes(config)))
 
 
+def matched_mlp_width(config: CompareConfig, variant: str) -> int:
+    """The variant's SwiGLU width: ``train.model.mlp_width`` (its default 4 D), or under
+    ``match_params`` the width whose parameter count is nearest the reference's.
+
+    Parameters are affine in the MLP width (``3 D`` per unit and layer: up, gate and
+    down), so two counts give the width; it is rounded to the nearest integer.
+
+    Raises:
+      ValueError: naming ``match_params``, when no positive width comes within 2%.
+    """
+    base = config.train.model
+    if config.match_params is None:
+        return base.hidden_width
+    vocab = config.train.task.vocab
+
+    def count(name: str, mlp: int) -> int:
+        model = dataclasses.replace(
+            base, layers=variant_layers(config, name), mlp_width=mlp, vocab_size=vocab
+        )
+        return param_count(model)
+
+    target = count(config.match_params, base.hidden_width)
+    at_base = count(variant, base.hidden_width)
+    per_unit = count(variant, base.hidden_width + 1) - at_base
+    width = max(1, base.hidden_width + round((target - at_base) / per_unit))
+    got = count(variant, width)
+    if abs(got - target) > MATCH_TOLERANCE * target:
+        fail(
+            "match_params",
+            f"a variant whose parameters {variant!r} can match within "
+            f"{MATCH_TOLERANCE:.0%} by its MLP width",
+            f"{config.match_params!r} with {target:,}; {variant!r} has {got:,} "
+            f"at MLP width {width}",
+        )
+    return width
+
+
 def run_config(config: CompareConfig, variant: str, lr: float, seed: int) -> TrainConfig:
     """The ``TrainConfig`` of one run of the comparison."""
     base = config.train
+    model = dataclasses.replace(base.model, layers=variant_layers(config, variant))
+    if config.match_params is not None:
+        model = dataclasses.replace(model, mlp_width=matched_mlp_width(config, variant))
     return dataclasses.replace(
         base,
-        model=dataclasses.replace(base.model, layers=variant_layers(config, variant)),
+        model=model,
         optim=dataclasses.replace(base.optim, lr=lr),
         seed=seed,
     )

@@ -140,7 +140,8 @@ def test_bytes_reports_bits_per_byte(tmp_path):
         train=train_config,
         variants=("mha",),
         seeds=(0,),
-        lrs=(3e-3,),
+        best_lr_seeds=(1,),  # a second wave: seed 1 at the sweep's best rate only
+        lrs=(3e-3, 3e-2),
         num_heads=2,
         gqa_kv_heads=1,
         results_dir=str(tmp_path / "results"),
@@ -151,13 +152,25 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     results = run_comparison(config)
     folder, paths = write_results(results, config)
     assert results["metric"] == "bits_per_byte" and results["chance_accuracy"] is None
-    (run,) = results["runs"]
     v = results["variants"]["mha"]
-    assert v["bits_per_byte"]["mean"] == pytest.approx(run["summary"]["test_loss"] / math.log(2))
+    sweep, (second,) = results["runs"][:2], results["runs"][2:]
+    assert [(r["lr"], r["seed"]) for r in sweep] == [(3e-3, 0), (3e-2, 0)]
+    bits = {r["lr"]: r["summary"]["test_loss"] / math.log(2) for r in sweep}
+    assert v["lr"] == min(bits, key=bits.get) == second["lr"] and second["seed"] == 1
+    assert v["seeds"] == [0, 1] and v["bits_per_byte"]["count"] == 2
+    at_best = [r for r in results["runs"] if r["lr"] == v["lr"]]
+    want = np.mean([r["summary"]["test_loss"] for r in at_best]) / math.log(2)
+    assert v["bits_per_byte"]["mean"] == pytest.approx(want)
+    assert v["metric_per_lr"][f"{v['lr']:g}"] == pytest.approx(bits[v["lr"]])  # seed 0 only
     assert v["steps_run"]["mean"] == 4  # no target on bytes: every run trains to its cap
+    line = compare._done_line("[1/3] mha", {"test_loss": 2.5 * math.log(2), "step": 4,
+                                            "wall_s": 3.0}, True)  # fmt: skip
+    assert line == "[1/3] mha: test bits/byte 2.500 at step 4, 3 s"
     table = (folder / "table.md").read_text()
     assert "| final bits/byte | final test accuracy | steps run |" in table
-    assert f"| {v['bits_per_byte']['mean']:.3f} |" in table
+    bpb = v["bits_per_byte"]
+    assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
+    assert "seeds 0 (the sweep), 1 (at the best rate)" in table
     assert [p.name for p in paths] == [
         "table.md",
         "results.json",
@@ -297,6 +310,30 @@ def _model(config, variant):
     return dataclasses.replace(config.train.model, layers=variant_layers(config, variant))
 
 
+def test_parameters_are_matched_by_the_mlp_width():
+    """``match_params``: each variant's SwiGLU width brings it within 2% of the reference."""
+    from models import ModelConfig
+    from train.variants import matched_mlp_width, param_count, run_config
+
+    names = ("mha", "gqa", "mla", "linear", "gated_deltanet", "mamba2")
+    train = TrainConfig(model=ModelConfig(width=32, mlp_width=64))
+    config = CompareConfig(train=train, variants=names, num_heads=2, gqa_kv_heads=1,
+                           kv_rank=8, match_params="mha")  # fmt: skip
+
+    def params(variant):
+        model = run_config(config, variant, 1e-3, 0).model
+        return param_count(dataclasses.replace(model, vocab_size=train.task.vocab))
+
+    target = params("mha")
+    assert matched_mlp_width(config, "mha") == 64
+    for name in names:
+        assert abs(params(name) - target) <= 0.02 * target, name
+    # The delta rule's projections and convolutions cost more than MHA's: a narrower MLP.
+    assert matched_mlp_width(config, "gated_deltanet") < 64 < matched_mlp_width(config, "gqa")
+    unmatched = dataclasses.replace(config, match_params=None)
+    assert run_config(unmatched, "gated_deltanet", 1e-3, 0).model.mlp_width == 64
+
+
 def test_bad_compare_configs_name_the_field():
     with pytest.raises(ValueError, match="variants"):
         CompareConfig(variants=("mha", "nope"))
@@ -304,6 +341,16 @@ def test_bad_compare_configs_name_the_field():
         CompareConfig(num_heads=5)
     with pytest.raises(ValueError, match="gqa_kv_heads"):
         CompareConfig(num_heads=4, gqa_kv_heads=3)
+    with pytest.raises(ValueError, match=r"^best_lr_seeds: expected seeds not in"):
+        CompareConfig(seeds=(0, 1), best_lr_seeds=(1,))
+    with pytest.raises(ValueError, match=r"^match_params: expected None or a name"):
+        CompareConfig(match_params="nope")
+    # An MLP of width 1 cannot give back what the delta rule's projections add.
+    from models import ModelConfig
+
+    narrow = TrainConfig(model=ModelConfig(width=32, mlp_width=1))
+    with pytest.raises(ValueError, match=r"^match_params: .*'gated_deltanet' has"):
+        CompareConfig(train=narrow, variants=("mha", "gated_deltanet"), match_params="mha")
 
 
 def test_report_names_layers_and_keeps_labels_apart():
