@@ -18,10 +18,15 @@ lowest bits per byte) is reported in ``results/<name>/``:
 The variants and their metadata (``VARIANTS``, ``CompareConfig``, layers,
 sizes) are in ``train.variants``.
 - ``recall_vs_state.png``: final test accuracy against decode-state bytes per
-  sequence (log x), one point per variant and every seed shown (Zoology's and
-  Based's plot).
+  sequence (log x), one point per variant with a bar over its seeds' range and
+  every seed shown (Zoology's and Based's plot); ``bits_vs_state.png`` on
+  ``bytes`` (bits per byte from 0, lower is better).
 - ``curves.png``: train loss and test accuracy against step, every seed of the
-  best learning rate.
+  best learning rate (both panels in bits per byte on ``bytes``).
+
+``lrs`` x ``seeds`` is the sweep; ``best_lr_seeds`` train afterwards at each
+variant's best rate only, and ``match_params`` gives every variant the
+parameter count of one of them through its MLP width (``train.variants``).
 
 ``--task induction|selective_copy|bytes`` runs the same comparison on another
 task (the config's ``get_config(task=...)``); ``bytes`` reports bits per byte

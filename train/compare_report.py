@@ -40,6 +40,7 @@ __all__ = [
     "plot_curves",
     "plot_recall_vs_state",
     "recall_vs_state_figure",
+    "scatter_name",
     "summarize_variant",
     "which_layers",
     "write_results",
@@ -413,6 +414,12 @@ def _state_ticks(ax, xs) -> None:
     ax.xaxis.set_minor_locator(NullLocator())
 
 
+def scatter_name(results: dict[str, Any]) -> str:
+    """The scatter's file name, named for the task: ``bits_vs_state.png`` on a byte
+    corpus, ``recall_vs_state.png`` on the recall tasks."""
+    return "bits_vs_state.png" if results["metric"] == "bits_per_byte" else "recall_vs_state.png"
+
+
 def recall_vs_state_figure(results: dict[str, Any]):
     """The figure of ``plot_recall_vs_state`` and its point labels: ``(fig, ax, labels)``."""
     plt = _pyplot()
@@ -420,27 +427,36 @@ def recall_vs_state_figure(results: dict[str, Any]):
     key = "bits_per_byte" if bpb else "accuracy"
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = plt.get_cmap("tab10")
-    points = []
+    points, top = [], 0.0
     for i, (name, v) in enumerate(results["variants"].items()):
         color = colors(i % 10)
         x = max(v["state_bytes"], 1)
         seeds = [y for y in v[key]["seeds"] if y is not None]
+        top = max([top, *seeds])
         ax.scatter([x] * len(seeds), seeds, color=color, s=12, alpha=0.6, zorder=3)
-        if v[key]["mean"] is not None:
-            ax.scatter([x], [v[key]["mean"]], color=color, s=60, marker="D", label=name, zorder=4)
-            points.append((x, v[key]["mean"], name, color))
+        agg = v[key]
+        if agg["mean"] is not None:
+            # The bar spans the seeds' range: what another seed could have given.
+            spread = [[agg["mean"] - agg["min"]], [agg["max"] - agg["mean"]]]
+            ax.errorbar([x], [agg["mean"]], yerr=spread, color=color, capsize=3, lw=1, zorder=4)
+            ax.scatter([x], [agg["mean"]], color=color, s=60, marker="D", label=name, zorder=5)
+            points.append((x, agg["mean"], name, color))
     chance = results.get("chance_accuracy")
     if chance is not None:
         ax.axhline(chance, color="gray", ls="--", lw=1, label=f"chance ({chance:.2f})")
-    ax.scatter([], [], color="black", s=12, alpha=0.6, label="each seed")
+    ax.scatter([], [], color="black", s=12, alpha=0.6, label="each seed (bar: their range)")
     ax.set_xscale("log")
     ax.margins(x=0.12)  # room beside the outermost points for their labels
     _state_ticks(ax, [p[0] for p in points] or [1])
     ax.set_xlabel("decode-state bytes per sequence (log scale)")
-    ax.set_ylabel("final test bits per byte" if bpb else "final test accuracy")
-    if not bpb:
+    if bpb:  # from 0: differences read against the whole loss, not a zoomed band
+        ax.set_ylabel("final test bits per byte (lower is better)")
+        ax.set_ylim(0, 1.08 * top or 1)
+    else:
+        ax.set_ylabel("final test accuracy (higher is better)")
         ax.set_ylim(0, 1.1)
-    ax.set_title(f"{results['config']['name']}: {key.replace('_', ' ')} against state size")
+    what = "bits per byte" if bpb else "recall accuracy"
+    ax.set_title(f"{results['config']['name']}: {what} against decode-state size")
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     return fig, ax, place_labels(ax, sorted(points, key=lambda p: (p[1], p[0])))
@@ -469,21 +485,22 @@ def curves_figure(results: dict[str, Any]):
         for j, run in enumerate(_best_runs(results, name)):
             c, style = run["curves"], dict(color=colors(i % 10), ls="-" if j == 0 else "--")
             label = name if j == 0 else None
-            ax_loss.plot(c["train_step"], c["train_loss"], label=label, lw=1, **style)
+            train = [x / math.log(2) for x in c["train_loss"]] if bpb else c["train_loss"]
+            ax_loss.plot(c["train_step"], train, label=label, lw=1, **style)
             test = [x / math.log(2) for x in c["test_loss"]] if bpb else c["test_accuracy"]
             ax_test.plot(c["eval_step"], test, marker=".", label=label, **style)
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("train loss")
+    ax_loss.set_ylabel("train bits per byte (log scale)" if bpb else "train loss, nats (log scale)")
     ax_loss.set_yscale("log")
     ax_test.set_xlabel("step")
-    ax_test.set_ylabel("test bits per byte" if bpb else "test accuracy")
+    ax_test.set_ylabel("test bits per byte (lower is better)" if bpb else "test accuracy")
     chance = results.get("chance_accuracy")
     if chance is not None:
         ax_test.axhline(chance, color="gray", ls="--", lw=1, label="chance")
     if not bpb:
         ax_test.set_ylim(0, 1.05)
     ax_test.legend(fontsize=7)
-    seeds = len(results["config"]["seeds"])
+    seeds = len(results["config"]["seeds"]) + len(results["config"].get("best_lr_seeds", ()))
     fig.suptitle(
         f"{results['config']['name']}: best learning rate per variant"
         + (
@@ -532,6 +549,6 @@ def write_results(results: dict[str, Any], config: CompareConfig) -> tuple[Path,
     write_atomic(
         paths[1], json.dumps(_finite(_recorded(results)), indent=1, allow_nan=False) + "\n"
     )
-    paths.append(plot_recall_vs_state(results, out / "recall_vs_state.png"))
+    paths.append(plot_recall_vs_state(results, out / scatter_name(results)))
     paths.append(plot_curves(results, out / "curves.png"))
     return out, paths

@@ -171,12 +171,26 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     bpb = v["bits_per_byte"]
     assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
     assert "seeds 0 (the sweep), 1 (at the best rate)" in table
-    assert [p.name for p in paths] == [
-        "table.md",
-        "results.json",
-        "recall_vs_state.png",
-        "curves.png",
-    ]
+    # Every output in the task's own terms: bits per byte on both panels, lower is better.
+    assert [p.name for p in paths] == ["table.md", "results.json", "bits_vs_state.png",
+                                       "curves.png"]  # fmt: skip
+    from train.compare_report import curves_figure, recall_vs_state_figure
+
+    fig, ax, _ = recall_vs_state_figure(results)
+    assert ax.get_ylabel() == "final test bits per byte (lower is better)"
+    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > bpb["max"]  # the full range
+    assert len(ax.containers) == 1  # the error bar of mha's two seeds
+    curves = curves_figure(results)
+    assert [a.get_ylabel().split(" (")[0] for a in curves.axes] == [
+        "train bits per byte", "test bits per byte"
+    ]  # fmt: skip
+    best_seed0 = next(r for r in sweep if r["lr"] == v["lr"])  # the solid line
+    train_bits = np.asarray(curves.axes[0].lines[0].get_ydata())
+    np.testing.assert_allclose(train_bits * math.log(2), best_seed0["curves"]["train_loss"])
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    plt.close(curves)
 
 
 def test_seed_aggregation_on_hand_made_numbers():
