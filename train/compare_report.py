@@ -84,7 +84,9 @@ def _run_numbers(run: dict[str, Any], headline: str) -> dict[str, Any]:
     diverged = run["diverged_at"] is not None
     bpb = {}
     if headline == "bits_per_byte":
+        se = s.get("test_loss_se")
         bpb["bits_per_byte"] = None if diverged or loss is None else loss / math.log(2)
+        bpb["bits_per_byte_se"] = None if diverged or se is None else se / math.log(2)
     return {
         "accuracy": 0.0 if diverged else (s["test_accuracy"] or 0.0),
         "test_loss": None if diverged else loss,
@@ -131,8 +133,9 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     ``state_bytes`` (decode state of one test-length sequence),
     ``cache_bytes_per_token`` and ``cache_bytes_fixed``; over the seeds of the
     best learning rate, ``aggregate`` dicts ``accuracy`` (final test accuracy:
-    ``accuracy["mean"]`` is the headline), ``test_loss``, ``bits_per_byte``
-    (on the bytes task only), ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``;
+    ``accuracy["mean"]`` is the headline), ``test_loss``, ``bits_per_byte`` and
+    ``bits_per_byte_se`` (its test-sample standard error; on the bytes task only),
+    ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``;
     ``target_reached`` and ``diverged`` (seeds counted), ``metric_per_lr``
     (the sweep's means, over ``config.seeds``), ``seeds`` (those of the best rate's
     runs, ``best_lr_seeds`` included), ``tokens_per_s`` and ``wall_s`` (means).
@@ -150,7 +153,7 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     per_token, fixed = cache_sizes(model_config)
     fine = [r["summary"] for r in runs if r["diverged_at"] is None]
     mean = lambda key: float(np.mean([s[key] for s in fine])) if fine else None  # noqa: E731
-    bpb = ("bits_per_byte",) if headline == "bits_per_byte" else ()
+    bpb = ("bits_per_byte", "bits_per_byte_se") if headline == "bits_per_byte" else ()
     keys = ("accuracy", "test_loss", *bpb, "steps_run")
     keys += tuple(f"step_to_{m:g}" for m in MILESTONES)
     return {
@@ -247,7 +250,8 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
     matched = config.match_params is not None
     head = ("variant", "layers", "softmax layers", "params", *("MLP width",) * matched)
     head += ("state bytes/seq",)
-    head += ("final bits/byte" if bpb else "final test accuracy", *later)
+    head += ("final bits/byte", "test SE") if bpb else ("final test accuracy",)
+    head += later
     head += ("steps run", "best lr")
     lines = [
         f"# {config.name}",
@@ -267,7 +271,9 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
             _bytes(v["state_bytes"]),
         ]
         if bpb:
-            row += [_cell(v["bits_per_byte"], ".3f", "diverged"), _cell(v["accuracy"], ".3f")]
+            se = v.get("bits_per_byte_se", {}).get("mean")
+            row += [_cell(v["bits_per_byte"], ".3f", "diverged")]
+            row += ["-" if se is None else f"{se:.4f}", _cell(v["accuracy"], ".3f")]
         else:
             row += [_cell(v["accuracy"], ".3f")]
             row += [_cell(v[f"step_to_{m:g}"], ".0f") for m in MILESTONES]
@@ -289,6 +295,13 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
             else "Final test accuracy: the fraction of labelled positions predicted exactly on "
         )
         + f"{config.train.eval_batches} fixed test batches at the run's last evaluation"
+        + (
+            " (the same windows for every seed); test SE: the standard error of that "
+            "estimate over its batches (the test sample's error; mean over seeds), beside "
+            "the seeds' range in brackets"
+            if bpb
+            else ""
+        )
         + ("" if bpb else "; step to x: the first evaluation at or above x")
         + ". State bytes/seq: the decode state of one test-length sequence in float32 (full "
         "caches hold every token; windows, recurrent states and short-convolution states are "

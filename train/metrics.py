@@ -131,6 +131,7 @@ def write_summary(workdir, config, params: int, step, tokens_per_s, wall_s, reac
         "train_loss": last["train"].get("loss"),
         "train_accuracy": last["train"].get("accuracy"),
         "test_loss": last["eval"].get("test_loss"),
+        "test_loss_se": last["eval"].get("test_loss_se"),
         "test_accuracy": last["eval"].get("test_accuracy"),
         "tokens_per_s": tokens_per_s,
         "wall_s": wall_s,

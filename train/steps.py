@@ -242,16 +242,30 @@ def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None
       step_fn: ``batch -> [loss sum, correct, count]``; default a jitted step on ``model``.
 
     Returns:
-      ``dict(test_loss, test_accuracy)``, weighted by labelled positions.
+      ``dict(test_loss, test_accuracy, test_loss_se)``, weighted by labelled positions.
+      ``test_loss_se`` is the standard error of ``test_loss`` as an estimate of the
+      test distribution's loss, each batch one sample (the ratio estimator's
+      linearization: ``sqrt(n / (n - 1) * sum_b (L_b - loss * c_b)^2) / sum_b c_b`` for
+      batch loss sums ``L_b`` over ``c_b`` positions); None with one batch.
     """
     step_fn = step_fn or nnx.cached_partial(_jit_eval_step, model)
-    sums = np.zeros(3)
-    for i in range(config.eval_batches):
-        sums += np.asarray(step_fn(task.batch(config.seed, "test", i, config.batch_size)))
-    loss_sum, correct, count = sums
+    n = config.eval_batches
+    sums = np.stack(
+        [
+            np.asarray(step_fn(task.batch(config.seed, "test", i, config.batch_size)))
+            for i in range(n)
+        ]
+    )
+    loss_sum, correct, count = sums.sum(axis=0)
+    loss = loss_sum / max(count, 1.0)
+    se = None
+    if n > 1 and count > 0:
+        deviations = sums[:, 0] - loss * sums[:, 2]
+        se = float(np.sqrt(n / (n - 1) * np.sum(deviations**2)) / count)
     return {
-        "test_loss": float(loss_sum / max(count, 1.0)),
+        "test_loss": float(loss),
         "test_accuracy": float(correct / max(count, 1.0)),
+        "test_loss_se": se,
     }
 
 

@@ -232,7 +232,8 @@ class Task:
         """The batch number ``step`` of ``split`` for ``seed``; always the same arrays.
 
         Args:
-          seed: the run's data seed.
+          seed: the run's data seed (not for a corpus's test windows: those are one
+            sample for every seed, so that seeds differ by their training alone).
           split: "train" or "test".
           step: the batch index (the optimizer step for training batches).
           batch_size: B.
@@ -242,7 +243,8 @@ class Task:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size}")
-        c, rng = self.config, _rng(seed, split, step)
+        c = self.config
+        rng = _rng(0 if (split == "test" and c.name == "bytes") else seed, split, step)
         if c.name == "mqar":
             return mqar_batch(
                 rng,

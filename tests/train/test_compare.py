@@ -133,7 +133,7 @@ def test_bytes_reports_bits_per_byte(tmp_path):
         steps=4,
         batch_size=4,
         eval_every=2,
-        eval_batches=1,
+        eval_batches=2,
     )
     config = dataclasses.replace(
         config,
@@ -167,7 +167,9 @@ def test_bytes_reports_bits_per_byte(tmp_path):
                                             "wall_s": 3.0}, True)  # fmt: skip
     assert line == "[1/3] mha: test bits/byte 2.500 at step 4, 3 s"
     table = (folder / "table.md").read_text()
-    assert "| final bits/byte | final test accuracy | steps run |" in table
+    assert "| final bits/byte | test SE | final test accuracy | steps run |" in table
+    se = [r["summary"]["test_loss_se"] / math.log(2) for r in at_best]  # eval_batches = 2
+    assert v["bits_per_byte_se"]["mean"] == pytest.approx(np.mean(se)) and min(se) > 0
     bpb = v["bits_per_byte"]
     assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
     assert "seeds 0 (the sweep), 1 (at the best rate)" in table

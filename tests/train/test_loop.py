@@ -200,6 +200,28 @@ def test_non_finite_loss_is_found_at_its_step_between_reads(tmp_path):
     assert all(r["step"] <= kept for r in read_metrics(tmp_path / "sparse"))
 
 
+def test_the_test_loss_comes_with_its_standard_error():
+    """Batches of equal position counts: the standard error of the mean of their losses
+    (sample standard deviation / sqrt(n)); unequal counts weigh each batch by its count."""
+    config = dataclasses.replace(get_config(), eval_batches=4)
+    task = make_task(config.task)
+    sums = iter([[6.0, 1, 4], [2.0, 1, 4], [4.0, 1, 4], [8.0, 1, 4]])  # [loss sum, correct, count]
+    got = evaluate(None, task, config, step_fn=lambda batch: np.asarray(next(sums)))
+    means = np.array([6.0, 2.0, 4.0, 8.0]) / 4
+    assert got["test_loss"] == pytest.approx(means.mean())
+    assert got["test_loss_se"] == pytest.approx(means.std(ddof=1) / 2)
+    # Counts 1 and 3 with per-position losses 1 and 3: the ratio estimator's linearization.
+    sums = iter([[1.0, 0, 1], [9.0, 0, 3]] * 2)
+    got = evaluate(None, task, config, step_fn=lambda batch: np.asarray(next(sums)))
+    loss = 20.0 / 8
+    deviations = np.array([1 - loss, 9 - 3 * loss] * 2)
+    assert got["test_loss"] == loss
+    assert got["test_loss_se"] == pytest.approx(np.sqrt(4 / 3 * np.sum(deviations**2)) / 8)
+    one = evaluate(None, task, dataclasses.replace(config, eval_batches=1),
+                   step_fn=lambda batch: np.asarray([1.0, 0, 1]))  # fmt: skip
+    assert one["test_loss_se"] is None
+
+
 def test_load_run_rebuilds_the_trained_model_from_its_record(tmp_path):
     config = dataclasses.replace(
         get_config(), steps=20, ckpt_every=10, eval_every=20, keep_checkpoints=3
@@ -212,6 +234,7 @@ def test_load_run_rebuilds_the_trained_model_from_its_record(tmp_path):
     again = evaluate(model, make_task(config.task), config)
     assert again["test_loss"] == pytest.approx(summary["test_loss"], rel=1e-6)
     assert again["test_accuracy"] == summary["test_accuracy"]
+    assert again["test_loss_se"] == pytest.approx(summary["test_loss_se"], rel=1e-5)
     earlier, _ = load_run(tmp_path, step=10)
     assert evaluate(earlier, make_task(config.task), config)["test_loss"] > again["test_loss"]
     with pytest.raises(ValueError, match=r"step: expected one of the saved steps \[10, 20\]"):

@@ -164,6 +164,12 @@ def test_corpus_from_a_folder(tmp_path):
     np.testing.assert_array_equal(c["labels"][:, 0], b["tokens"][:, 0])
     assert (c["weights"] == 1).all() and BOS not in corpus.train
 
+    # The test windows are one sample for every seed; the training windows are the seed's.
+    for key in ("tokens", "labels"):
+        np.testing.assert_array_equal(task.batch(3, "test", 1, 4)[key],
+                                      task.batch(0, "test", 1, 4)[key])  # fmt: skip
+    assert not np.array_equal(task.batch(3, "train", 0, 4)["tokens"], b["tokens"])
+
 
 def test_corpus_from_a_single_file(tmp_path):
     path = tmp_path / "one.txt"
