@@ -94,7 +94,9 @@ def register_variant(name: str, layers, *, description: str) -> Variant:
 
 
 for _name, _description, _layers in (
-    ("mha", "softmax, multi-head", "mha"),
+    ("mha", "softmax, multi-head, RoPE", "mha"),
+    ("alibi", "softmax, ALiBi biases instead of RoPE", "alibi"),
+    ("fox", "softmax with a forget gate (FoX), no RoPE", "fox"),
     ("gqa", "softmax, grouped-query", "gqa"),
     ("mqa", "softmax, multi-query", "mqa"),
     ("mla", "multi-head latent", "mla"),
@@ -133,6 +135,8 @@ for _name, _description, _layers in (
         "two delta-rule steps per token, beta in (0, 2)",
         "gated_deltaproduct",
     ),
+    ("moba", "block-sparse softmax, top-k key blocks per query (MoBA)", "moba"),
+    ("nsa", "compressed, selected and window branches (NSA)", "nsa"),
 ):
     register_variant(_name, _layers, description=_description)
 
@@ -144,10 +148,10 @@ class CompareConfig:
     Attributes:
       train: the shared task, model width, budget and bookkeeping. Its
         ``model.layers`` is replaced per variant; its ``optim.lr`` by the sweep.
-      variants: names from ``VARIANTS``: mha, gqa, mqa, mla, window, streaming,
-        local_global, linear, linear_decay, linear_gated, hybrid, based, deltanet,
-        gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, and any
-        added with ``register_variant``.
+      variants: names from ``VARIANTS``: mha, alibi, fox, gqa, mqa, mla, window,
+        streaming, local_global, linear, linear_decay, linear_gated, hybrid, based,
+        deltanet, gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, moba,
+        nsa, and any added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
       best_lr_seeds: seeds trained after the sweep, at each variant's best learning

@@ -79,7 +79,7 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
         "| hybrid (softmax in the first layer, then linear; short convs) "
         "| mha_conv+linear_conv | layer 1 of 2 |"
     )
-    assert "| mha (softmax, multi-head) | mha+mha | layers 1, 2 of 2 |" in rows[0]
+    assert "| mha (softmax, multi-head, RoPE) | mha+mha | layers 1, 2 of 2 |" in rows[0]
 
     results = json.loads((folder / "results.json").read_text())
     assert set(results["variants"]) == {"mha", "hybrid"} and results["metric"] == "accuracy"
@@ -278,6 +278,11 @@ def test_variants_and_cache_sizes():
     config = CompareConfig(train=TrainConfig(), variants=tuple(VARIANTS), num_heads=4, window=16)
     for name in VARIANTS:
         assert len(variant_layers(config, name)) == config.num_layers
+    kinds = {n: (c.kind, c.score, c.rope) for n in ("mha", "alibi", "fox", "moba", "nsa")
+             for c in variant_layers(config, n)[:1]}  # fmt: skip
+    assert kinds == {"mha": ("softmax", None, True), "alibi": ("softmax", "alibi", False),
+                     "fox": ("softmax", "forgetting", False), "moba": ("moba", None, True),
+                     "nsa": ("nsa", None, True)}  # fmt: skip
     hybrid = variant_layers(config, "hybrid")
     assert [(a.kind, a.short_conv) for a in hybrid] == [("softmax", 4), ("linear", 4)]
     based, window = variant_layers(config, "based")
