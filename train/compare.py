@@ -24,6 +24,10 @@ sizes) are in ``train.variants``.
 - ``curves.png``: train loss and test accuracy against step, every seed of the
   best learning rate (both panels in bits per byte on ``bytes``).
 
+- ``lengths.png`` with ``test_lengths`` (e.g. ``1 2 4 8``): each run's final
+  model also tested on windows of that many times the training length
+  (``train.lengths``), and a "Train short, test long" table in ``table.md``.
+
 ``lrs`` x ``seeds`` is the sweep; ``best_lr_seeds`` train afterwards at each
 variant's best rate only, and ``match_params`` gives every variant the
 parameter count of one of them through its MLP width (``train.variants``).
@@ -72,6 +76,7 @@ from train.compare_report import (
 )
 from train.config import to_json
 from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
+from train.lengths import loss_at_lengths
 from train.loop import NonFiniteLossError, train
 from train.metrics import read_metrics
 from train.variants import (
@@ -114,7 +119,7 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
         print(f"{desc}: {e}", file=sys.stderr)
         summary = {"test_accuracy": 0.0, "test_loss": None}
         diverged = e.step
-    return {
+    record = {
         "variant": variant,
         "lr": lr,
         "seed": seed,
@@ -123,6 +128,9 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
         "summary": summary,
         "curves": _curves(workdir),
     }
+    if config.test_lengths and diverged is None:  # here: the workers test their own runs
+        record["lengths"] = loss_at_lengths(workdir, config.test_lengths)
+    return record
 
 
 def worker_init(started, plugin_names=()) -> None:

@@ -36,8 +36,10 @@ __all__ = [
     "curves_figure",
     "first_reached",
     "format_table",
+    "lengths_figure",
     "place_labels",
     "plot_curves",
+    "plot_lengths",
     "plot_recall_vs_state",
     "recall_vs_state_figure",
     "scatter_name",
@@ -138,7 +140,9 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     ``steps_run``, ``step_to_0.5`` and ``step_to_0.9``;
     ``target_reached`` and ``diverged`` (seeds counted), ``metric_per_lr``
     (the sweep's means, over ``config.seeds``), ``seeds`` (those of the best rate's
-    runs, ``best_lr_seeds`` included), ``tokens_per_s`` and ``wall_s`` (means).
+    runs, ``best_lr_seeds`` included), ``tokens_per_s`` and ``wall_s`` (means);
+    with ``config.test_lengths``, ``at_length[str(k)]``: the headline metric at k x
+    the training length, aggregated over the seeds.
     """
     headline = metric(config.train.task)
     numbers = {lr: [_run_numbers(r, headline) for r in runs] for lr, runs in per_lr.items()}
@@ -156,6 +160,12 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
     bpb = ("bits_per_byte", "bits_per_byte_se") if headline == "bits_per_byte" else ()
     keys = ("accuracy", "test_loss", *bpb, "steps_run")
     keys += tuple(f"step_to_{m:g}" for m in MILESTONES)
+    lengths = {}
+    if config.test_lengths:
+        lengths["at_length"] = {
+            f"{k}": aggregate([_at_length(r, k, headline) for r in runs])
+            for k in config.test_lengths
+        }
     return {
         "description": VARIANTS[variant].description,
         "layers": "+".join(variant_pattern(config, variant)),
@@ -175,7 +185,16 @@ def summarize_variant(config: CompareConfig, variant: str, per_lr: dict[float, l
         "seeds": [r["seed"] for r in runs],
         "tokens_per_s": mean("tokens_per_s"),
         "wall_s": mean("wall_s"),
+        **lengths,
     }
+
+
+def _at_length(run: dict[str, Any], multiple: int, headline: str) -> float | None:
+    """A run's headline metric at ``multiple`` x its training length (None: diverged)."""
+    at = run.get("lengths", {}).get(f"{multiple}")
+    if at is None:
+        return None
+    return at["test_loss"] / math.log(2) if headline == "bits_per_byte" else at["test_accuracy"]
 
 
 # ----------------------------------------------------------------------------
@@ -320,7 +339,31 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
         f"{len(results['runs'])} runs{jobs} (one run: {min(walls):.0f} to {max(walls):.0f} s, "
         "compilation included)."
     )
-    return "\n".join([*lines, "", " ".join(notes), ""])
+    return "\n".join([*lines, "", " ".join(notes), "", *_lengths_table(results, config)])
+
+
+def _lengths_table(results: dict[str, Any], config: CompareConfig) -> list[str]:
+    """The train-short-test-long section: each variant's metric at each test length."""
+    if not config.test_lengths:
+        return []
+    T, bpb = config.train.task.seq_len, results["metric"] == "bits_per_byte"
+    head = ["variant", *(f"{k}x (T={k * T})" for k in config.test_lengths)]
+    lines = [
+        "## Train short, test long",
+        "",
+        f"{'Test bits per byte' if bpb else 'Test accuracy'} of each variant's final models "
+        f"(best learning rate, every seed) on test windows of 1 to "
+        f"{max(config.test_lengths)} times the training length T={T}, the same test "
+        "tokens at every length; each layer runs as it decodes (RoPE past its trained "
+        "positions, windows at their width, fixed states on).",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|---|" + "---:|" * len(config.test_lengths),
+    ]
+    for name, v in results["variants"].items():
+        cells = [_cell(v["at_length"][f"{k}"], ".3f", "diverged") for k in config.test_lengths]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 # ----------------------------------------------------------------------------
@@ -534,6 +577,44 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def lengths_figure(results: dict[str, Any]):
+    """The figure of ``plot_lengths``: each variant's metric against the test length."""
+    plt = _pyplot()
+    bpb = results["metric"] == "bits_per_byte"
+    multiples = results["config"]["test_lengths"]
+    T = results["config"]["train"]["task"]["seq_len"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    colors = plt.get_cmap("tab10")
+    for i, (name, v) in enumerate(results["variants"].items()):
+        aggs = [v["at_length"][f"{k}"] for k in multiples]
+        xs = [k for k, a in zip(multiples, aggs, strict=True) if a["mean"] is not None]
+        kept = [a for a in aggs if a["mean"] is not None]
+        spread = [[a["mean"] - a["min"] for a in kept], [a["max"] - a["mean"] for a in kept]]
+        ax.errorbar(xs, [a["mean"] for a in kept], yerr=spread, color=colors(i % 10),
+                    marker="o", ms=4, capsize=3, lw=1, label=name)  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(multiples, [f"{k}x\n{k * T}" for k in multiples])
+    ax.set_xlabel("test length: multiple of the training length, and tokens")
+    if bpb:
+        ax.set_ylabel("test bits per byte (lower is better)")
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_ylabel("test accuracy (higher is better)")
+        ax.set_ylim(0, 1.05)
+    ax.set_title(f"{results['config']['name']}: trained at T={T}, tested longer")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def plot_lengths(results: dict[str, Any], path: Path) -> Path:
+    """Each variant's test metric at every test length (bars: the seeds' range)."""
+    fig = lengths_figure(results)
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def _finite(tree):
     """``tree`` with NaN and infinities as None (strict JSON has neither)."""
     if isinstance(tree, dict):
@@ -564,4 +645,6 @@ def write_results(results: dict[str, Any], config: CompareConfig) -> tuple[Path,
     )
     paths.append(plot_recall_vs_state(results, out / scatter_name(results)))
     paths.append(plot_curves(results, out / "curves.png"))
+    if config.test_lengths:
+        paths.append(plot_lengths(results, out / "lengths.png"))
     return out, paths

@@ -167,6 +167,9 @@ class CompareConfig:
       q_rank: MLA query latent rank (None: direct query projection).
       rope_head_dim: MLA decoupled RoPE key width.
       chunk_size: C of the chunkwise linear attention.
+      test_lengths: multiples of the training length at which each run's final model
+        is also tested (``train.lengths``; e.g. ``(1, 2, 4, 8)``: train short, test
+        long); () for none.
       match_params: a variant name, or None. Each variant's SwiGLU width is then the
         one that brings its parameters nearest the named variant's at
         ``train.model.mlp_width`` (within 2%, or the config raises): the MLP absorbs
@@ -198,6 +201,7 @@ class CompareConfig:
     q_rank: int | None = None
     rope_head_dim: int = 4
     chunk_size: int = 32
+    test_lengths: tuple[int, ...] = ()
     match_params: str | None = None
     name: str = "compare"
     results_dir: str = "results"
@@ -241,6 +245,11 @@ class CompareConfig:
             )
         if not self.name or "/" in self.name:
             raise ValueError(f"name: expected a folder name, got {self.name!r}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.test_lengths):
+            raise ValueError(
+                f"test_lengths: expected ints >= 1 (multiples of task.seq_len), "
+                f"got {self.test_lengths}"
+            )
         if self.match_params is not None and self.match_params not in VARIANTS:
             raise ValueError(
                 f"match_params: expected None or a name from {sorted(VARIANTS)}, "

@@ -141,6 +141,7 @@ def test_bytes_reports_bits_per_byte(tmp_path):
         variants=("mha",),
         seeds=(0,),
         best_lr_seeds=(1,),  # a second wave: seed 1 at the sweep's best rate only
+        test_lengths=(1, 2),  # every final model also tested on windows of 2T
         lrs=(3e-3, 3e-2),
         num_heads=2,
         gqa_kv_heads=1,
@@ -173,9 +174,17 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     bpb = v["bits_per_byte"]
     assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
     assert "seeds 0 (the sweep), 1 (at the best rate)" in table
+    # Train short, test long: at 1x the run's own last evaluation; at 2x the same tokens.
+    for run in results["runs"]:
+        one, two = run["lengths"]["1"], run["lengths"]["2"]
+        assert one["test_loss"] == pytest.approx(run["summary"]["test_loss"], rel=1e-6)
+        assert (one["seq_len"], one["windows"], two["seq_len"], two["windows"]) == (16, 8, 32, 4)
+    twice = [r["lengths"]["2"]["test_loss"] / math.log(2) for r in at_best]
+    assert v["at_length"]["2"]["mean"] == pytest.approx(np.mean(twice))
+    assert "## Train short, test long" in table and "| 2x (T=32) |" in table
     # Every output in the task's own terms: bits per byte on both panels, lower is better.
     assert [p.name for p in paths] == ["table.md", "results.json", "bits_vs_state.png",
-                                       "curves.png"]  # fmt: skip
+                                       "curves.png", "lengths.png"]  # fmt: skip
     from train.compare_report import curves_figure, recall_vs_state_figure
 
     fig, ax, _ = recall_vs_state_figure(results)
@@ -364,6 +373,12 @@ def test_bad_compare_configs_name_the_field():
         CompareConfig(num_heads=4, gqa_kv_heads=3)
     with pytest.raises(ValueError, match=r"^best_lr_seeds: expected seeds not in"):
         CompareConfig(seeds=(0, 1), best_lr_seeds=(1,))
+    with pytest.raises(ValueError, match=r"^test_lengths: expected ints >= 1"):
+        CompareConfig(test_lengths=(1, 0))
+    from train.lengths import at_length
+
+    with pytest.raises(ValueError, match=r"^multiple: expected an int >= 1, got 1.5"):
+        at_length(TrainConfig(), 1.5)
     with pytest.raises(ValueError, match=r"^match_params: expected None or a name"):
         CompareConfig(match_params="nope")
     # An MLP of width 1 cannot give back what the delta rule's projections add.
