@@ -23,7 +23,6 @@ sizes) are in ``train.variants``.
   ``bytes`` (bits per byte from 0, lower is better).
 - ``curves.png``: train loss and test accuracy against step, every seed of the
   best learning rate (both panels in bits per byte on ``bytes``).
-
 - ``lengths.png`` with ``test_lengths`` (e.g. ``1 2 4 8``): each run's final
   model also tested on windows of that many times the training length
   (``train.lengths``), and a "Train short, test long" table in ``table.md``.
@@ -117,7 +116,7 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
         diverged = None
     except NonFiniteLossError as e:
         print(f"{desc}: {e}", file=sys.stderr)
-        summary = {"test_accuracy": 0.0, "test_loss": None}
+        summary = {"test_accuracy": 0.0, "test_loss": None, "step": e.step}
         diverged = e.step
     record = {
         "variant": variant,
@@ -197,13 +196,13 @@ def _per_lr(config: CompareConfig, variant: str, runs: list[dict]) -> dict[float
 
 def _done_line(desc: str, summary: dict, bits: bool) -> str:
     """A finished run's progress line, in the task's own terms."""
+    if "wall_s" not in summary:  # the stand-in summary of a diverged run
+        return f"{desc}: diverged at step {summary['step']}"
     if bits:
-        loss = summary.get("test_loss")
-        score = "diverged" if loss is None else f"test bits/byte {loss / math.log(2):.3f}"
+        score = f"test bits/byte {summary['test_loss'] / math.log(2):.3f}"
     else:
         score = f"test accuracy {summary['test_accuracy']:.3f}"
-    timing = f", {summary['wall_s']:.0f} s" if "wall_s" in summary else ", diverged"
-    return f"{desc}: {score} at step {summary['step']}" + timing
+    return f"{desc}: {score} at step {summary['step']}, {summary['wall_s']:.0f} s"
 
 
 @contextlib.contextmanager

@@ -167,6 +167,8 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     line = compare._done_line("[1/3] mha", {"test_loss": 2.5 * math.log(2), "step": 4,
                                             "wall_s": 3.0}, True)  # fmt: skip
     assert line == "[1/3] mha: test bits/byte 2.500 at step 4, 3 s"
+    diverged = {"test_accuracy": 0.0, "test_loss": None, "step": 7}  # _train_one's stand-in
+    assert compare._done_line("[2/3] mha", diverged, True) == "[2/3] mha: diverged at step 7"
     table = (folder / "table.md").read_text()
     assert "| final bits/byte | test SE | final test accuracy | steps run |" in table
     se = [r["summary"]["test_loss_se"] / math.log(2) for r in at_best]  # eval_batches = 2
