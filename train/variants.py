@@ -173,8 +173,8 @@ class CompareConfig:
       match_params: a variant name, or None. Each variant's SwiGLU width is then the
         one that brings its parameters nearest the named variant's at
         ``train.model.mlp_width`` (within 2%, or the config raises): the MLP absorbs
-        what the attention layers add or save, as Gated DeltaNet's and Mamba's papers
-        match their baselines. None: every variant at ``train.model.mlp_width``.
+        what the attention layers add or save, so that variants compare at equal size
+        with the same depth and width. None: every variant at ``train.model.mlp_width``.
       name: results go to ``results_dir/name`` and runs to ``runs_dir/name``.
         The test metric, the step cap and the early stop are the train config's:
         ``train.steps`` caps every run and ``train.target_accuracy`` (checked at
