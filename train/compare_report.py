@@ -305,7 +305,8 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
     over = f"the mean over {n_seeds} seeds (range in brackets)" if n_seeds > 1 else "one seed's"
     picked = ""
     if config.best_lr_seeds and len(config.lrs) > 1:
-        picked = f" (picked on seeds {', '.join(map(str, config.seeds))})"
+        word = "seeds" if len(config.seeds) > 1 else "seed"
+        picked = f" (picked on {word} {', '.join(map(str, config.seeds))})"
     notes = [
         f"Each cell is {over} at the variant's best learning rate of the sweep{picked}. "
         + (

@@ -176,6 +176,7 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     bpb = v["bits_per_byte"]
     assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
     assert "seeds 0 (the sweep), 1 (at the best rate)" in table
+    assert "at the variant's best learning rate of the sweep (picked on seed 0)" in table
     # Train short, test long: at 1x the run's own last evaluation; at 2x the same tokens.
     for run in results["runs"]:
         one, two = run["lengths"]["1"], run["lengths"]["2"]
