@@ -526,10 +526,7 @@ def plot_recall_vs_state(results: dict[str, Any], path: Path) -> Path:
     Zoology's and Based's recall-against-state plots; labels are placed where
     they overlap no other label and stay inside the axes (``place_labels``).
     """
-    fig, _, _ = recall_vs_state_figure(results)
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
+    return _save(recall_vs_state_figure(results)[0], path)
 
 
 def curves_figure(results: dict[str, Any]):
@@ -572,10 +569,7 @@ def curves_figure(results: dict[str, Any]):
 
 def plot_curves(results: dict[str, Any], path: Path) -> Path:
     """Train loss and the test metric against step: every seed of each best learning rate."""
-    fig = curves_figure(results)
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
+    return _save(curves_figure(results), path)
 
 
 def lengths_figure(results: dict[str, Any]):
@@ -610,7 +604,10 @@ def lengths_figure(results: dict[str, Any]):
 
 def plot_lengths(results: dict[str, Any], path: Path) -> Path:
     """Each variant's test metric at every test length (bars: the seeds' range)."""
-    fig = lengths_figure(results)
+    return _save(lengths_figure(results), path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     _pyplot().close(fig)
     return path
