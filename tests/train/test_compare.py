@@ -22,13 +22,8 @@ from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
 from train import compare
 from train.compare import run_comparison
-from train.compare_report import (
-    aggregate,
-    first_reached,
-    plot_recall_vs_state,
-    summarize_variant,
-    write_results,
-)
+from train.compare_plots import plot_recall_vs_state
+from train.compare_report import aggregate, first_reached, summarize_variant, write_results
 from train.config import TrainConfig
 from train.variants import VARIANTS, CompareConfig, cache_sizes, register_variant, variant_layers
 
@@ -188,7 +183,7 @@ def test_bytes_reports_bits_per_byte(tmp_path):
     # Every output in the task's own terms: bits per byte on both panels, lower is better.
     assert [p.name for p in paths] == ["table.md", "results.json", "bits_vs_state.png",
                                        "curves.png", "lengths.png"]  # fmt: skip
-    from train.compare_report import curves_figure, recall_vs_state_figure
+    from train.compare_plots import curves_figure, recall_vs_state_figure
 
     fig, ax, _ = recall_vs_state_figure(results)
     assert ax.get_ylabel() == "final test bits per byte (lower is better)"
@@ -393,7 +388,8 @@ def test_bad_compare_configs_name_the_field():
 
 
 def test_report_names_layers_and_keeps_labels_apart():
-    from train.compare_report import curves_figure, recall_vs_state_figure, which_layers
+    from train.compare_plots import curves_figure, recall_vs_state_figure
+    from train.compare_report import which_layers
 
     assert which_layers([2], 2) == "layer 2 of 2"
     assert which_layers([1, 2], 2) == "layers 1, 2 of 2"
