@@ -248,6 +248,7 @@ def measure_point(p: dict, spec: dict, limit: int | None) -> dict:
         if sum(times) > 1.0:  # a slow point gets fewer runs
             break
     seconds = min(times)
+    error = forward_error(fn, mask, q, k, v) if p["mode"] == "fwd" else None
     tflops = useful_flops(p, window) / seconds / 1e12
     peak = peak_tflops(jax.local_devices()[0].device_kind)
     return {
@@ -257,7 +258,31 @@ def measure_point(p: dict, spec: dict, limit: int | None) -> dict:
         "peak_share": None if peak is None else tflops / peak,
         "program_bytes": program_bytes,
         "compile_seconds": compile_seconds,
+        "max_abs_error": error,
     }
+
+
+def forward_error(fn, mask, q, k, v, limit_bytes: int = 4 * GiB) -> float | None:
+    """Largest |fn(q, k, v) - reference| over the output; None where the reference is too big.
+
+    The reference is ``attn.dot_product_attention`` on the same bf16 inputs cast
+    to float32, at ``highest`` matmul precision (a GPU's default for float32 is
+    TF32), so the error is the implementation's bf16 arithmetic alone.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import attn
+
+    B, T, N, _ = q.shape
+    if 2 * B * N * T * k.shape[1] * 4 > limit_bytes:  # float32 scores and weights
+        return None
+    with jax.default_matmul_precision("highest"):
+        ref = jax.jit(lambda q, k, v: attn.dot_product_attention(q, k, v, mask=mask))(
+            *(x.astype(jnp.float32) for x in (q, k, v))
+        )
+    out = fn(q, k, v).astype(jnp.float32)
+    return float(jnp.max(jnp.abs(out - ref)))
 
 
 def run_child(spec: dict, timeout: float) -> tuple[list[dict], int | None]:
@@ -297,16 +322,40 @@ def run_child(spec: dict, timeout: float) -> tuple[list[dict], int | None]:
     return rows, peak
 
 
+def probe_device(dry_run: bool) -> None:
+    """Prints the device's kind, platform and measured bf16 matmul rate as one JSON line.
+
+    The rate (an ``n x n x n`` product, best of 10 after a warm-up; n = 8192 on a
+    GPU) is the ceiling the attention rows are read against, beside the data
+    sheet's peak.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    n = 256 if dry_run else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    product = jax.jit(lambda a, b: a @ b).lower(a, a).compile()
+    jax.block_until_ready(product(a, a))
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(product(a, a))
+        times.append(time.perf_counter() - start)
+    d = jax.local_devices()[0]
+    info = dict(platform=jax.default_backend(), kind=d.device_kind)
+    info["matmul_tflops"] = 2 * n**3 / min(times) / 1e12
+    print(json.dumps(info), flush=True)
+
+
 def device_info(dry_run: bool) -> dict:
-    """The device's kind and platform, asked in a child (the parent holds no GPU memory)."""
-    code = (
-        "import json, jax; d = jax.local_devices()[0]; "
-        "print(json.dumps(dict(platform=jax.default_backend(), kind=d.device_kind)))"
-    )
-    env = dict(os.environ, JAX_PLATFORMS="cpu") if dry_run else None
+    """``probe_device``'s answer, asked in a child (the parent holds no GPU memory)."""
+    env = dict(os.environ, ATTN_GPU_BENCH_PROBE="1")
+    if dry_run:
+        env["JAX_PLATFORMS"] = "cpu"
     run = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
+        [sys.executable, str(Path(__file__).resolve()), *(["--dry-run"] if dry_run else [])],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
     if run.returncode != 0:
         raise RuntimeError(f"finding the device: {run.stderr.strip()[-300:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -379,6 +428,8 @@ def markdown(result: dict) -> str:
         "x3.5 with the backward)"
         + (f" / share of the {peak:.0f} TFLOP/s bf16 peak" if peak else "")
         + " / device memory of the compiled program (XLA buffer assignment). "
+        f"Measured bf16 matmul rate here: {result['device']['matmul_tflops']:.3g} TFLOP/s "
+        "(one n x n x n product, n = 8192 on a GPU). "
         f"window_sinks: causal & (window {result['window']} | first "
         f"{result['initial_tokens']} tokens). jax {result['env']['jax']}, "
         f"{result['wall_seconds']:.0f} s.",
@@ -398,6 +449,14 @@ def markdown(result: dict) -> str:
         }
         cells = [*key[:2], *(str(x) for x in key[2:])]
         lines.append("| " + " | ".join(cells + [_cell(found.get(i)) for i in impls]) + " |")
+    errors = {}
+    for r in rows:
+        if r.get("max_abs_error") is not None:
+            errors[r["impl"]] = max(errors.get(r["impl"], 0.0), r["max_abs_error"])
+    if errors:
+        lines += ["", "Largest forward error against a float32 reference on the same inputs "
+                  "(T <= 4096): " + ", ".join(
+                      f"{IMPL_LABELS[i]} {e:.2g}" for i, e in errors.items()) + "."]  # fmt: skip
     missing = [r for r in rows if r["status"] != "ok"]
     if missing:
         lines += ["", "Not measured:", ""]
@@ -439,6 +498,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         if result["peak_tflops"]:
             ax.axhline(result["peak_tflops"], color="gray", linewidth=0.8)
+        ax.axhline(result["device"]["matmul_tflops"], color="gray", linewidth=0.8, ls="--")
     handles, labels = axes[0][0].get_legend_handles_labels()
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
@@ -451,6 +511,8 @@ def plot(result: dict, path: Path) -> None:
 if __name__ == "__main__":
     if "ATTN_GPU_BENCH_CHILD" in os.environ:
         child_main(json.loads(os.environ["ATTN_GPU_BENCH_CHILD"]))
+    elif "ATTN_GPU_BENCH_PROBE" in os.environ:
+        probe_device("--dry-run" in sys.argv)
     else:
         import tyro
 
