@@ -1,7 +1,9 @@
 """Benchmark: the training step of small models, as the main job runs them (one core per run).
 
-For each variant of the main job's comparison (``configs/compare_mqar.py``:
-width 64, 2 layers, batch 64, 24 tokens) it trains ``--steps`` updates with
+For each variant of a comparison (``--config``, default the main job's
+``configs/compare_mqar.py``: width 64, 2 layers, batch 64, 24 tokens; or
+``configs/compare_lm.py``: width 128, 4 layers, batch 16, 256 bytes) it trains
+``--steps`` updates with
 ``train.loop.train`` in a child process pinned to one core, two children at
 once (the comparison's default ``--jobs 2``: both cores busy), and reports:
 
@@ -10,7 +12,7 @@ once (the comparison's default ``--jobs 2``: both cores busy), and reports:
 * achieved GFLOP/s: XLA's FLOP count of one forward + backward of the model
   on the batch (the optimizer's elementwise work not counted) times the steps
   per second, beside the matmul rate the same child measured on its core
-  (a jitted f32 ``[1536, 64] @ [64, 192]``, the model's largest projection,
+  (a jitted f32 ``[B T, D] @ [D, 3 D]``, the q/k/v projection of the batch,
   and a ``[512, 512] @ [512, 512]``).
 
 With ``--baseline-root DIR`` (a checkout of an earlier commit) every variant
@@ -19,12 +21,15 @@ core, the two swapping cores each round; the table gives both and their ratio.
 
     python bench/steps.py --baseline-root /tmp/base     # before/after (about 20 minutes)
     python bench/steps.py --variants mha linear --rounds 1   # a quick look
+    python bench/steps.py --config configs/compare_lm.py --steps 20 --rounds 1 \
+        --out-dir /tmp/steps                            # the language-modelling sizes
 
 Writes ``<out_dir>/steps-cpu.json`` and ``.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -57,8 +62,8 @@ import dataclasses, json, os, sys, tempfile, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
 import jax, jax.numpy as jnp
 from flax import nnx
-from configs.compare_mqar import get_config
 from train import loop
+from train.cli import load_config
 from train.tasks import make_task
 from train.variants import run_config
 try:
@@ -67,7 +72,7 @@ except ImportError:  # a baseline checkout from before train.steps
     from train.loop import build_model, weighted_metrics
 
 variant, steps, repeats = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-compare = get_config()
+compare = load_config(sys.argv[5])
 config = run_config(compare, variant, compare.lrs[0], 0)
 config = dataclasses.replace(
     config, steps=steps, eval_every=steps, ckpt_every=steps, target_accuracy=None
@@ -103,7 +108,10 @@ print(json.dumps({
     "train_loss": summary["train_loss"],
     "flops_per_step": flops,
     "tokens_per_step": config.batch_size * config.task.seq_len,
-    "matmul_projection": matmul_rate(1536, 64, 192, repeats),
+    "matmul_projection": matmul_rate(
+        config.batch_size * config.task.seq_len, config.model.width, 3 * config.model.width,
+        repeats,
+    ),
     "matmul_512": matmul_rate(512, 512, 512, max(repeats // 4, 1)),
 }))
 """
@@ -113,18 +121,19 @@ print(json.dumps({
 class Config:
     """Benchmark settings."""
 
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = ()  # (): VARIANTS for compare_mqar, else the config's own
     steps: int = 300  # updates per run (the first, which compiles, is not timed)
     rounds: int = 2  # runs per variant and code; the best is reported
     baseline_root: str = ""  # a checkout of the code to compare against ("": none)
     out_dir: Path = ROOT / "bench" / "results"
     matmul_repeats: int = 200  # matmuls per timed run of the matmul rate (the 512^3 one: 1/4)
     xla_flags: str = ""  # the children's XLA_FLAGS ("": none, XLA's full optimization)
+    config: Path = ROOT / "configs" / "compare_mqar.py"  # the comparison whose models run
 
 
 def child(cfg: Config, root: Path, core: int, variant: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(root), "XLA_FLAGS": cfg.xla_flags}
-    argv = [str(core), variant, str(cfg.steps), str(cfg.matmul_repeats)]
+    argv = [str(core), variant, str(cfg.steps), str(cfg.matmul_repeats), str(cfg.config)]
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, *argv],
         cwd=root,
@@ -221,8 +230,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "# Training steps of the main job's models on CPU (one core per run, both busy)",
         "",
         f"`python bench/steps.py{meta['args']}` on {meta['processor']} ({meta['cpu_count']} "
-        f"cores), jax {meta['jax']}: the comparison's models (width 64, 2 layers, batch 64, "
-        f"24 tokens), {meta['steps']} updates of `train.loop.train` per run, best of "
+        f"cores), jax {meta['jax']}: the models of `{meta['config']}` ({meta['sizes']}), "
+        f"{meta['steps']} updates of `train.loop.train` per run, best of "
         f"{meta['rounds']} rounds; two runs at once, each pinned to its own core"
         + (
             f" (before: {meta['baseline_commit']}, after: {meta['commit']}, side by side, "
@@ -233,7 +242,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         + f". Load average {meta['load_before']} before, {meta['load_after']} after.",
         "",
         "GFLOP/step: XLA's count for one forward + backward (not the optimizer). "
-        "Matmul: a jitted f32 `[1536,64] @ [64,192]` (the largest projection) and "
+        f"Matmul: a jitted f32 `{meta['projection']}` (the q/k/v projection) and "
         "`[512,512] @ [512,512]`, measured by the same run on its core.",
         "",
     ]
@@ -248,8 +257,28 @@ def _commit(root) -> str | None:
     return out.stdout.strip() or None
 
 
+def _sizes(config_path: Path) -> tuple[dict, tuple[str, ...]]:
+    """The comparison's sizes for the report, and its variants."""
+    from train.cli import load_config
+
+    compare = load_config(config_path)
+    t = compare.train
+    B, T, D = t.batch_size, t.task.seq_len, t.model.width
+    sizes = {
+        "sizes": f"width {D}, {compare.num_layers} layers, batch {B}, {T} tokens",
+        "projection": f"[{B * T},{D}] @ [{D},{3 * D}]",
+    }
+    return sizes, compare.variants
+
+
 def main(cfg: Config) -> None:
     import jax
+
+    sizes, config_variants = _sizes(cfg.config)
+    stem = Path(cfg.config).stem
+    if not cfg.variants:
+        default = VARIANTS if stem == "compare_mqar" else config_variants
+        cfg = dataclasses.replace(cfg, variants=default)
 
     meta = {
         "jax": jax.__version__,
@@ -263,12 +292,16 @@ def main(cfg: Config) -> None:
         "commit": _commit(ROOT),
         "args": " --baseline-root DIR" if cfg.baseline_root else "",
         "load_before": round(os.getloadavg()[0], 2),
+        "config": str(Path(cfg.config).resolve().relative_to(ROOT))
+        if Path(cfg.config).resolve().is_relative_to(ROOT)
+        else str(cfg.config),
+        **sizes,
     }
     runs = measure(cfg)
     meta["load_after"] = round(os.getloadavg()[0], 2)
     rows = summarize(runs)
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
-    name = "steps-cpu"
+    name = "steps-cpu" if stem == "compare_mqar" else f"steps-{stem}-cpu"
     (cfg.out_dir / f"{name}.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=2) + "\n"
     )

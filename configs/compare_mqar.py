@@ -2,7 +2,8 @@
 
     python -m train.compare            # this config: 10 variants x 2 seeds, to convergence
     python -m train.compare --quick    # mha, linear and the hybrid, 1 seed, about a minute
-    python -m train.compare --task induction|selective_copy|bytes   # the same on another task
+    python -m train.compare --task induction|selective_copy   # the same on another task
+    python -m train.compare --task bytes   # language modelling: configs/compare_lm.py
 
 Regenerate the committed run (``docs/results/compare_mqar/``) with
 
@@ -55,6 +56,7 @@ How long that run took, and on which machine: ``docs/results/README.md``.
 
 import dataclasses
 
+from configs import compare_lm
 from models import ModelConfig
 from train.config import OptimConfig, TrainConfig
 from train.tasks import TaskConfig
@@ -98,15 +100,14 @@ TASKS = {
         0.99,
         STEPS,
     ),
-    # Next-byte prediction on the Python standard library's sources: no target,
-    # every run trains to the cap and reports bits per byte.
-    "bytes": (TaskConfig(name="bytes", seq_len=SEQ_LEN), None, 500),
 }
 
 
 def get_config(quick: bool = False, task: str = "mqar") -> CompareConfig:
+    if task == "bytes":  # language modelling has a config of its own, at its own sizes
+        return compare_lm.get_config(quick)
     if task not in TASKS:
-        raise ValueError(f"task: expected one of {sorted(TASKS)}, got {task!r}")
+        raise ValueError(f"task: expected one of {sorted([*TASKS, 'bytes'])}, got {task!r}")
     task_config, target, steps = TASKS[task]
     train = TrainConfig(
         task=task_config,

@@ -31,9 +31,11 @@ sizes) are in ``train.variants``.
 variant's best rate only, and ``match_params`` gives every variant the
 parameter count of one of them through its MLP width (``train.variants``).
 
-``--task induction|selective_copy|bytes`` runs the same comparison on another
-task (the config's ``get_config(task=...)``); ``bytes`` reports bits per byte
-(test loss / ln 2) instead of accuracy and trains to the cap.
+``--task induction|selective_copy`` runs the same comparison on another task
+(the config's ``get_config(task=...)``). ``--task bytes`` is language
+modelling, with its own default config (``configs/compare_lm.py``: its sizes,
+matched parameters, two learning rates, train short and test long); it reports
+bits per byte (test loss / ln 2) instead of accuracy and trains to the cap.
 
 Each run trains in ``runs/<name>/<variant>/lr<lr>_seed<seed>`` with
 checkpoints, so an interrupted comparison picks up where it stopped, and a run
@@ -344,16 +346,18 @@ def _parse(argv: list[str]) -> CompareConfig:
             raise ValueError(f"--task: expected one of {', '.join(TASKS)}, got {got}")
         config_kwargs["task"] = argv[i + 1]
         del argv[i : i + 2]
+    default = "compare_lm.py" if config_kwargs.get("task") == "bytes" else "compare_mqar.py"
     listed = "; ".join(f"{name} ({v.description})" for name, v in VARIANTS.items())
     config, _ = parse(
         "python -m train.compare",
         "Train every attention variant on the same task to its target accuracy or step cap; "
         "write results/<name>/. Flags of this command: --config FILE (default "
-        "configs/compare_mqar.py), --quick (the config's quick settings), --task "
-        f"{'|'.join(TASKS)} (default mqar); every field below overrides the config. "
+        "configs/compare_mqar.py; configs/compare_lm.py with --task bytes), --quick (the "
+        f"config's quick settings), --task {'|'.join(TASKS)} (default mqar); every field "
+        "below overrides the config. "
         f"Variants (--variants NAME ...): {listed}.",
         argv,
-        default_config=str(Path(__file__).resolve().parent.parent / "configs" / "compare_mqar.py"),
+        default_config=str(Path(__file__).resolve().parent.parent / "configs" / default),
         config_kwargs=config_kwargs,
     )
     return config

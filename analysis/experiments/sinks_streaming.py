@@ -66,6 +66,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import attn
 import train
 import train.config
 import train.tasks
@@ -74,7 +75,9 @@ from analysis.experiments import _common
 from models import Decoder
 
 NAME = "sinks_streaming"
-VARIANTS = ("full", "window", "window_sinks")
+# window_sinks keeps every token at its absolute position; streaming_llm is the same
+# cache with the positions renumbered inside it, as StreamingLLM does.
+VARIANTS = ("full", "window", "window_sinks", "streaming_llm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,37 +144,97 @@ def _steps(t) -> list[int]:
 def _variant(model: nnx.Module, name: str, T: int, num_initial: int) -> nnx.Module:
     """The trained parameters under another mask: the masks hold no parameters."""
     cfg = model.config
-    extra = {
-        "full": {},
-        "window": {"window": T},
-        "window_sinks": {"window": T, "initial_tokens": num_initial},
-    }[name]
+    sinks = {"window": T, "initial_tokens": num_initial}
+    extra = {"full": {}, "window": {"window": T}, "window_sinks": sinks, "streaming_llm": sinks}[
+        name
+    ]
     layers = tuple(dataclasses.replace(a, **extra) for a in cfg.layers)
     out = nnx.eval_shape(lambda: Decoder(dataclasses.replace(cfg, layers=layers), rngs=nnx.Rngs(0)))
     nnx.update(out, nnx.state(model))
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _stream_nll(graphdef, state, tokens, targets, cache):
-    """Per-position NLL ``[B,S]`` of tokens fed one at a time through ``cache``."""
+def renumber_shift(t, num_initial: int, window: int):
+    """How far StreamingLLM's numbering moves the initial tokens' keys at query position t.
+
+    StreamingLLM numbers the cached tokens by their slots: the ``n`` initial
+    tokens 0..n-1, the ``w`` latest n..n+w-1, the query last. With RoPE only
+    differences count, and the window keys' differences to the query are
+    their absolute ones; the initial tokens' shrink from ``t - i`` to
+    ``n + w - 1 - i``: their keys move ``max(0, t - (n + w - 1))`` positions on.
+    """
+    return jnp.maximum(0, t - (num_initial + window - 1))
+
+
+def _renumbered(cache, originals, shift, layers):
+    """``cache`` with each layer's pinned keys at their original positions + ``shift``.
+
+    ``originals``: per layer, the pinned keys ``[B,n,K,H]`` as first written (at
+    positions 0..n-1). RoPE's rotations compose, so rotating those keys by
+    ``shift`` places them at ``i + shift``; the stored positions, which the mask
+    reads, stay as they are.
+    """
+    new = []
+    for layer, cfg, orig in zip(cache.layers, layers, originals, strict=True):
+        n = orig.shape[1]
+        moved = attn.apply_rope(
+            orig,
+            jnp.full((n,), shift, jnp.float32),
+            base=cfg.rope_base,
+            rotary_dim=getattr(cfg, "rotary_dim", None),
+        )
+        new.append(layer.replace(k=layer.k.at[:, :n].set(moved.astype(layer.k.dtype))))
+    return cache.replace(layers=tuple(new))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "renumber"))
+def _stream_nll(graphdef, state, tokens, targets, cache, renumber=None):
+    """Per-position NLL ``[B,S]`` of tokens fed one at a time through ``cache``.
+
+    ``renumber``: None, or ``(n, w)`` to renumber positions as StreamingLLM
+    does for a cache of ``n`` initial tokens and a window of ``w``.
+    """
     model = nnx.merge(graphdef, state)
+    layers = model.config.layers
 
-    def step(cache, xs):
-        token, target = xs
+    def step(carry, xs):
+        cache, originals = carry
+        t, token, target = xs
+        if renumber is not None:
+            shift = renumber_shift(t, *renumber)
+            # Until the first move the pinned slots hold the keys as written.
+            n = renumber[0]
+            originals = tuple(
+                jnp.where(shift == 0, layer.k[:, :n], orig)
+                for layer, orig in zip(cache.layers, originals, strict=True)
+            )
+            cache = _renumbered(cache, originals, shift, layers)
         logits, cache = model.decode_step(token, cache)
-        return cache, optax.softmax_cross_entropy_with_integer_labels(logits, target)
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits, target)
+        return (cache, originals), nll
 
-    _, nll = jax.lax.scan(step, cache, (tokens.T, targets.T))
+    n = renumber[0] if renumber is not None else 0
+    originals = tuple(layer.k[:, :n] for layer in cache.layers)
+    steps = jnp.arange(tokens.shape[1])
+    _, nll = jax.lax.scan(step, (cache, originals), (steps, tokens.T, targets.T))
     return nll.T
 
 
-def stream_nll(model: nnx.Module, tokens, targets) -> np.ndarray:
-    """Next-token NLL ``[B,S]`` of streaming ``tokens [B,S]`` through the model's decode cache."""
+def stream_nll(
+    model: nnx.Module, tokens, targets, renumber: tuple[int, int] | None = None
+) -> np.ndarray:
+    """Next-token NLL ``[B,S]`` of streaming ``tokens [B,S]`` through the model's decode cache.
+
+    Args:
+      renumber: ``(n, w)``: the model's layers keep ``n`` initial tokens and a
+        window of ``w`` (with RoPE); positions are renumbered inside the cache as
+        StreamingLLM does (``renumber_shift``). None: absolute positions.
+    """
     tokens, targets = jnp.asarray(tokens, jnp.int32), jnp.asarray(targets, jnp.int32)
     cache = model.init_cache(tokens.shape[0], tokens.shape[1])
     graphdef, state = nnx.split(model)
-    return np.asarray(_stream_nll(graphdef, state, tokens, targets, cache), np.float64)
+    nll = _stream_nll(graphdef, state, tokens, targets, cache, renumber=renumber)
+    return np.asarray(nll, np.float64)
 
 
 def _streams(config: Config):
@@ -298,8 +361,10 @@ def run(config: Config, out_dir: Path) -> dict:
     sizes = sweep(config, out_dir, _size_row(_size_of(t), t.task.bos, summary, mass, rate))
 
     tokens, targets = _streams(config)
+    renumber = {"streaming_llm": (config.num_initial, T)}
     nll = {
-        v: stream_nll(_variant(model, v, T, config.num_initial), tokens, targets) for v in VARIANTS
+        v: stream_nll(_variant(model, v, T, config.num_initial), tokens, targets, renumber.get(v))
+        for v in VARIANTS
     }
     # The decode path of full attention must agree with the teacher-forced forward pass.
     forward = _common.token_losses(model, tokens[:, :T], targets[:, :T])
@@ -310,7 +375,7 @@ def run(config: Config, out_dir: Path) -> dict:
     worst = {v: float(p[1:].max()) for v, p in ppl.items()}
     stable = {v: worst[v] <= config.stable_ratio * reference for v in VARIANTS}
     has_sinks = rate.overall > 0
-    holds = has_sinks and stable["window_sinks"] and not stable["window"]
+    holds = has_sinks and stable["streaming_llm"] and not stable["window"]
     per_layer = mass.mean(1)
     onset_text = f"; sink onset: {_onset_text(sizes, config.sizes_bos)}" if sizes else ""
     entry = _common.claim(
@@ -318,8 +383,11 @@ def run(config: Config, out_dir: Path) -> dict:
         f"{', '.join(f'{m:.2f}' for m in per_layer)}){onset_text}; "
         f"worst perplexity past T={T}: full "
         f"{worst['full']:.2f}, window {worst['window']:.2f}, window+{config.num_initial} sinks "
-        f"{worst['window_sinks']:.2f} (full attention on [T/2, T): {reference:.2f})",
-        f"some head has first-token mass > {metrics.SINK_THRESHOLD}, window+sinks stays within "
+        f"{worst['streaming_llm']:.2f} renumbered as StreamingLLM does "
+        f"({worst['window_sinks']:.2f} at absolute positions) "
+        f"(full attention on [T/2, T): {reference:.2f})",
+        f"some head has first-token mass > {metrics.SINK_THRESHOLD}, window+sinks (renumbered) "
+        "stays within "
         f"{config.stable_ratio}x of the in-length perplexity on every window up to "
         f"{K}T and the plain window does not",
         holds,
@@ -330,7 +398,8 @@ def run(config: Config, out_dir: Path) -> dict:
     labels = {
         "full": "full attention",
         "window": f"window {T}",
-        "window_sinks": f"window {T} + {config.num_initial} sinks",
+        "window_sinks": f"window {T} + {config.num_initial} sinks, absolute positions",
+        "streaming_llm": f"window {T} + {config.num_initial} sinks, renumbered (StreamingLLM)",
     }
     plots.curves(
         ends,

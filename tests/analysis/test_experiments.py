@@ -277,6 +277,33 @@ def test_command_line_parses(name, capsys):
     assert "--quick" in out and "--out" in out
 
 
+def test_streaming_llm_renumbers_positions_in_the_cache():
+    # One layer: its keys and values depend on each token alone (and RoPE), so
+    # StreamingLLM's cache at query t holds exactly what a forward pass computes over
+    # the initial tokens then the window, numbered from 0.
+    from flax import nnx
+
+    from models import Decoder, ModelConfig, pattern, presets
+
+    n, w, S, V = 2, 4, 11, 32
+    layers = pattern(("mha",), presets(num_heads=2, head_dim=8))
+    model = Decoder(ModelConfig(vocab_size=V, width=16, mlp_width=16, layers=layers),
+                    rngs=nnx.Rngs(0))  # fmt: skip
+    rng = np.random.default_rng(0)
+    tokens, targets = rng.integers(0, V, (2, S)), rng.integers(0, V, (2, S))
+    streaming = sinks_streaming._variant(model, "streaming_llm", w, n)
+    renumbered = sinks_streaming.stream_nll(streaming, tokens, targets, renumber=(n, w))
+    absolute = sinks_streaming.stream_nll(streaming, tokens, targets)
+    for t in range(S):
+        keep = sorted({*range(min(n, t + 1)), *range(max(0, t - w + 1), t + 1)})
+        forward = _common.token_losses(model, tokens[:, keep], targets[:, keep])[:, -1]
+        np.testing.assert_allclose(renumbered[:, t], forward, rtol=1e-5, atol=1e-5)
+    # Up to n + w - 1 the two numberings agree; past it only the renumbered one is above.
+    np.testing.assert_allclose(absolute[:, : n + w], renumbered[:, : n + w], rtol=1e-6)
+    assert np.abs(absolute[:, n + w :] - renumbered[:, n + w :]).min() > 1e-6
+    assert [int(sinks_streaming.renumber_shift(t, n, w)) for t in (0, 5, 6, 10)] == [0, 0, 1, 5]
+
+
 def test_sink_onset_is_the_smallest_model_with_a_sink():
     def row(params, bos, rate):
         return {"params": params, "bos": bos, "sink_rate": rate}

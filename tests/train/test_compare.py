@@ -21,6 +21,7 @@ from flax import nnx
 from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
 from train import compare
+from train.cli import load_config
 from train.compare import run_comparison
 from train.compare_plots import plot_recall_vs_state
 from train.compare_report import aggregate, first_reached, summarize_variant, write_results
@@ -113,13 +114,28 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_task_bytes_is_the_language_modelling_config():
+    lm = compare._parse(["--task", "bytes"])
+    assert lm == load_config(REPO / "configs" / "compare_lm.py")
+    assert compare._parse(["--task", "bytes", "--quick"]).name == "compare_lm_quick"
+    assert compare._parse(["--task", "induction"]).name == "compare_induction"
+    # The comparison a paper prints: matched sizes, two rates then a second seed, and
+    # every kind (the matching itself is checked when the config is built).
+    assert lm.match_params == "mha" and len(lm.lrs) == 2 and lm.best_lr_seeds == (1,)
+    assert {"alibi", "fox", "streaming", "mamba2", "moba", "based"} <= set(lm.variants)
+    assert lm.test_lengths == (1, 2, 4, 8) and lm.train.task.bos
+    with pytest.raises(ValueError, match="task: expected 'bytes'"):
+        load_config(REPO / "configs" / "compare_lm.py", task="mqar")
+
+
 def test_bytes_reports_bits_per_byte(tmp_path):
     """``--task bytes``: the config's bytes comparison, tiny, on a small corpus."""
     corpus = tmp_path / "corpus"  # two files: one piece for each split (train.tasks)
     corpus.mkdir()
     for name, line in (("a.txt", "the quick brown fox. "), ("b.txt", "jumps over the dog. ")):
         (corpus / name).write_text(line * 50)
-    config = get_config(task="bytes")
+    config = get_config(task="bytes", quick=True)  # compare_mqar's --task bytes: compare_lm's
+    assert config == load_config(REPO / "configs" / "compare_lm.py", quick=True)
     assert config.train.task.name == "bytes" and config.train.target_accuracy is None
     train_config = dataclasses.replace(
         config.train,
