@@ -129,16 +129,27 @@ def scatter_name(results: dict[str, Any]) -> str:
     return "bits_vs_state.png" if results["metric"] == "bits_per_byte" else "recall_vs_state.png"
 
 
+def variant_colors(n: int) -> list:
+    """``n`` distinct colors, one per variant: tab10's up to 10, tab20's beyond (its
+    20 hues, dark and light), so that no two variants of a comparison share one."""
+    plt = _pyplot()
+    if n <= 10:
+        return [plt.get_cmap("tab10")(i) for i in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(i) for i in range(n)]
+    return [plt.get_cmap("turbo")(i / (n - 1)) for i in range(n)]
+
+
 def recall_vs_state_figure(results: dict[str, Any]):
     """The figure of ``plot_recall_vs_state`` and its point labels: ``(fig, ax, labels)``."""
     plt = _pyplot()
     bpb = results["metric"] == "bits_per_byte"
     key = "bits_per_byte" if bpb else "accuracy"
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = plt.get_cmap("tab10")
+    colors = variant_colors(len(results["variants"]))
     points, top = [], 0.0
     for i, (name, v) in enumerate(results["variants"].items()):
-        color = colors(i % 10)
+        color = colors[i]
         x = max(v["state_bytes"], 1)
         seeds = [y for y in v[key]["seeds"] if y is not None]
         top = max([top, *seeds])
@@ -186,10 +197,10 @@ def curves_figure(results: dict[str, Any]):
     plt = _pyplot()
     bpb = results["metric"] == "bits_per_byte"
     fig, (ax_loss, ax_test) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = plt.get_cmap("tab10")
+    colors = variant_colors(len(results["variants"]))
     for i, name in enumerate(results["variants"]):
         for j, run in enumerate(_best_runs(results, name)):
-            c, style = run["curves"], dict(color=colors(i % 10), ls="-" if j == 0 else "--")
+            c, style = run["curves"], dict(color=colors[i], ls="-" if j == 0 else "--")
             label = name if j == 0 else None
             train = [x / math.log(2) for x in c["train_loss"]] if bpb else c["train_loss"]
             ax_loss.plot(c["train_step"], train, label=label, lw=1, **style)
@@ -231,13 +242,13 @@ def lengths_figure(results: dict[str, Any]):
     multiples = results["config"]["test_lengths"]
     T = results["config"]["train"]["task"]["seq_len"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = plt.get_cmap("tab10")
+    colors = variant_colors(len(results["variants"]))
     for i, (name, v) in enumerate(results["variants"].items()):
         aggs = [v["at_length"][f"{k}"] for k in multiples]
         xs = [k for k, a in zip(multiples, aggs, strict=True) if a["mean"] is not None]
         kept = [a for a in aggs if a["mean"] is not None]
         spread = [[a["mean"] - a["min"] for a in kept], [a["max"] - a["mean"] for a in kept]]
-        ax.errorbar(xs, [a["mean"] for a in kept], yerr=spread, color=colors(i % 10),
+        ax.errorbar(xs, [a["mean"] for a in kept], yerr=spread, color=colors[i],
                     marker="o", ms=4, capsize=3, lw=1, label=name)  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_xticks(multiples, [f"{k}x\n{k * T}" for k in multiples])

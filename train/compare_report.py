@@ -347,9 +347,10 @@ def _lengths_table(results: dict[str, Any], config: CompareConfig) -> list[str]:
         "",
         f"{'Test bits per byte' if bpb else 'Test accuracy'} of each variant's final models "
         f"(best learning rate, every seed) on test windows of 1 to "
-        f"{max(config.test_lengths)} times the training length T={T}, the same test "
-        "tokens at every length; each layer runs as it decodes (RoPE past its trained "
-        "positions, windows at their width, fixed states on).",
+        f"{max(config.test_lengths)} times the training length T={T}, as many test "
+        "tokens at every length (each length its own random windows, the same for every "
+        "run); each layer runs as it decodes (RoPE past its trained positions, windows at "
+        "their width, fixed states on).",
         "",
         "| " + " | ".join(head) + " |",
         "|---|" + "---:|" * len(config.test_lengths),

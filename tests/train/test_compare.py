@@ -116,7 +116,10 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
 
 def test_task_bytes_is_the_language_modelling_config():
     lm = compare._parse(["--task", "bytes"])
-    assert lm == load_config(REPO / "configs" / "compare_lm.py")
+    file = load_config(REPO / "configs" / "compare_lm.py")
+    # The command line sizes the model's vocabulary from the task; the rest is the file's.
+    assert lm.train == file.train.with_task_vocab()
+    assert dataclasses.replace(lm, train=file.train) == file
     assert compare._parse(["--task", "bytes", "--quick"]).name == "compare_lm_quick"
     assert compare._parse(["--task", "induction"]).name == "compare_induction"
     # The comparison a paper prints: matched sizes, two rates then a second seed, and
@@ -477,3 +480,31 @@ def test_workers_die_with_their_parent():
         1, mp_context=context, initializer=compare.worker_init, initargs=(context.Value("i", 0),)
     ) as pool:
         assert pool.submit(_death_signal).result() == signal.SIGKILL
+
+
+def test_every_variant_has_its_own_color():
+    from train.compare_plots import variant_colors
+
+    for n in (3, 10, 12, 20, 25):  # the language-modelling comparison has 12
+        colors = variant_colors(n)
+        assert len(colors) == n and len({tuple(c) for c in colors}) == n
+
+
+def test_the_committed_language_modelling_run_is_the_one_the_issue_asks_for():
+    results = json.loads((REPO / "docs/results/compare_lm/results.json").read_text())
+    config = results["config"]
+    assert results["metric"] == "bits_per_byte" and results["wall_s"] < 3600
+    variants = results["variants"]
+    reference = variants["mha"]["params"]
+    for name, v in variants.items():
+        assert abs(v["params"] - reference) <= 0.02 * reference, name
+        assert v["seeds"] == [0, 1] and len(v["metric_per_lr"]) == 2, name
+        assert v["bits_per_byte"]["count"] == 2 and v["bits_per_byte_se"]["mean"] > 0, name
+        assert sorted(v["at_length"], key=int) == ["1", "2", "4", "8"], name
+    assert len(results["runs"]) == len(variants) * 3  # 2 rates on seed 0, seed 1 at the best
+    assert config["train"]["task"]["seq_len"] == 256 and config["match_params"] == "mha"
+    # The lengths figure tells all twelve apart.
+    from train.compare_plots import lengths_figure
+
+    lines = lengths_figure(results).axes[0].containers
+    assert len({tuple(c.lines[0].get_color()) for c in lines}) == len(variants) == 12
