@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import pytest
 
+from analysis import streaming
 from analysis.experiments import (
     NAMES,
     _common,
@@ -291,9 +292,9 @@ def test_streaming_llm_renumbers_positions_in_the_cache():
                     rngs=nnx.Rngs(0))  # fmt: skip
     rng = np.random.default_rng(0)
     tokens, targets = rng.integers(0, V, (2, S)), rng.integers(0, V, (2, S))
-    streaming = sinks_streaming._variant(model, "streaming_llm", w, n)
-    renumbered = sinks_streaming.stream_nll(streaming, tokens, targets, renumber=(n, w))
-    absolute = sinks_streaming.stream_nll(streaming, tokens, targets)
+    sinks = sinks_streaming._variant(model, "streaming_llm", w, n)
+    renumbered = streaming.stream_nll(sinks, tokens, targets, renumber=(n, w))
+    absolute = streaming.stream_nll(sinks, tokens, targets)
     for t in range(S):
         keep = sorted({*range(min(n, t + 1)), *range(max(0, t - w + 1), t + 1)})
         forward = _common.token_losses(model, tokens[:, keep], targets[:, keep])[:, -1]
@@ -301,7 +302,7 @@ def test_streaming_llm_renumbers_positions_in_the_cache():
     # Up to n + w - 1 the two numberings agree; past it only the renumbered one is above.
     np.testing.assert_allclose(absolute[:, : n + w], renumbered[:, : n + w], rtol=1e-6)
     assert np.abs(absolute[:, n + w :] - renumbered[:, n + w :]).min() > 1e-6
-    assert [int(sinks_streaming.renumber_shift(t, n, w)) for t in (0, 5, 6, 10)] == [0, 0, 1, 5]
+    assert [int(streaming.renumber_shift(t, n, w)) for t in (0, 5, 6, 10)] == [0, 0, 1, 5]
 
 
 def test_sink_onset_is_the_smallest_model_with_a_sink():

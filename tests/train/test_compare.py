@@ -1,9 +1,8 @@
-"""The main job: ``python -m train.compare --quick`` end to end on a tiny override, ``--task
-bytes``, and the seed statistics, table and plot on hand-made numbers."""
+"""The main job: ``python -m train.compare --quick`` end to end on a tiny override, and the
+seed statistics, table and plot on hand-made numbers (``--task bytes``: test_compare_lm.py)."""
 
 import dataclasses
 import json
-import math
 import multiprocessing
 import os
 import signal
@@ -18,13 +17,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.compare_mqar import get_config
 from models import Decoder, linear_state_bytes
 from train import compare
-from train.cli import load_config
-from train.compare import run_comparison
 from train.compare_plots import plot_recall_vs_state
-from train.compare_report import aggregate, first_reached, summarize_variant, write_results
+from train.compare_report import aggregate, first_reached, summarize_variant
 from train.config import TrainConfig
 from train.variants import VARIANTS, CompareConfig, cache_sizes, register_variant, variant_layers
 
@@ -112,113 +108,6 @@ def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     assert f"Chance is {1 / num_pairs:.3f}" in table
     for png in ("recall_vs_state.png", "curves.png"):
         assert (folder / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_task_bytes_is_the_language_modelling_config():
-    lm = compare._parse(["--task", "bytes"])
-    file = load_config(REPO / "configs" / "compare_lm.py")
-    # The command line sizes the model's vocabulary from the task; the rest is the file's.
-    assert lm.train == file.train.with_task_vocab()
-    assert dataclasses.replace(lm, train=file.train) == file
-    assert compare._parse(["--task", "bytes", "--quick"]).name == "compare_lm_quick"
-    assert compare._parse(["--task", "induction"]).name == "compare_induction"
-    # The comparison a paper prints: matched sizes, two rates then a second seed, and
-    # every kind (the matching itself is checked when the config is built).
-    assert lm.match_params == "mha" and len(lm.lrs) == 2 and lm.best_lr_seeds == (1,)
-    assert {"alibi", "fox", "streaming", "mamba2", "moba", "based"} <= set(lm.variants)
-    assert lm.test_lengths == (1, 2, 4, 8) and lm.train.task.bos
-    with pytest.raises(ValueError, match="task: expected 'bytes'"):
-        load_config(REPO / "configs" / "compare_lm.py", task="mqar")
-
-
-def test_bytes_reports_bits_per_byte(tmp_path):
-    """``--task bytes``: the config's bytes comparison, tiny, on a small corpus."""
-    corpus = tmp_path / "corpus"  # two files: one piece for each split (train.tasks)
-    corpus.mkdir()
-    for name, line in (("a.txt", "the quick brown fox. "), ("b.txt", "jumps over the dog. ")):
-        (corpus / name).write_text(line * 50)
-    config = get_config(task="bytes", quick=True)  # compare_mqar's --task bytes: compare_lm's
-    assert config == load_config(REPO / "configs" / "compare_lm.py", quick=True)
-    assert config.train.task.name == "bytes" and config.train.target_accuracy is None
-    train_config = dataclasses.replace(
-        config.train,
-        task=dataclasses.replace(config.train.task, seq_len=16, data=str(corpus)),
-        model=dataclasses.replace(config.train.model, width=16),
-        steps=4,
-        batch_size=4,
-        eval_every=2,
-        eval_batches=2,
-    )
-    config = dataclasses.replace(
-        config,
-        train=train_config,
-        variants=("mha",),
-        seeds=(0,),
-        best_lr_seeds=(1,),  # a second wave: seed 1 at the sweep's best rate only
-        test_lengths=(1, 2),  # every final model also tested on windows of 2T
-        lrs=(3e-3, 3e-2),
-        num_heads=2,
-        gqa_kv_heads=1,
-        results_dir=str(tmp_path / "results"),
-        runs_dir=str(tmp_path / "runs"),
-        jobs=1,
-        progress=False,
-    )
-    results = run_comparison(config)
-    folder, paths = write_results(results, config)
-    assert results["metric"] == "bits_per_byte" and results["chance_accuracy"] is None
-    v = results["variants"]["mha"]
-    sweep, (second,) = results["runs"][:2], results["runs"][2:]
-    assert [(r["lr"], r["seed"]) for r in sweep] == [(3e-3, 0), (3e-2, 0)]
-    bits = {r["lr"]: r["summary"]["test_loss"] / math.log(2) for r in sweep}
-    assert v["lr"] == min(bits, key=bits.get) == second["lr"] and second["seed"] == 1
-    assert v["seeds"] == [0, 1] and v["bits_per_byte"]["count"] == 2
-    at_best = [r for r in results["runs"] if r["lr"] == v["lr"]]
-    want = np.mean([r["summary"]["test_loss"] for r in at_best]) / math.log(2)
-    assert v["bits_per_byte"]["mean"] == pytest.approx(want)
-    assert v["metric_per_lr"][f"{v['lr']:g}"] == pytest.approx(bits[v["lr"]])  # seed 0 only
-    assert v["steps_run"]["mean"] == 4  # no target on bytes: every run trains to its cap
-    line = compare._done_line("[1/3] mha", {"test_loss": 2.5 * math.log(2), "step": 4,
-                                            "wall_s": 3.0}, True)  # fmt: skip
-    assert line == "[1/3] mha: test bits/byte 2.500 at step 4, 3 s"
-    diverged = {"test_accuracy": 0.0, "test_loss": None, "step": 7}  # _train_one's stand-in
-    assert compare._done_line("[2/3] mha", diverged, True) == "[2/3] mha: diverged at step 7"
-    table = (folder / "table.md").read_text()
-    assert "| final bits/byte | test SE | final test accuracy | steps run |" in table
-    se = [r["summary"]["test_loss_se"] / math.log(2) for r in at_best]  # eval_batches = 2
-    assert v["bits_per_byte_se"]["mean"] == pytest.approx(np.mean(se)) and min(se) > 0
-    bpb = v["bits_per_byte"]
-    assert f"| {bpb['mean']:.3f} ({bpb['min']:.3f}-{bpb['max']:.3f}) |" in table  # 2 seeds
-    assert "seeds 0 (the sweep), 1 (at the best rate)" in table
-    assert "at the variant's best learning rate of the sweep (picked on seed 0)" in table
-    # Train short, test long: at 1x the run's own last evaluation; at 2x the same tokens.
-    for run in results["runs"]:
-        one, two = run["lengths"]["1"], run["lengths"]["2"]
-        assert one["test_loss"] == pytest.approx(run["summary"]["test_loss"], rel=1e-6)
-        assert (one["seq_len"], one["windows"], two["seq_len"], two["windows"]) == (16, 8, 32, 4)
-    twice = [r["lengths"]["2"]["test_loss"] / math.log(2) for r in at_best]
-    assert v["at_length"]["2"]["mean"] == pytest.approx(np.mean(twice))
-    assert "## Train short, test long" in table and "| 2x (T=32) |" in table
-    # Every output in the task's own terms: bits per byte on both panels, lower is better.
-    assert [p.name for p in paths] == ["table.md", "results.json", "bits_vs_state.png",
-                                       "curves.png", "lengths.png"]  # fmt: skip
-    from train.compare_plots import curves_figure, recall_vs_state_figure
-
-    fig, ax, _ = recall_vs_state_figure(results)
-    assert ax.get_ylabel() == "final test bits per byte (lower is better)"
-    assert ax.get_ylim()[0] == 0 and ax.get_ylim()[1] > bpb["max"]  # the full range
-    assert len(ax.containers) == 1  # the error bar of mha's two seeds
-    curves = curves_figure(results)
-    assert [a.get_ylabel().split(" (")[0] for a in curves.axes] == [
-        "train bits per byte", "test bits per byte"
-    ]  # fmt: skip
-    best_seed0 = next(r for r in sweep if r["lr"] == v["lr"])  # the solid line
-    train_bits = np.asarray(curves.axes[0].lines[0].get_ydata())
-    np.testing.assert_allclose(train_bits * math.log(2), best_seed0["curves"]["train_loss"])
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    plt.close(curves)
 
 
 def test_seed_aggregation_on_hand_made_numbers():
@@ -480,31 +369,3 @@ def test_workers_die_with_their_parent():
         1, mp_context=context, initializer=compare.worker_init, initargs=(context.Value("i", 0),)
     ) as pool:
         assert pool.submit(_death_signal).result() == signal.SIGKILL
-
-
-def test_every_variant_has_its_own_color():
-    from train.compare_plots import variant_colors
-
-    for n in (3, 10, 12, 20, 25):  # the language-modelling comparison has 12
-        colors = variant_colors(n)
-        assert len(colors) == n and len({tuple(c) for c in colors}) == n
-
-
-def test_the_committed_language_modelling_run_is_the_one_the_issue_asks_for():
-    results = json.loads((REPO / "docs/results/compare_lm/results.json").read_text())
-    config = results["config"]
-    assert results["metric"] == "bits_per_byte" and results["wall_s"] < 3600
-    variants = results["variants"]
-    reference = variants["mha"]["params"]
-    for name, v in variants.items():
-        assert abs(v["params"] - reference) <= 0.02 * reference, name
-        assert v["seeds"] == [0, 1] and len(v["metric_per_lr"]) == 2, name
-        assert v["bits_per_byte"]["count"] == 2 and v["bits_per_byte_se"]["mean"] > 0, name
-        assert sorted(v["at_length"], key=int) == ["1", "2", "4", "8"], name
-    assert len(results["runs"]) == len(variants) * 3  # 2 rates on seed 0, seed 1 at the best
-    assert config["train"]["task"]["seq_len"] == 256 and config["match_params"] == "mha"
-    # The lengths figure tells all twelve apart.
-    from train.compare_plots import lengths_figure
-
-    lines = lengths_figure(results).axes[0].containers
-    assert len({tuple(c.lines[0].get_color()) for c in lines}) == len(variants) == 12
