@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 import attn
+from attn.checks import fail
 
 __all__ = ["renumber_shift", "stream_nll"]
 
@@ -98,7 +99,23 @@ def stream_nll(
       renumber: ``(n, w)``: the model's layers keep ``n`` initial tokens and a
         window of ``w`` (with RoPE); positions are renumbered inside the cache as
         StreamingLLM does (``renumber_shift``). None: absolute positions.
+
+    Raises:
+      ValueError: naming ``renumber``, unless every layer is a RoPE layer with
+        exactly that window and those initial tokens.
     """
+    if renumber is not None:
+        n, w = renumber
+        layers = [
+            (getattr(a, "window", None), getattr(a, "initial_tokens", 0), getattr(a, "rope", False))
+            for a in model.config.layers
+        ]
+        if any(layer != (w, n, True) for layer in layers):
+            fail(
+                "renumber",
+                f"(n, w) = {renumber} of layers with RoPE, window w and n initial tokens",
+                f"layers with (window, initial_tokens, rope) {layers}",
+            )
     tokens, targets = jnp.asarray(tokens, jnp.int32), jnp.asarray(targets, jnp.int32)
     cache = model.init_cache(tokens.shape[0], tokens.shape[1])
     graphdef, state = nnx.split(model)

@@ -303,6 +303,10 @@ def test_streaming_llm_renumbers_positions_in_the_cache():
     np.testing.assert_allclose(absolute[:, : n + w], renumbered[:, : n + w], rtol=1e-6)
     assert np.abs(absolute[:, n + w :] - renumbered[:, n + w :]).min() > 1e-6
     assert [int(streaming.renumber_shift(t, n, w)) for t in (0, 5, 6, 10)] == [0, 0, 1, 5]
+    # Renumbering a cache the layers do not keep would be a silent wrong answer.
+    for wrong_model, wrong in ((model, (n, w)), (sinks, (n, w + 1)), (sinks, (n + 1, w))):
+        with pytest.raises(ValueError, match="renumber"):
+            streaming.stream_nll(wrong_model, tokens, targets, renumber=wrong)
 
 
 def test_sink_onset_is_the_smallest_model_with_a_sink():
