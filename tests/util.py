@@ -54,3 +54,17 @@ def np_attention(q, k, v, allowed=None, *, scale=None, softcap=None, sink_logits
         den = den + np.exp(np.asarray(sink_logits, np.float64)[None, :, None, None] - m)
     w = p / np.where(den == 0, 1.0, den)
     return np.einsum("bnts,bsne->btne", w, v)
+
+
+def mesh_of(num_devices: int, explicit: bool = False, axis: str = "seq"):
+    """A one-axis mesh of the first devices: Auto axis types (``Mesh``) or Explicit ones
+    (``jax.make_mesh``)."""
+    import jax
+    from jax.sharding import AxisType, Mesh
+
+    devices = jax.devices()[:num_devices]
+    if explicit:
+        mesh = jax.make_mesh((num_devices,), (axis,), devices=devices)
+        assert mesh.axis_types == (AxisType.Explicit,)
+        return mesh
+    return Mesh(np.array(devices), (axis,))

@@ -5,7 +5,7 @@ The oracle is float64 attention with each bias built from its paper's formula
 FoX's ``D[i, j] = sum_{l=j+1..i} log f_l`` as an explicit sum, not our
 running-sum difference), differentiated by ``jax.grad`` in float64: forward,
 the input gradients and the gradients of the modifiers' own arrays. Ring
-attention's cases are in ``tests/attn/ring/ring_checks.py`` (8 fake devices).
+attention's cases are in ``tests/devices/test_ring.py`` (8 fake devices).
 """
 
 from __future__ import annotations

@@ -91,6 +91,7 @@ def test_names_are_checked_before_any_measurement(bench):
     assert bench.Config(impls=("blockwise", "torch")).impls == ("blockwise", "torch")
 
 
+@pytest.mark.integration
 def test_a_tiny_sweep_writes_the_report(bench, tmp_path):
     """End to end: a child process per measurement (the matmul rate, each run)."""
     cfg = bench.Config(lengths=(64,), heads=2, head_dim=8, impls=("blockwise", "tiles"),
@@ -107,6 +108,7 @@ def test_a_tiny_sweep_writes_the_report(bench, tmp_path):
     assert (tmp_path / "attention-cpu.md").read_text().startswith("#")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("score", ["mask", "bias"])
 def test_scores_times_jax_nn_arrays_with_their_gradients(score):
     """``--scores``' child measurement of a boolean mask array and a bias (a tiny T): the

@@ -16,6 +16,7 @@ def bench():
     yield from load("decode")
 
 
+@pytest.mark.integration
 def test_a_tiny_run_writes_the_report(bench, tmp_path):
     cfg = bench.Config(contexts=(40, 96), batches=(1, 3), max_tokens=100, splits=(2,),
                        ragged_lengths=(5, 17, 40), page_size=8, repeats=1,

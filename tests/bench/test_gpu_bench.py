@@ -45,6 +45,7 @@ def test_the_gpu_sweep_and_its_skips(bench):
     assert bench.skip_reason(dict(p, impl="cudnn"), "cpu", None, 0.7).startswith("not measured")
 
 
+@pytest.mark.integration
 def test_dry_run_on_cpu_writes_the_report(bench, tmp_path):
     cfg = bench.Config(dry_run=True, masks=("causal", "window_sinks"), modes=("fwd", "fwd+bwd"),
                        out_dir=str(tmp_path))  # fmt: skip

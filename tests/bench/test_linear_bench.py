@@ -19,6 +19,7 @@ def bench():
     yield from load("linear")
 
 
+@pytest.mark.integration
 def test_a_tiny_linear_run_writes_the_report(bench, tmp_path):
     result = bench.main(bench.Config(**TINY, out_dir=str(tmp_path)))
     seconds = result["forms"]["seconds"]
@@ -33,6 +34,7 @@ def test_a_tiny_linear_run_writes_the_report(bench, tmp_path):
     assert (tmp_path / "linear-cpu-quick.png").stat().st_size > 0
 
 
+@pytest.mark.integration
 def test_a_tiny_delta_run_writes_the_report(bench, tmp_path):
     """The delta rule's family (bench/_delta.py), two of its methods (compiles dominate; the
     float64 oracle is tests/attn/linear/test_delta.py's, not rerun here)."""
@@ -46,6 +48,7 @@ def test_a_tiny_delta_run_writes_the_report(bench, tmp_path):
     assert (tmp_path / "delta-cpu-quick.md").read_text().startswith("#")
 
 
+@pytest.mark.integration
 def test_a_tiny_mamba2_run_writes_the_report(bench, tmp_path):
     """Mamba-2's family (bench/_mamba.py): its three forms and gated linear attention, timed
     (the float64 oracle is tests/attn/linear/test_mamba.py's, not rerun here)."""

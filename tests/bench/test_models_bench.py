@@ -16,6 +16,7 @@ def bench():
     yield from load("models")
 
 
+@pytest.mark.integration
 def test_a_quick_run_of_the_hybrid_writes_the_report(bench, tmp_path):
     """The hybrid holds every kind of cache: linear state, ring buffer, latents, K/V."""
     bench.main(bench.Config(quick=True, kinds=("hybrid",), repeats=1, new_tokens=2,

@@ -15,6 +15,7 @@ def bench():
     yield from load("sparse")
 
 
+@pytest.mark.integration
 def test_a_tiny_run_writes_the_report(bench, tmp_path):
     cfg = bench.Config(quick=True, lengths=(256,), out_dir=str(tmp_path), chunk=64, heads=4)
     result = bench.main(cfg)

@@ -16,6 +16,7 @@ def bench():
     yield from load("steps")
 
 
+@pytest.mark.integration
 def test_one_variant_one_round(bench, tmp_path):
     # --config: any comparison's file (here the main job's, under another name); its
     # variants are the default and its name names the report.

@@ -16,6 +16,8 @@ from train.__main__ import main
 from train.cli import load_config, parse, with_pattern
 from train.metrics import read_metrics
 
+pytestmark = pytest.mark.integration
+
 TINY_CONFIG = str(Path(__file__).with_name("tiny_config.py"))
 REPO = Path(__file__).resolve().parents[2]
 

@@ -35,6 +35,7 @@ def test_task_bytes_is_the_language_modelling_config():
         load_config(REPO / "configs" / "compare_lm.py", task="mqar")
 
 
+@pytest.mark.integration
 def test_bytes_reports_bits_per_byte(tmp_path):
     """``--task bytes``: the config's bytes comparison, tiny, on a small corpus."""
     corpus = tmp_path / "corpus"  # two files: one piece for each split (train.tasks)

@@ -154,6 +154,7 @@ def _two_processes(tmp_path, extra, timeout=180):
     return [(p.returncode, *out) for p, out in zip(procs, outputs, strict=True)]
 
 
+@pytest.mark.integration
 def test_two_processes_refuse_different_arguments(tmp_path):
     # Training as several processes (one JSON summary each on stdout, gloo's lines on
     # stderr): tests/train/test_multiprocess.py.

@@ -35,6 +35,8 @@ from train import workdir as workdirs
 from train.__main__ import main as train_main
 from train.checkpoint import Checkpointer, CheckpointWriteError, CorruptCheckpoint
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(Path(__file__).with_name("tiny_config.py"))
 STEPS = 30

@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.util import rel_err
+
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(Path(__file__).with_name("tiny_config.py"))
@@ -79,11 +82,11 @@ def losses(workdir) -> list[float]:
 
 def final_params(workdir) -> np.ndarray:
     """The last checkpoint's parameters as one vector (restored on this process's device)."""
-    from tests.train import sharding_cases
+    from tests.train.saved import saved_arrays
     from train.config import read_record
 
     cfg = read_record(Path(workdir))[0]
-    saved = sharding_cases.params(workdir, cfg)
+    saved = saved_arrays(workdir, cfg)
     names = sorted(k for k in saved if k.startswith("['params']"))
     return np.concatenate([np.ravel(saved[k]) for k in names])
 

@@ -1,9 +1,7 @@
 """Sharded training (``train.sharding``): mesh strings, sharding rules, and sharded runs.
 
-The runs need several devices: ``sharding_cases.py`` runs them in one subprocess
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` on CPU (set before
-JAX starts, which this process has already done), shared with the model cases
-of ``tests/models/test_ring_models.py``.
+The sharded runs need several devices: ``tests/devices/test_sharded_training.py``,
+in the fake-device tier.
 """
 
 import jax
@@ -11,7 +9,6 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from tests.train import sharding_cases
 from train import sharding
 from train.config import RESULT_FIELDS, TrainConfig
 
@@ -72,13 +69,3 @@ def test_fsdp_shards_the_largest_divisible_dim_of_large_arrays():
     assert sharding.param_spec((big // 2,), 2) == P()  # small: replicated
     assert sharding.param_spec((), 4) == P()  # scalars: replicated
     assert sharding.param_spec((64, 128), 1) == P()
-
-
-def test_sharded_runs_match_single_device(tmp_path_factory):
-    """One step on data=2,fsdp=2,seq=2 (Auto and Explicit axes) equals one device's; a run saved
-    on data=8 resumes on fsdp=4,data=2 and ends where an uninterrupted single-device run
-    does (rel <= 1e-5); bad meshes, batches and sequence-parallel layers raise naming the field."""
-    results = sharding_cases.results(tmp_path_factory)
-    cases = ("layout", "one_step", "resume_on_another_mesh", "bad_meshes")
-    assert set(cases) <= results.keys(), results
-    assert all(results[c]["ok"] for c in cases), {c: results[c] for c in cases}

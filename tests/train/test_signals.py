@@ -19,6 +19,8 @@ import pytest
 
 import train
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(Path(__file__).with_name("tiny_config.py"))
 

@@ -1,17 +1,10 @@
-"""The fixed-state families over a sharded sequence compute what one device computes.
+"""The sharded fixed-state families on one device, and their argument checks.
 
-The multi-device cases run in one subprocess on 8 fake CPU devices
-(``tests/attn/linear/sharded_checks.py``): every family on 8 devices of an
-Explicit mesh (all-gather exchange) and 4 of an Auto one (associative scan),
-both with packed segments crossing device boundaries and NaN in the padding,
-and each function on 2 without segments; T = 27 a multiple of none, an
-initial state, the final state and every gradient. The argument
-checks need no devices and run here.
+That they compute what one device computes on 2, 4 and 8 devices is checked in
+the fake-device tier: ``tests/devices/test_sharded_linear.py``.
 """
 
 from __future__ import annotations
-
-import json
 
 import jax
 import jax.numpy as jnp
@@ -20,30 +13,7 @@ import pytest
 from jax.sharding import Mesh
 
 import attn
-from tests import fake_devices
-from tests.attn.linear import sharded_checks
 from tests.util import normal, rel_err
-
-CHECKS_TIMEOUT_S = 600
-
-
-@pytest.fixture
-def checks(tmp_path_factory):
-    argv = ["-m", "tests.attn.linear.sharded_checks"]
-    return fake_devices.results(tmp_path_factory, "sharded_checks", argv, CHECKS_TIMEOUT_S)
-
-
-@pytest.mark.parametrize("case", sorted(sharded_checks.CASES))
-def test_sharded_case(checks, case):
-    assert case in checks, f"sharded_checks did not report {case}"
-    result = checks[case]
-    assert result["ok"], json.dumps(result, indent=1)
-    assert result["errors"]["out"] <= sharded_checks.FORWARD_TOL
-
-
-def test_every_family_is_checked_on_both_mesh_types(checks):
-    for name in sharded_checks.FAMILIES:
-        assert f"{name}_8_explicit" in checks and f"{name}_4_auto_scan" in checks
 
 
 def one_device_mesh():

@@ -1,15 +1,11 @@
-"""Ring attention computes dense attention's function over a sharded sequence.
+"""Ring attention's layouts, work counts and argument checks: what needs no devices.
 
-The multi-device cases need 4 and 8 CPU devices, which must be requested
-before JAX starts; this process has started it already (tests/conftest.py), so
-they run in one subprocess, ``tests/attn/ring/ring_checks.py``, whose per-case
-results the tests here read. The layouts, the work counts and the argument
-checks need no devices and run here.
+Its multi-device cases (sharded ring attention equals dense attention on 4 and 8
+devices) need several devices requested before JAX starts:
+``tests/devices/test_ring.py``, in the fake-device tier.
 """
 
 from __future__ import annotations
-
-import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,37 +14,7 @@ import pytest
 import attn
 from attn import masks, ring
 from attn.ring.work import ring_work, work_table
-from tests import fake_devices
-from tests.attn.ring import ring_checks
 from tests.util import qkv
-
-# One process for every case; compiling dominates (about 40 s on 2 cores).
-CHECKS_TIMEOUT_S = 600
-
-
-@pytest.fixture
-def checks(tmp_path_factory):
-    """``{case: result}`` from one run of ring_checks on 8 fake CPU devices per session."""
-    argv = ["-m", "tests.attn.ring.ring_checks"]
-    return fake_devices.results(tmp_path_factory, "ring_checks", argv, CHECKS_TIMEOUT_S)
-
-
-@pytest.mark.parametrize("case", sorted(ring_checks.CASES))
-def test_ring_case(checks, case):
-    assert case in checks, f"ring_checks did not report {case}"
-    result = checks[case]
-    assert result["ok"], json.dumps(result, indent=1)
-
-
-def test_equal_cases_meet_the_float32_tolerance(checks):
-    for name, result in checks.items():
-        if "errors" in result and not name.startswith("bf16"):
-            assert max(result["errors"].values()) <= ring_checks.TOL, name
-
-
-def test_fully_masked_rows_are_covered(checks):
-    # Padding queries see no key: they must give zeros, -inf lse and finite gradients.
-    assert checks["segments_contiguous_4"]["empty_rows"] > 0
 
 
 def test_zigzag_order():

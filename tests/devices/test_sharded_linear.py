@@ -1,44 +1,35 @@
 """The fixed-state families sharded over 2, 4 and 8 fake CPU devices, against one device.
 
-Run by tests/attn/linear/test_sharded.py in its own process, because the device
-count must be set before JAX starts (``python -m tests.attn.linear.sharded_checks``
-from the repository root; names as arguments run only those cases). Prints one
-JSON line per case, ``{"case", "ok", "errors"}``: the relative errors of the
-output, the final state and the gradient of every float input (the initial
-state and replicated parameters included) against the single-device chunkwise
-form on the whole sequence, for a loss that reads both outputs.
+Each case compares the output, the final state and the gradient of every float
+input (the initial state and replicated parameters included) with the
+single-device chunkwise form on the whole sequence, for a loss that reads both
+outputs: every family on 8 devices of an Explicit mesh (all-gather exchange) and
+4 of an Auto one (associative scan), both with packed segments crossing device
+boundaries and NaN in the padding, and each function on 2 without segments; T =
+27 a multiple of none. The argument checks that need no devices are in
+``tests/attn/linear/test_sharded.py``.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import json
 
-XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-if __name__ == "__main__":  # imported by test_sharded.py for the case names: change nothing there
-    os.environ.setdefault("XLA_FLAGS", XLA_FLAGS)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-import functools  # noqa: E402
-import sys  # noqa: E402
+import attn
+from tests.util import mesh_of, normal, rel_err
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import attn  # noqa: E402
-from tests import fake_devices  # noqa: E402
-from tests.util import normal, rel_err  # noqa: E402
-
-jax.config.update("jax_default_matmul_precision", "highest")
+pytestmark = pytest.mark.devices
 
 FORWARD_TOL = 1e-5
 GRAD_TOL = 1e-4
 AXIS = "seq"
 B, T, N, K, H, E = 2, 27, 4, 2, 4, 4  # T a multiple of none of 2, 4, 8
 CHUNK = 4
-
-
-mesh_of = fake_devices.mesh_of
 
 
 def crossing_segments():
@@ -230,5 +221,13 @@ for _name in ("linear", "gated_deltanet", "mamba2", "short_conv"):
     CASES[f"{_name}_2_auto_unpacked"] = functools.partial(equal_case, _name, 2, False, False)
 
 
-if __name__ == "__main__":
-    sys.exit(fake_devices.run_cases(CASES, sys.argv[1:]))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sharded_case(case):
+    result = CASES[case]()
+    assert result["ok"], json.dumps(result, indent=1)
+    assert result["errors"]["out"] <= FORWARD_TOL
+
+
+def test_every_family_is_checked_on_both_mesh_types():
+    for name in FAMILIES:
+        assert f"{name}_8_explicit" in CASES and f"{name}_4_auto_scan" in CASES
