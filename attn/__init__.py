@@ -58,7 +58,6 @@ from attn import checks, linear, masks, paged, pallas, registry, ring, scores, s
 from attn.cache import kv_cache_bytes, latent_cache_bytes, linear_state_bytes
 from attn.conv import short_conv, short_conv_step
 from attn.decode import decode_attention
-from attn.deprecation import deprecated_names
 from attn.dispatch import IMPLS, attention
 from attn.functions import sigmoid_attention, softpick_attention
 from attn.interop import flax_attention_fn
@@ -159,13 +158,3 @@ __all__ = [
     "ssd",
     "ssd_step",
 ]
-
-
-# Deprecated names (removed in attnlab 0.2).
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "FORMS": ("attn.LINEAR_FORMS", lambda: LINEAR_FORMS),
-        "errors": ("attn.checks", lambda: checks),
-    },
-)

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 from attn import checks, scores
 from attn.checks import fail
-from attn.deprecation import warn
 from attn.merge import merge_partials
 from attn.pallas import flash
 from attn.softmax import dense
@@ -83,9 +82,7 @@ def decode_attention(
       return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
       impl: what computes each split: ``"dense"`` (``dot_product_attention``) or
         ``"pallas"`` (``attn.pallas.flash_attention``: its grid runs over the
-        splits as batch rows; interpret mode on a CPU). ``"xla"``, this
-        argument's old name for ``"dense"``, is deprecated (removed in attnlab
-        0.2): elsewhere ``"xla"`` is ``jax.nn.dot_product_attention``.
+        splits as batch rows; interpret mode on a CPU).
       platform: with ``"pallas"``, the platform its kernel is lowered for (as
         ``flash_attention``'s: ``jax.export`` for an accelerator from a CPU).
       **call_args: the call (``attn.softmax.call.CallArgs``), as in
@@ -100,9 +97,6 @@ def decode_attention(
     """
     q, k, v = checks.as_arrays(q, k, v)
     d = checks.qkv_dims(q, k, v)
-    if impl == "xla":
-        warn("decode_attention(impl='xla')", "impl='dense' ('xla' is jax.nn's everywhere else)")
-        impl = "dense"
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
     for name in ("q_segment_ids", "kv_segment_ids", "query_seq_lengths", "key_value_seq_lengths"):

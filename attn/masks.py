@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -334,21 +333,6 @@ def initial_tokens(n: int) -> Mask:
     ``causal() & (sliding_window(w) | initial_tokens(n))``.
     """
     return InitialTokens(positive_int(n, "n"))
-
-
-# Deprecated names, removed in attnlab 0.2.
-Sinks = InitialTokens
-
-
-def sinks(n: int) -> Mask:
-    """Deprecated alias of ``initial_tokens(n)`` (removed in attnlab 0.2)."""
-    warnings.warn(
-        "attn.masks.sinks is deprecated and is removed in attnlab 0.2; use "
-        "attn.masks.initial_tokens (the same mask)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return initial_tokens(n)
 
 
 def chunked(c: int) -> Mask:

@@ -1,7 +1,7 @@
 """Named registries: the one mechanism every extensible name of the lab goes through.
 
 Feature maps (``attn.linear.FEATURE_MAPS``), layer kinds (``models.KINDS``),
-presets (``models.PRESETS``) and comparison variants (``train.variants.VARIANTS``)
+presets (``models.PRESET_REGISTRY``) and comparison variants (``train.variants.VARIANTS``)
 are each a ``Registry``: a read-only mapping from names to entries, filled by
 ``Registry.add`` (built-in entries and plugins alike) and read at call time,
 so an entry added after an import is seen by every module that imported it.

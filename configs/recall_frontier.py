@@ -4,7 +4,7 @@
     python -m analysis.experiments.recall_frontier --scale zoology  # Zoology's grid
     python -m analysis.experiments.recall_frontier --quick          # two points, seconds
 
-Three scales (``analysis.experiments.recall_frontier.Scale``; the families
+Three scales (``analysis.experiments.recall_frontier_grid.Scale``; the families
 and their knobs are defined there):
 
 * ``cpu`` (the default): what fits in 45 minutes on a 2-core CPU with 2 jobs.
@@ -20,7 +20,7 @@ and their knobs are defined there):
   updates at T = 64 and 350 at T = 128, stopping early at 0.99 test accuracy
   (checked every 50 updates). The committed run took 33 minutes; an earlier
   one with 400 updates at T = 128 and Gated DeltaNet in chunks of 64 took 59
-  (``recall_frontier._gated_deltanet`` says why its form changed).
+  (``recall_frontier_grid._gated_deltanet`` says why its form changed).
 * ``zoology``: Zoology's grid (Arora et al. 2023, the Based paper's Figure 2
   configs): V = 8192, (T, pairs) in (64, 4), (128, 8), (256, 16), (512, 64),
   learning rates ``logspace(-3, -1.5, 4)``, batch 256 and the step counts of
@@ -29,7 +29,7 @@ and their knobs are defined there):
 * ``quick``: two points for the tests.
 """
 
-from analysis.experiments.recall_frontier import SCALES
+from analysis.experiments.recall_frontier_grid import SCALES
 
 
 def get_config(quick: bool = False, scale: str = "cpu"):

@@ -34,13 +34,26 @@ config subclass with fields of its own), ``register_preset`` a named config,
 ``attn.register_feature_map`` a feature map; the built-in kinds and presets are
 registered the same way, and every lookup reads the registries at call time.
 
+This namespace is the public surface: the models and their config, the layer
+modules and their per-kind configs, the kind registry, presets and patterns,
+``generate``, ``serve``, and the operations a researcher calls on a model
+(``capture_weights``, head gates and importance, ``packed_positions``,
+``cache_bytes``). The building blocks live in their submodules, each name in
+one: ``models.cache`` (``DecodeCache``, ``KVCache``, ``LatentCache``, ...,
+``set_block_tables``, ``clear_rows``), a kind's own cache in the kind's module
+(``models.delta.DeltaCache``, ``models.mamba.Mamba2Cache``, ``models.sparse``'s),
+``models.heads`` (``Heads``, ``HeadGate``, ``Buffer``), ``models.block`` (``MLP``,
+``Block``, ``ShortConv``), ``models.taps`` (``attention_modules``),
+``models.config`` (``COMMON_FIELDS``); the cache sizes of one layer
+(``latent_cache_bytes``, ``linear_state_bytes``) are ``attn``'s.
+
 Padding and packing are segment ids (id 0 is padding) for every layer kind.
 
 Any layer may convolve its input with a short causal convolution
-(``AttentionConfig.short_conv``, a ``ShortConv`` in the ``Block``; presets
-``based`` and ``based_window``).
+(``AttentionConfig.short_conv``, a ``models.block.ShortConv`` in the layer's
+``Block``; presets ``based`` and ``based_window``).
 
-Decoding caches (``DecodeCache``) are pytrees: full KV caches with K kv heads,
+Decoding caches (``models.cache.DecodeCache``) are pytrees: full KV caches with K kv heads,
 ring buffers for sliding windows (plus pinned initial tokens), MLA latent caches,
 the sparse kinds' full caches (DSA's with its indexer's keys), linear-attention
 states, mixed freely across layers, and the short convolutions'
@@ -48,45 +61,25 @@ last inputs. Full caches may be paged (``init_cache(..., page_size=...)``):
 one pool of pages per layer, shared by the rows through block tables.
 """
 
-from attn.deprecation import deprecated_names
-from models.block import MLP, Block, ShortConv
-from models.cache import (
-    EMPTY,
-    CrossCache,
-    DecodeCache,
-    KVCache,
-    LatentCache,
-    SlotCache,
-    bookkeeping_bytes,
-    cache_bytes,
-    cache_overflow,
-    clear_rows,
-    latent_cache_bytes,
-    linear_state_bytes,
-    paged_layer,
-    set_block_tables,
-)
+from models.cache import cache_bytes
 from models.config import (
-    COMMON_FIELDS,
     KINDS,
-    LEGACY_GROUPS,
     AttentionConfig,
     LayerKind,
     ModelConfig,
     register_kind,
 )
-from models.delta import DeltaAttention, DeltaCache, DeltaConfig
-from models.diff import DiffAttention, DiffConfig, depth_lambda_init
+from models.delta import DeltaAttention, DeltaConfig
+from models.diff import DiffAttention, DiffConfig
 from models.functions import FunctionAttention, FunctionConfig, attention_kind
 from models.generate import generate
-from models.heads import Buffer, HeadGate, Heads
 from models.latent import LatentAttention, LatentConfig
 from models.linear import LinearAttention, LinearConfig
-from models.mamba import Mamba2, Mamba2Cache, Mamba2Config
+from models.mamba import Mamba2, Mamba2Config
 from models.masked import MaskedConfig
 from models.patterns import (
-    DEPRECATED_NAMES,
     PRESET_REGISTRY,
+    Presets,
     PresetSizes,
     describe,
     pattern,
@@ -98,41 +91,23 @@ from models.softmax import CrossAttention, SelfAttention, SoftmaxConfig
 from models.sparse import (
     DSAAttention,
     DSAConfig,
-    IndexedCache,
     MobaAttention,
-    MobaCache,
     MobaConfig,
     NSAAttention,
-    NSACache,
     NSAConfig,
 )
-from models.taps import (
-    attention_modules,
-    capture_weights,
-    head_gates,
-    head_importance,
-    set_head_gates,
-)
+from models.taps import capture_weights, head_gates, head_importance, set_head_gates
 from models.transformer import Decoder, Encoder, EncoderDecoder, packed_positions
 
 __all__ = [
-    "COMMON_FIELDS",
-    "DEPRECATED_NAMES",
-    "EMPTY",
     "KINDS",
-    "MLP",
     "PRESET_REGISTRY",
     "AttentionConfig",
-    "Block",
-    "Buffer",
     "CrossAttention",
-    "CrossCache",
     "DSAAttention",
     "DSAConfig",
-    "DecodeCache",
     "Decoder",
     "DeltaAttention",
-    "DeltaCache",
     "DeltaConfig",
     "DiffAttention",
     "DiffConfig",
@@ -140,69 +115,35 @@ __all__ = [
     "EncoderDecoder",
     "FunctionAttention",
     "FunctionConfig",
-    "HeadGate",
-    "Heads",
-    "IndexedCache",
-    "KVCache",
     "LatentAttention",
-    "LatentCache",
     "LatentConfig",
     "LayerKind",
     "LinearAttention",
     "LinearConfig",
     "Mamba2",
-    "Mamba2Cache",
     "Mamba2Config",
     "MaskedConfig",
     "MobaAttention",
-    "MobaCache",
     "MobaConfig",
     "ModelConfig",
     "NSAAttention",
-    "NSACache",
     "NSAConfig",
     "PresetSizes",
+    "Presets",
     "SelfAttention",
-    "ShortConv",
-    "SlotCache",
     "SoftmaxConfig",
     "attention_kind",
-    "attention_modules",
-    "bookkeeping_bytes",
     "cache_bytes",
-    "cache_overflow",
     "capture_weights",
-    "clear_rows",
-    "depth_lambda_init",
     "describe",
     "generate",
     "head_gates",
     "head_importance",
-    "latent_cache_bytes",
-    "linear_state_bytes",
     "packed_positions",
-    "paged_layer",
     "pattern",
     "presets",
     "register_kind",
     "register_preset",
     "serve",
-    "set_block_tables",
     "set_head_gates",
 ]
-
-
-# Deprecated names (removed in attnlab 0.2).
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "PRESETS": ("models.presets() (the presets at the default sizes)", presets),
-        **{
-            name: (
-                f"the fields of the kind's config class (LayerKind.fields), not {name}",
-                lambda g=group: g,
-            )
-            for name, group in LEGACY_GROUPS.items()
-        },
-    },
-)

@@ -255,7 +255,7 @@ def cache_overflow(cache: DecodeCache, count):
         raise ValueError(
             f"cache: expected pages for row {b}'s positions {int(np.asarray(cache.lengths)[b])}.."
             f"{int(value[b]) - 1} in its block table (attn.PageTable.grow, then "
-            "models.set_block_tables), got a table without them"
+            "models.cache.set_block_tables), got a table without them"
         )
     return over
 

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 
 import attn
 from attn.checks import fail, positive_float
-from attn.deprecation import deprecated_names, warn
 from attn.registry import Registry
 
 # Implementations backed by jax.nn.dot_product_attention (see attn.dispatch).
@@ -107,7 +106,6 @@ def register_kind(
     check=None,
     sequence_parallel: bool | str = False,
     in_order: bool = False,
-    fields=None,
 ):
     """Adds a layer kind (see ``LayerKind``); a call, or a decorator of the module class.
 
@@ -121,14 +119,10 @@ def register_kind(
     a registered kind's module, whose family it inherits (``models.SelfAttention``:
     ``"softmax"``); a kind that computes another function than its base's says so.
 
-    ``fields=`` (the field names a kind read of the old union config) is
-    deprecated and removed in attnlab 0.2: a kind without ``config`` then gets
-    the built-in config class with the fewest fields that holds them all.
-
     Raises:
       ValueError: the name is taken by another kind (naming both), the module
         lacks the attention surface, or ``config`` is not a dataclass subclass
-        of ``AttentionConfig`` (or ``fields`` names fields no config class holds).
+        of ``AttentionConfig``.
     """
 
     def add(module):
@@ -144,9 +138,6 @@ def register_kind(
                 f"{module!r} (missing {missing})",
             )
         cls = config
-        if fields is not None:
-            warn("register_kind(fields=...)", "register_kind(config=<the kind's config class>)")
-            cls = _config_holding(tuple(fields)) if config is None else config
         if cls is not None and not _is_config(cls):
             fail("config", "a dataclass subclass of AttentionConfig or None", repr(cls))
         kind_family = _inherited_family(module) if family is None else family
@@ -177,18 +168,6 @@ def _inherited_family(module: type) -> str | None:
         if families:
             return min(families)
     return None
-
-
-def _config_holding(names: tuple[str, ...]) -> type:
-    """The registered config class (or a base of one) with the fewest fields holding ``names``."""
-    classes = {AttentionConfig}
-    for kind in KINDS.values():
-        classes |= {c for c in kind.config_class.__mro__ if _is_config(c)}
-    holding = [c for c in classes if set(names) <= {f.name for f in dataclasses.fields(c)}]
-    if not holding:
-        fail("fields", "fields of a config class (see models.KINDS)", repr(list(names)))
-    # Ties (a subclass adding no field, as function kinds' configs do) go to the base class.
-    return min(holding, key=lambda c: (len(dataclasses.fields(c)), len(c.__mro__), c.__name__))
 
 
 def _is_config(c) -> bool:
@@ -236,9 +215,8 @@ class AttentionConfig:
     """What every attention layer reads; the base of each kind's config class.
 
     A kind without fields of its own (a plugin's) is configured by this class
-    itself; the built-in kinds by their subclasses. ``AttentionConfig(kind=k,
-    <fields of k>)`` builds kind k's class, deprecated (removed in attnlab 0.2):
-    construct that class (``SoftmaxConfig(window=4)``, ``LinearConfig(...)``).
+    itself; the built-in kinds by their subclasses (``SoftmaxConfig(window=4)``,
+    ``LinearConfig(...)``).
 
     Attributes:
       kind: a name in ``KINDS``: ``"softmax"`` (MHA/GQA/MQA through ``attn.attention``),
@@ -264,16 +242,6 @@ class AttentionConfig:
     rope: bool = True
     rope_base: float = 10000.0
     short_conv: int = 0
-
-    def __new__(cls, *args, **kwargs):
-        if cls is AttentionConfig and kwargs:
-            kind = KINDS.lookup(kwargs.get("kind", "softmax"), "kind")
-            if kind.config_class is not AttentionConfig:  # the old union's constructor
-                cls = kind.config_class
-                new = f"{cls.__module__}.{cls.__qualname__}(...)"
-                warn(f"AttentionConfig(kind={kind.name!r}, ...)", new)
-                return kind.config_class(*args, **kwargs)
-        return super().__new__(cls)
 
     def __post_init__(self):
         kind = KINDS.lookup(self.kind, "kind")
@@ -413,9 +381,7 @@ class ModelConfig:
 
 # The old union config (one AttentionConfig class for every kind, before each kind had
 # its own): its fields beyond COMMON_FIELDS with their defaults, which run records
-# written then hold for every layer (train.config reads them), and its field groups
-# (``MASK_FIELDS``, ``LINEAR_FIELDS``, ``LATENT_FIELDS``; deprecated, removed in
-# attnlab 0.2: each kind's config class now holds its own fields, ``LayerKind.fields``).
+# written then hold for every layer (train.config reads them).
 LEGACY_DEFAULTS = {
     "rotary_dim": None,
     "window": None,
@@ -439,34 +405,3 @@ LEGACY_DEFAULTS = {
     "nope_head_dim": None,
     "v_head_dim": None,
 }
-LEGACY_GROUPS = {
-    "MASK_FIELDS": (
-        "window",
-        "radius",
-        "initial_tokens",
-        "global_tokens",
-        "impl",
-        "softcap",
-        "sink_logits",
-    ),
-    "LINEAR_FIELDS": (
-        "feature_map",
-        "form",
-        "decay",
-        "gating",
-        "chunk_size",
-        "normalize",
-        "num_features",
-    ),
-    "LATENT_FIELDS": ("kv_rank", "q_rank", "rope_head_dim", "nope_head_dim", "v_head_dim"),
-}
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        name: (
-            f"the fields of the kind's config class (LayerKind.fields), not {name}",
-            lambda g=group: g,
-        )
-        for name, group in LEGACY_GROUPS.items()
-    },
-)

@@ -120,18 +120,21 @@ class DiffAttention(Softmax):
         normed = self.head_norm(diff) * (1.0 - self.cfg.lambda_init)
         return self._output(normed.astype(self.dtype))
 
-    def _maps(self, q, k, v, *, impl: str, tap: bool, **arrays):
-        """Both maps in one call: values shared by the two halves' kv heads."""
+    def _maps(self, q, k, v, *, impl: str, tap: bool, **rows):
+        """Both maps in one call: values shared by the two halves' kv heads. ``rows``: the
+        call's positions and segment ids (``_whole``, ``_cached``)."""
         vv = jnp.concatenate([v, v], axis=2)  # kv heads [0, K) and [K, 2K) read the same values
-        static, arrays = self._call(**arrays)
-        if "sink_logits" in arrays:  # one sink per differential head, in both maps
-            arrays["sink_logits"] = jnp.concatenate([arrays["sink_logits"]] * 2)
+        sinks = self._sinks()
+        if sinks is not None:  # one sink per differential head, in both maps
+            sinks = jnp.concatenate([sinks] * 2)
+        call = functools.partial(attn.attention, q, k, vv, mask=self.cfg.mask(self.causal),
+                                 softcap=self.cfg.softcap, sink_logits=sinks, **rows)  # fmt: skip
         if tap and self.sow_weights:
-            out, w = attn.attention(q, k, vv, impl="dense", return_weights=True, **static, **arrays)
+            out, w = call(impl="dense", return_weights=True)
             N = self.cfg.num_heads
             self._sow(w[:, :N] - self._lambda() * w[:, N:])  # the differential map
             return out
-        return attn.attention(q, k, vv, impl=impl, **static, **arrays)
+        return call(impl=impl)
 
     def __call__(self, x, *, positions=None, segment_ids=None):
         """Args: x ``[B,T,D]``; positions, segment_ids ``[B,T]`` or None. Returns ``[B,T,D]``."""

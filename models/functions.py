@@ -143,11 +143,13 @@ def _check_for(fn, takes):
 
 def _layer_args(q, k, v, call: dict, causal: bool) -> dict:
     """The function's keyword arguments: the call's, with the defaults the call contract
-    gives them (``check_call``) filled in; no segment ids means every token real."""
+    gives them (``check_call``) filled in; no segment ids means every token real. An
+    optional setting the layer leaves unset (None) is not passed."""
     rows = ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids")
     c = check_call(q, k, v, mask=call.get("mask"), **{n: call.get(n) for n in rows})
     B, T, S = c.dims.B, c.dims.T, c.dims.S
-    args = dict(call, q_positions=c.q_positions, kv_positions=c.kv_positions)
+    given = {n: x for n, x in call.items() if not (n in OPTIONAL.values() and x is None)}
+    args = dict(given, q_positions=c.q_positions, kv_positions=c.kv_positions)
     args["q_segment_ids"] = _or_ones(c.q_segment_ids, (B, T))
     args["kv_segment_ids"] = _or_ones(c.kv_segment_ids, (B, S))
     if args.get("kv_length") is None:

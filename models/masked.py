@@ -4,8 +4,8 @@
   global tokens, impl, soft-cap, sink logits), its mask on positions and its
   decode cache's slot layout;
 * ``Softmax``: the module base: the sink-logit parameter, one helper
-  (``_call``) that turns the layer's settings and a call's arrays into
-  ``attn``'s keyword arguments, the weights tap, and the cache slots.
+  (``_softmax``) that calls ``attn`` with the layer's settings and a call's
+  positions and segment ids as named keywords, the weights tap, and the cache slots.
 """
 
 from __future__ import annotations
@@ -161,35 +161,53 @@ class Softmax(Heads):
         impl = "auto" if self.cfg.impl == "ring" else self.cfg.impl
         return cached_impl(impl) if cached else impl
 
-    def _call(self, **arrays) -> tuple[dict, dict]:
-        """``(static, arrays)``: the keyword arguments of this layer's ``attn`` call.
+    def _sinks(self):
+        """The learned sink logits ``[N]``, or None."""
+        return None if self.sink_logits is None else self.sink_logits[...]
 
-        ``static`` holds its mask and soft-cap (hashable); ``arrays`` its sink
-        logits and the given ``arrays`` (positions, segment ids, a score
-        modifier), None ones left out so that positionless implementations
-        such as jax.nn's stay eligible.
-        """
-        static = {"mask": self.cfg.mask(self.causal)}
-        if self.cfg.softcap is not None:
-            static["softcap"] = self.cfg.softcap
-        if self.sink_logits is not None:
-            arrays["sink_logits"] = self.sink_logits[...]
-        return static, {name: x for name, x in arrays.items() if x is not None}
-
-    def _softmax(self, fn, *args, impl: str, tap: bool = False, **arrays):
+    def _softmax(
+        self,
+        fn,
+        *args,
+        impl: str,
+        tap: bool = False,
+        q_positions=None,
+        kv_positions=None,
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        score_mod=None,
+        **kind_args,
+    ):
         """``fn(*args, ...)`` (``attn.attention`` or ``attn.latent_attention``) with this
-        layer's call (``_call``); returns ``out [B,T,N,E]``.
+        layer's mask, soft-cap and sink logits; returns ``out [B,T,N,E]``.
 
-        With ``tap`` and ``sow_weights`` it also sows the weights ``[B,N,T,S]``:
-        only the dense implementation materializes them, so the tapped call uses
-        it (every implementation computes the same function).
+        Positions, segment ids and the score modifier are the call's (None: ``fn``'s
+        default, so that positionless implementations such as jax.nn's stay eligible);
+        ``kind_args`` go to ``fn`` as they are (a function kind's ``kv_length``).
+        With ``tap`` and ``sow_weights`` it also sows the weights ``[B,N,T,S]``: only
+        the dense implementation materializes them, so the tapped call uses it
+        (every implementation computes the same function).
         """
-        static, arrays = self._call(**arrays)
-        if tap and self.sow_weights:
-            out, weights = fn(*args, impl="dense", return_weights=True, **static, **arrays)
-            self._sow(weights)
+        sow = tap and self.sow_weights
+        out = fn(
+            *args,
+            impl="dense" if sow else impl,
+            mask=self.cfg.mask(self.causal),
+            softcap=self.cfg.softcap,
+            sink_logits=self._sinks(),
+            q_positions=q_positions,
+            kv_positions=kv_positions,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            score_mod=score_mod,
+            return_weights=sow,
+            **kind_args,
+        )
+        if not sow:
             return out
-        return fn(*args, impl=impl, **static, **arrays)
+        out, weights = out
+        self._sow(weights)
+        return out
 
     @staticmethod
     def _whole(positions, segment_ids) -> dict:

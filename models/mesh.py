@@ -128,22 +128,26 @@ def explicit_spec(x) -> PartitionSpec | None:
     return sharding.spec
 
 
-def shard_rows(fn, args: dict, split: PartitionSpec, axes: set[str]):
-    """``fn(args)`` run per shard by ``jax.shard_map`` over the context mesh's ``axes``.
+def shard_rows(fn, split: PartitionSpec, axes: set[str], q, k, v, **rows):
+    """``fn(q, k, v, **rows)`` run per shard by ``jax.shard_map`` over the context mesh's
+    ``axes``.
 
-    ``args`` holds an attention call's arrays named as ``attn.attention`` names
-    them (``"q"`` among them). Every array is split by ``split`` except the
-    per-head ones, which every shard takes whole: ``"sink_logits"`` and a
-    ``"score_mod"``'s head leaves (its per-token leaves are split with their
-    tokens), and so is the output. Under Explicit axes the arrays are
-    resharded to those specs first (a ``shard_map`` takes its inputs as they
-    are typed) and the output back to q's sharding; Auto axes are laid out by XLA.
+    ``rows`` are an attention call's arrays named as ``attn.attention`` names them
+    (None ones are left out). Every array is split by ``split`` except the per-head
+    ones, which every shard takes whole: ``sink_logits`` and a ``score_mod``'s head
+    leaves (its per-token leaves are split with their tokens), and so is the output.
+    Under Explicit axes the arrays are resharded to those specs first (a ``shard_map``
+    takes its inputs as they are typed) and the output back to q's sharding; Auto axes
+    are laid out by XLA.
     """
+    args = {"q": q, "k": k, "v": v, **{name: x for name, x in rows.items() if x is not None}}
     specs = {name: _spec(name, x, split) for name, x in args.items()}
-    given = explicit_spec(args["q"])
+    given = explicit_spec(q)
     if given is not None:
         args = jax.tree.map(jax.sharding.reshard, args, specs)
-    out = jax.shard_map(fn, in_specs=(specs,), out_specs=split, axis_names=axes)(args)
+    out = jax.shard_map(lambda a: fn(**a), in_specs=(specs,), out_specs=split, axis_names=axes)(
+        args
+    )
     return out if given is None else jax.sharding.reshard(out, given)
 
 

@@ -11,8 +11,7 @@ dim, window, ranks, ...) registered under a name in ``PRESET_REGISTRY``
 (``register_preset``), so a comparison and a command line size every preset
 alike; ``presets(**sizes)`` builds them at those sizes, reading the registry
 at each lookup, so presets registered later are in it. Each layer has one
-name: the old aliases (``DEPRECATED_NAMES``) still build, with a warning,
-until attnlab 0.2.
+name.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from attn.checks import fail
-from attn.deprecation import deprecated_names, warn
 from attn.registry import Registry
 from models.config import KINDS, AttentionConfig
 from models.latent import LatentConfig
@@ -37,13 +35,14 @@ SHORT_CONV = 4
 BASED_HEAD_DIM = 16
 # ``<preset>_conv`` is ``<preset>`` with a short convolution of width ``short_conv``.
 CONV_SUFFIX = "_conv"
-# Old names of presets: each builds its new name's layer, with a warning, until attnlab 0.2.
-DEPRECATED_NAMES = {"softmax": "mha", "global": "mha", "window_sinks": "streaming"}
 
 
 @dataclasses.dataclass(frozen=True)
 class PresetSizes:
-    """The sizes every preset is built from.
+    """The sizes (heads, head dim, window, ranks, ...) a preset is built from; no layers.
+
+    A preset's ``build`` takes one; ``presets(**sizes)`` builds every preset at
+    ``PresetSizes(**sizes)`` and returns them as a ``Presets`` mapping.
 
     Attributes:
       num_heads: N. head_dim: H.
@@ -193,32 +192,37 @@ _builtin(
 )
 
 
-class _SizedPresets(Mapping[str, AttentionConfig]):
-    """The registered presets at one ``PresetSizes``, each built when first looked up.
+class Presets(Mapping[str, AttentionConfig]):
+    """The registered presets built at one ``PresetSizes``: what ``presets(**sizes)`` returns.
 
-    Names: every name of ``PRESET_REGISTRY`` and its ``<name>_conv`` twin (and,
-    with a warning, the ``DEPRECATED_NAMES``). A preset that cannot be built at
-    these sizes (``gqa``'s kv heads must divide the heads) raises only when it
-    is looked up, so the others stay usable.
+    A read-only mapping, preset name -> ``AttentionConfig``, over every name of
+    ``PRESET_REGISTRY`` (read at each lookup, so presets registered later are in
+    it) and its ``<name>_conv`` twin; each layer is built when first looked up.
+    A preset that cannot be built at these sizes (``gqa``'s kv heads must divide
+    the heads) raises only when it is looked up, so the others stay usable;
+    ``buildable()`` gives those that can be built.
+
+    Attributes:
+      sizes: the ``PresetSizes`` every preset here is built at.
     """
 
     def __init__(self, sizes: PresetSizes):
+        if not isinstance(sizes, PresetSizes):
+            fail("sizes", "a PresetSizes", repr(sizes))
         self.sizes = sizes
         self._built: dict[str, AttentionConfig] = {}
 
     def __getitem__(self, name: str) -> AttentionConfig:
+        if name not in self:
+            raise KeyError(name)
         base, conv = _split_conv(name)
-        if base in DEPRECATED_NAMES:
-            new = DEPRECATED_NAMES[base] + conv
-            warn(f"preset {name!r}", f"{new!r}", stacklevel=4)
-            name, base = new, DEPRECATED_NAMES[base]
         if name not in self._built:
-            if base not in PRESET_REGISTRY:
-                raise KeyError(name)
             try:
                 layer = PRESET_REGISTRY[base].build(self.sizes)
             except ValueError as e:
                 raise ValueError(f"{e} (building preset {base!r} at {self.sizes})") from None
+            if not isinstance(layer, AttentionConfig):
+                fail(f"preset {base!r}", "a build returning an AttentionConfig", repr(layer))
             if conv:
                 layer = dataclasses.replace(layer, short_conv=self.sizes.short_conv)
             self._built[name] = layer
@@ -228,7 +232,7 @@ class _SizedPresets(Mapping[str, AttentionConfig]):
         if not isinstance(name, str):
             return False
         base = _split_conv(name)[0]
-        return base in PRESET_REGISTRY or base in DEPRECATED_NAMES
+        return base in PRESET_REGISTRY
 
     def __iter__(self) -> Iterator[str]:
         names = list(PRESET_REGISTRY)
@@ -236,6 +240,9 @@ class _SizedPresets(Mapping[str, AttentionConfig]):
 
     def __len__(self) -> int:
         return 2 * len(PRESET_REGISTRY)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.sizes!r})"
 
     def buildable(self) -> dict[str, AttentionConfig]:
         """The presets that can be built at these sizes, built."""
@@ -253,8 +260,11 @@ def _split_conv(name: str) -> tuple[str, str]:
     return name, ""
 
 
-def presets(**sizes) -> Mapping[str, AttentionConfig]:
-    """Every registered preset at ``PresetSizes(**sizes)``, and its ``_conv`` twin (lazily).
+def presets(**sizes) -> Presets:
+    """The registered presets built at ``PresetSizes(**sizes)``: a ``Presets`` mapping.
+
+    The mapping holds every registered preset and its ``_conv`` twin, each built
+    when first looked up (``PresetSizes`` holds only the sizes; this builds layers).
 
     Built-in names: ``mha`` (full causal softmax, also the "global" layer of
     local/global hybrids), ``gqa`` (``gqa_kv_heads`` kv
@@ -263,9 +273,7 @@ def presets(**sizes) -> Mapping[str, AttentionConfig]:
     plus Longformer global positions), ``linear`` (elu+1), ``linear_decay``
     (RetNet gammas), ``linear_gated`` (data-dependent gates), ``based`` and
     ``based_window`` (below), and those other modules register (``deltanet``,
-    ``gated_deltanet``, ``kda``, ``diff``, ...). ``softmax`` and ``global`` (now
-    ``mha``) and ``window_sinks`` (now ``streaming``) are deprecated, removed in
-    attnlab 0.2 (``DEPRECATED_NAMES``). Each preset also comes as
+    ``gated_deltanet``, ``kda``, ``diff``, ...). Each preset also comes as
     ``<name>_conv``, with a short convolution of width ``short_conv``.
 
     ``based`` and ``based_window`` are the two attention layers of Based (Arora
@@ -291,7 +299,7 @@ def presets(**sizes) -> Mapping[str, AttentionConfig]:
     unknown = sorted(set(sizes) - {f.name for f in dataclasses.fields(PresetSizes)})
     if unknown:
         fail("sizes", f"fields of PresetSizes {list(PresetSizes.__dataclass_fields__)}", unknown)
-    return _SizedPresets(PresetSizes(**sizes))
+    return Presets(PresetSizes(**sizes))
 
 
 def valid_in(layer: AttentionConfig, causal: bool) -> bool:
@@ -325,26 +333,23 @@ def pattern(
 
     Args:
       names: one preset name per layer.
-      registry: name -> ``AttentionConfig``; default ``presets()`` (the default sizes).
+      registry: name -> ``AttentionConfig`` (a ``Presets``, ``presets(**sizes)``, or
+        any mapping); default ``presets()`` (the default sizes).
 
     Returns:
       A tuple of L ``AttentionConfig``.
+
+    Raises:
+      ValueError: ``names`` is not a non-empty sequence of names of ``registry``
+        (naming the first unknown one), ``registry`` is not a mapping, or a
+        preset cannot be built at the registry's sizes (naming it and them).
     """
     registry = presets() if registry is None else registry
+    if not isinstance(registry, Mapping):
+        fail("registry", "a mapping of names to layers (models.presets(...))", repr(registry))
     if isinstance(names, str) or not isinstance(names, Sequence) or not names:
         fail("names", "a non-empty sequence of preset names", repr(names))
     for name in names:
         if name not in registry:
             fail("names", f"preset names from {sorted(registry)}", repr(name))
     return tuple(registry[name] for name in names)
-
-
-# Deprecated names (removed in attnlab 0.2): the one presets object is PRESET_REGISTRY,
-# built at chosen sizes by presets().
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        "PRESETS": ("models.presets() (the presets at the default sizes)", presets),
-        "Presets": ("models.presets(**sizes) (it returns them built)", lambda: _SizedPresets),
-    },
-)

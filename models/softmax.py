@@ -28,7 +28,8 @@ kernels' tile loops by itself (they index tiles that mix batch and heads), and
 left to partition them it gathers the whole q, k and v on every device.
 
 The plain call, the per-shard call and the ring call are one function,
-``_attend``, on one dictionary of arrays named as ``attn.attention`` names them.
+``_attend``, whose keywords are ``attn.attention``'s (``q_segment_ids``,
+``kv_segment_ids``, ...): the layer passes them by name down to ``attn``.
 """
 
 from __future__ import annotations
@@ -160,28 +161,31 @@ class SelfAttention(Softmax):
         q, k, v = self._qkv(x, jnp.arange(T) if positions is None else positions)
         mod = self._score_mod(x)
         if self.sow_weights:  # the tap needs the dense weights [B,N,T,S], unsharded
-            arrays = dict(self._whole(positions, segment_ids), score_mod=mod)
-            out = self._softmax(self._attention, q, k, v, impl="auto", tap=True, **arrays)
+            out = self._softmax(self._attention, q, k, v, impl="auto", tap=True, score_mod=mod,
+                                **self._whole(positions, segment_ids))  # fmt: skip
             return self._output(out)
         on_ring, axes = self._on_ring(T), batch_axes(B)
         if on_ring and positions is None:  # the ring attends by the tokens' positions
             positions = jnp.arange(T, dtype=jnp.int32)
         if positions is not None and (on_ring or axes):  # split like the tokens
             positions = jnp.broadcast_to(positions, (B, T))
-        static, arrays = self._call(**self._whole(positions, segment_ids), score_mod=mod)
-        arrays = {"q": q, "k": k, "v": v, **arrays}
+        mask, softcap = self.cfg.mask(self.causal), self.cfg.softcap
         if on_ring:
             # Tiles stop at a zigzag chunk (half a shard), so a tile never spans both chunks.
             shard = T // seq_devices()
             layout = "zigzag" if shard % 2 == 0 else "contiguous"
             blocks = ring.default_blocks(layout, shard, shard, None, None)
-            local = functools.partial(_attend, static=static, ring_blocks=blocks)
+            local = functools.partial(_attend, mask=mask, softcap=softcap, ring_blocks=blocks)
             split = PartitionSpec(axes or None, SEQ_AXIS)
-            return self._output(shard_rows(local, arrays, split, {SEQ_AXIS, *axes}))
-        local = functools.partial(_attend, static=static, impl=self._impl(), fn=self._attention)
-        if not axes:
-            return self._output(local(arrays))
-        return self._output(shard_rows(local, arrays, PartitionSpec(axes), set(axes)))
+            run = functools.partial(shard_rows, local, split, {SEQ_AXIS, *axes})
+        else:
+            run = functools.partial(_attend, mask=mask, softcap=softcap, impl=self._impl(),
+                                    fn=self._attention)  # fmt: skip
+            if axes:
+                run = functools.partial(shard_rows, run, PartitionSpec(axes), set(axes))
+        out = run(q, k, v, sink_logits=self._sinks(), score_mod=mod,
+                  **self._whole(positions, segment_ids))  # fmt: skip
+        return self._output(out)
 
     def _attention(self, q, k, v, **call):
         """The layer's attention call: ``attn.attention`` (a function kind's own function:
@@ -262,20 +266,23 @@ class SelfAttention(Softmax):
         return (keys, values), kv_pos, cache, scores.Forgetting(c, c_kv)
 
 
-def _attend(arrays: dict, *, static: dict, impl: str = "auto", ring_blocks=None,
-            fn=attn.attention):  # fmt: skip
-    """One call of a layer on ``arrays`` (q, k, v and the call's arrays, named as
-    ``attn.attention`` names them): ``fn`` (``attn.attention``, or a function kind's),
-    or with ``ring_blocks`` ``(block_q, block_k)`` ``attn.ring_attention`` over
-    ``SEQ_AXIS``. The plain call, and the body of the per-shard and ring calls."""
-    arrays = dict(arrays)
-    q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+def _attend(q, k, v, *, mask, softcap, impl: str = "auto", ring_blocks=None,
+            fn=attn.attention, sink_logits=None, score_mod=None, q_positions=None,
+            kv_positions=None, q_segment_ids=None, kv_segment_ids=None):  # fmt: skip
+    """One call of a layer, as ``attn.attention`` names its arguments: ``fn``
+    (``attn.attention``, or a function kind's), or with ``ring_blocks`` ``(block_q,
+    block_k)`` ``attn.ring_attention`` over ``SEQ_AXIS``. The plain call, and the body of
+    the per-shard and ring calls."""
     if ring_blocks is None:
-        return fn(q, k, v, impl=impl, **static, **arrays)
+        return fn(q, k, v, impl=impl, mask=mask, softcap=softcap, sink_logits=sink_logits,
+                  score_mod=score_mod, q_positions=q_positions, kv_positions=kv_positions,
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)  # fmt: skip
     block_q, block_k = ring_blocks
     return attn.ring_attention(
-        q, k, v, axis_name=SEQ_AXIS, block_q=block_q, block_k=block_k, **static, **arrays
-    )
+        q, k, v, axis_name=SEQ_AXIS, block_q=block_q, block_k=block_k, mask=mask,
+        softcap=softcap, sink_logits=sink_logits, score_mod=score_mod, q_positions=q_positions,
+        kv_positions=kv_positions, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )  # fmt: skip
 
 
 class CrossAttention(Softmax):

@@ -246,10 +246,11 @@ class SparseAttention(SelfAttention):
         pos = jnp.broadcast_to(pos, (B, T))
         q, k, v = self._qkv(x, pos)
         q_side, kv_side = self._token_arrays(x)
-        call = dict(self._whole(pos, segment_ids), score_mod=self._score_mod(x))
-        out = self._sparse(q, k, v, q_side, kv_side, call, training=True)
+        rows = self._whole(pos, segment_ids)
+        mod = self._score_mod(x)
+        out = self._sparse(q, k, v, q_side, kv_side, training=True, score_mod=mod, **rows)
         if self.sow_weights:
-            self._sow(self._weights(q, k, q_side, kv_side, call))
+            self._sow(self._weights(q, k, q_side, kv_side, score_mod=mod, **rows))
         return self._output(out)
 
     def extend(self, x, cache: KVCache, start, lengths=None):
@@ -260,27 +261,27 @@ class SparseAttention(SelfAttention):
         visible, kv_pos, cache = cache.extend((k, v, *kv_side, *kept), start, lengths)
         (keys, values, *rest), kv_pos = in_position_order(visible, kv_pos)
         kv_side, kept = tuple(rest[: len(kv_side)]), tuple(rest[len(kv_side) :])
-        call = dict(self._cached(positions, kv_pos), score_mod=self._score_mod(x))
-        out = self._sparse(q, keys, values, q_side, kv_side, call, training=False, kept=kept)
+        mod, rows = self._score_mod(x), self._cached(positions, kv_pos)
+        out = self._sparse(q, keys, values, q_side, kv_side, training=False, kept=kept,
+                           score_mod=mod, **rows)  # fmt: skip
         return self._output(out), cache
 
     def _kept(self, cache, k, v, start, positions) -> tuple:
         """What the cache keeps beside the keys for the new tokens ``[B,T,...]`` (none)."""
         return ()
 
-    def _sparse(self, q, k, v, q_side, kv_side, call, *, training: bool, kept=None):
-        """``out [B,T,N,E]``: the kind's attention of the call (``call``: positions, segment
-        ids, score modifier), with the layer's mask, soft-cap and sink logits; ``kept``:
-        the cache's per-token summaries, in position order (None: computed from k, v)."""
-        static, arrays = self._call(**call)
-        return self._attend(q, k, v, q_side, kv_side, training=training, kept=kept, **static,
-                            **arrays)  # fmt: skip
+    def _sparse(self, q, k, v, q_side, kv_side, *, training: bool, kept=None, **rows):
+        """``out [B,T,N,E]``: the kind's attention of the call (``rows``: positions, segment
+        ids, score modifier, named as ``attn.attention`` names them), with the layer's
+        mask, soft-cap and sink logits; ``kept``: the cache's per-token summaries, in
+        position order (None: computed from k, v)."""
+        return self._attend(q, k, v, q_side, kv_side, training=training, kept=kept,
+                            mask=self.cfg.mask(self.causal), softcap=self.cfg.softcap,
+                            sink_logits=self._sinks(), **rows)  # fmt: skip
 
-    def _weights(self, q, k, q_side, kv_side, call):
-        static, arrays = self._call(**call)
-        fn = functools.partial(self._attend, q_side=q_side, kv_side=kv_side, training=False,
-                               kept=None)  # fmt: skip
-        return probed_weights(lambda q, k, v, **a: fn(q, k, v, **a), q, k, {**static, **arrays})
+    def _weights(self, q, k, q_side, kv_side, **rows):
+        fn = functools.partial(self._sparse, q_side=q_side, kv_side=kv_side, training=False)
+        return probed_weights(fn, q, k, rows)
 
 
 @register_kind("moba", config=MobaConfig, family="sparse")
@@ -349,12 +350,12 @@ class NSAAttention(SparseAttention):
         flat = jnp.moveaxis(windows, -3, -2).reshape(*lead, K, l * H)
         return self.compress_out[i](jax.nn.gelu(self.compress_in[i](flat)))
 
-    def _compress(self, x, i: int, call):
+    def _compress(self, x, i: int, kv_positions, kv_segment_ids):
         """The compressed keys or values of ``x [B,S,K,H]`` in slot layout: ``[B,M,K,H]``."""
         cfg = self.cfg
         windows, _ = compression_windows(
             x, compress_block=cfg.compress_block, compress_stride=cfg.compress_stride,
-            kv_positions=call.get("kv_positions"), kv_segment_ids=call.get("kv_segment_ids"),
+            kv_positions=kv_positions, kv_segment_ids=kv_segment_ids,
         )  # fmt: skip
         return self._phi(windows, i)
 
@@ -374,16 +375,20 @@ class NSAAttention(SparseAttention):
             out.append(jnp.where(ends[..., None, None], self._phi(windows, i), 0.0))
         return tuple(out)
 
-    def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
+    def _attend(self, q, k, v, q_side, kv_side, *, training, kept, kv_positions=None,
+                kv_segment_ids=None, **call):  # fmt: skip
         cfg = self.cfg
         (gates,) = q_side
         if kept:  # the cache's per-token compressed blocks, in slot layout
-            rows = dict(compress_block=cfg.compress_block, compress_stride=cfg.compress_stride,
-                        kv_positions=call.get("kv_positions"),
-                        kv_segment_ids=call.get("kv_segment_ids"))  # fmt: skip
-            ck, cv = (attn.sparse.compressed_at_ends(x, **rows) for x in kept)
+            ends = functools.partial(
+                attn.sparse.compressed_at_ends, compress_block=cfg.compress_block,
+                compress_stride=cfg.compress_stride, kv_positions=kv_positions,
+                kv_segment_ids=kv_segment_ids,
+            )  # fmt: skip
+            ck, cv = (ends(x) for x in kept)
         else:
-            ck, cv = self._compress(k, 0, call), self._compress(v, 1, call)
+            ck = self._compress(k, 0, kv_positions, kv_segment_ids)
+            cv = self._compress(v, 1, kv_positions, kv_segment_ids)
         return attn.nsa_attention(
             q,
             k,
@@ -399,10 +404,12 @@ class NSAAttention(SparseAttention):
             initial_blocks=cfg.initial_blocks,
             local_blocks=cfg.local_blocks,
             chunk=cfg.chunk,
+            kv_positions=kv_positions,
+            kv_segment_ids=kv_segment_ids,
             **call,
         )
 
-    def _weights(self, *args):
+    def _weights(self, *args, **rows):
         fail(
             "capture_weights",
             "a kind whose output is weights over tokens (NSA's compressed "

@@ -297,7 +297,7 @@ class Decoder(_LM):
         by the rows, and per-row block tables of ``ceil(max_len / page_size)``
         entries, all empty. Pages are allocated on the host by an
         ``attn.PageTable(num_pages, page_size, batch, ...)`` and handed over with
-        ``models.set_block_tables``; ``models.serve`` does both. Windows keep their
+        ``models.cache.set_block_tables``; ``models.serve`` does both. Windows keep their
         ring buffers (``initial_tokens + window`` slots already hold exactly
         what they read) and recurrent layers their states.
 

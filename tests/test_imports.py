@@ -186,3 +186,38 @@ def test_private_uses_are_found(tmp_path, monkeypatch):
         "b.py:4 a.c._also",
         "b.py:4 cc._third",
     ]
+
+
+# The public surface of ``models``: the models, the layer modules and their per-kind
+# configs, the kind registry, presets and patterns, decoding and serving, and the
+# operations a researcher calls on a model. Building blocks (caches, heads, blocks)
+# are imported from their submodules; one package exports each helper.
+MODELS_ALL = {
+    *("Decoder", "Encoder", "EncoderDecoder", "ModelConfig"),
+    *("SelfAttention", "CrossAttention", "LatentAttention", "LinearAttention"),
+    *("DeltaAttention", "DiffAttention", "Mamba2", "FunctionAttention"),
+    *("MobaAttention", "NSAAttention", "DSAAttention"),
+    *("AttentionConfig", "MaskedConfig", "SoftmaxConfig", "LatentConfig", "LinearConfig"),
+    *("DeltaConfig", "DiffConfig", "Mamba2Config", "FunctionConfig"),
+    *("MobaConfig", "NSAConfig", "DSAConfig"),
+    *("KINDS", "LayerKind", "register_kind", "attention_kind"),
+    *("PRESET_REGISTRY", "PresetSizes", "Presets", "presets", "register_preset"),
+    *("pattern", "describe"),
+    *("generate", "serve", "cache_bytes"),
+    *("capture_weights", "head_gates", "set_head_gates", "head_importance"),
+    "packed_positions",
+}
+
+
+def test_models_exports_its_public_surface_and_nothing_of_attn():
+    import attn
+    import models
+
+    assert len(models.__all__) == len(set(models.__all__))
+    assert set(models.__all__) == MODELS_ALL
+    for name in models.__all__:
+        assert getattr(models, name) is not None, name
+    assert not set(attn.__all__) & set(models.__all__)
+    # The building blocks have one home each, their submodule.
+    for gone in ("KVCache", "DecodeCache", "Heads", "Block", "EMPTY", "latent_cache_bytes"):
+        assert not hasattr(models, gone), gone

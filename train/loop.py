@@ -53,9 +53,8 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from attn.deprecation import deprecated_names
 from models.mesh import SEQ_AXIS
-from train import optimizer, sharding, steps
+from train import optimizer, sharding
 from train.checkpoint import Checkpointer, load_state, snapshot
 from train.config import TrainConfig, check_resume, to_json, write_record
 from train.interrupt import StopOnSigint, TrainingInterrupted
@@ -449,17 +448,3 @@ def _run_steps(run: Session, start: int, end: int, log, stop, bar) -> tuple[int,
     if run.pending:  # stopped by a second Ctrl-C: read what ran, save nothing
         run.flush(done)
     return done, end, reached
-
-
-# Deprecated homes of the pieces (removed in attnlab 0.2).
-__getattr__ = deprecated_names(
-    __name__,
-    {
-        name: (f"{module.__name__}.{name}", lambda module=module, name=name: getattr(module, name))
-        for module, names in (
-            (steps, ("build_model", "weighted_metrics")),
-            (optimizer, ("make_optimizer", "make_schedule")),
-        )
-        for name in names
-    },
-)

@@ -25,7 +25,6 @@ Modules:
   ``register_feature_map`` adds to) and FAVOR+'s projection.
 """
 
-from attn.deprecation import deprecated_names
 from attn.linear.attention import (
     LINEAR_FORMS,
     LinearState,
@@ -89,6 +88,3 @@ __all__ = [
     "ssd_step",
     "taylor",
 ]
-
-# Deprecated names (removed in attnlab 0.2).
-__getattr__ = deprecated_names(__name__, {"FORMS": ("attn.LINEAR_FORMS", lambda: LINEAR_FORMS)})

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from analysis import claim_checks, claims
+from analysis import claim_checks, claim_rows, claims
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +164,8 @@ def test_experiment_result_is_read_into_its_row(tmp_path, holds):
     files = {}
     for number, name in claims.EXPERIMENTS.items():  # state_tracking holds two rows
         entry = experiment_result(f"measured {number}", holds)["claim"]
-        files.setdefault(name, experiment_result())[claims.CLAIM_KEYS.get(number, "claim")] = entry
+        key = claim_rows.CLAIM_KEYS.get(number, "claim")
+        files.setdefault(name, experiment_result())[key] = entry
     for name, data in files.items():
         write_json(tmp_path / name / "results.json", data)
     rows = claims.collect(sorted(claims.EXPERIMENTS), results=tmp_path)

@@ -29,6 +29,8 @@ from analysis.experiments import (
     head_pruning,
     induction_heads,
     recall_frontier,
+    recall_frontier_grid,
+    recall_frontier_report,
     sinks_streaming,
     sparse,
     state_tracking,
@@ -131,6 +133,7 @@ def test_configs_validate():
         windows_global.Config(window_only=w.window_only, hybrid=w.window_only, window=w.window)
 
 
+@pytest.mark.integration
 def test_induction_heads_quick(tmp_path):
     results = induction_heads.run(quick_config("induction_heads"), tmp_path)
     check_common(results, tmp_path, "induction_heads")
@@ -145,6 +148,7 @@ def test_induction_heads_quick(tmp_path):
     assert (tmp_path / "runs" / "induction" / "summary.json").is_file()
 
 
+@pytest.mark.integration
 @pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # the second copy
 def test_sinks_streaming_quick(tmp_path, monkeypatch):
     # As its command line runs it: the module is __main__, a second copy, while the
@@ -179,6 +183,7 @@ def test_sinks_streaming_quick(tmp_path, monkeypatch):
     assert "sink onset" in results["claim"]["measured"]
 
 
+@pytest.mark.integration
 def test_head_pruning_quick(tmp_path):
     config = quick_config("head_pruning")
     results = head_pruning.run(config, tmp_path)
@@ -192,6 +197,7 @@ def test_head_pruning_quick(tmp_path):
     assert results["accuracy_by_importance"][0] == results["accuracy_random_mean"][0]
 
 
+@pytest.mark.integration
 def test_windows_global_quick(tmp_path):
     results = windows_global.run(quick_config("windows_global"), tmp_path)
     check_common(results, tmp_path, "windows_global")
@@ -203,6 +209,7 @@ def test_windows_global_quick(tmp_path):
         assert acc and all(0 <= a <= 1 for a in acc)
 
 
+@pytest.mark.integration
 def test_state_tracking_quick(tmp_path):
     config = quick_config("state_tracking")
     results = state_tracking.run(config, tmp_path)
@@ -237,6 +244,7 @@ def test_state_tracking_claims_read_the_table():
         state_tracking.Config(variants=("mamba3",))
 
 
+@pytest.mark.integration
 def test_sparse_quick(tmp_path):
     config = quick_config("sparse")
     results = sparse.run(config, tmp_path)
@@ -320,6 +328,7 @@ def test_sink_onset_is_the_smallest_model_with_a_sink():
         sinks_streaming.Size(width=30, layers=2, heads=4)
 
 
+@pytest.mark.integration
 def test_recall_frontier_quick(tmp_path, capsys):
     # Two runs end to end through the command line (one job), then again: read back.
     out = tmp_path / "frontier"
@@ -354,7 +363,7 @@ def _frontier_rows(scale, families):
 
 def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
     """``--add-to``: a run of some families joins a committed run; refuses another grid."""
-    quick = recall_frontier.SCALES["quick"]
+    quick = recall_frontier_grid.SCALES["quick"]
     old_rows = _frontier_rows(quick, {"mha": 16, "linear": 16})
     grid = [{"family": f, "name": f} for f in ("mha", "linear")]
     recall_frontier._write(quick, old_rows, grid, 10.0, tmp_path)
@@ -383,9 +392,9 @@ def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
 
 
 def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
-    result = recall_frontier.dry_run(recall_frontier.SCALES["zoology"])
-    scale = recall_frontier.SCALES["zoology"]
-    assert result["runs"] == 10 * 4 * 4 * 4 == len(recall_frontier.runs(scale))
+    result = recall_frontier_grid.dry_run(recall_frontier_grid.SCALES["zoology"])
+    scale = recall_frontier_grid.SCALES["zoology"]
+    assert result["runs"] == 10 * 4 * 4 * 4 == len(recall_frontier_grid.runs(scale))
     assert len(result["points"]) == 10 * 4 * 4
     by = {(tuple(p["setting"]), p["family"], p["knob"]): p for p in result["points"]}
     # Zoology's count for a softmax layer: 2 x d x T per layer (plus the short convs' W-1
@@ -414,21 +423,21 @@ def test_recall_frontier_pareto_and_reach():
         {"family": "b", "knob": 1, "state_elements": 50, "accuracy": 0.4},
         {"family": "b", "knob": 2, "state_elements": 100, "accuracy": 0.97},
     ]
-    front = recall_frontier.pareto(rows)
+    front = recall_frontier_report.pareto(rows)
     assert [(r["family"], r["knob"]) for r in front] == [("a", 1), ("b", 2)]
-    families = dict(recall_frontier.FAMILIES, a=recall_frontier.FAMILIES["mha"])
-    families["b"] = recall_frontier.FAMILIES["linear"]
+    families = dict(recall_frontier_grid.FAMILIES, a=recall_frontier_grid.FAMILIES["mha"])
+    families["b"] = recall_frontier_grid.FAMILIES["linear"]
     import unittest.mock
 
-    with unittest.mock.patch.object(recall_frontier, "FAMILIES", families):
-        assert recall_frontier.reach(rows, "a").startswith("100 (width 2)")
-        assert recall_frontier.reach(rows, "b", level=0.99) == "not reached at 100"
+    with unittest.mock.patch.object(recall_frontier_report, "FAMILIES", families):
+        assert recall_frontier_report.reach(rows, "a").startswith("100 (width 2)")
+        assert recall_frontier_report.reach(rows, "b", level=0.99) == "not reached at 100"
 
 
 def test_recall_frontier_bad_input_names_the_argument(tmp_path, capsys):
     assert recall_frontier.main(["--only", "mha,nope", "--dry-run"]) == 2
     assert "only: expected family names" in capsys.readouterr().err
     with pytest.raises(ValueError, match="jobs: expected an int >= 1"):
-        recall_frontier.run(recall_frontier.SCALES["quick"], tmp_path, jobs=0)
+        recall_frontier.run(recall_frontier_grid.SCALES["quick"], tmp_path, jobs=0)
     with pytest.raises(ValueError, match="steps: expected one cap per setting"):
-        dataclasses.replace(recall_frontier.SCALES["quick"], steps=(1, 2))
+        dataclasses.replace(recall_frontier_grid.SCALES["quick"], steps=(1, 2))

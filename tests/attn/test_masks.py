@@ -161,14 +161,10 @@ def test_bad_arguments(make, arg, name):
         make(arg)
 
 
-def test_sinks_is_a_deprecated_alias_of_initial_tokens():
-    with pytest.warns(DeprecationWarning, match="use attn.masks.initial_tokens"):
-        old = masks.sinks(2)
-    assert old == masks.initial_tokens(2) and hash(old) == hash(masks.initial_tokens(2))
-    assert isinstance(old, masks.InitialTokens) and masks.Sinks is masks.InitialTokens
+def test_initial_tokens_are_a_hashable_value():
+    assert masks.initial_tokens(2) == masks.initial_tokens(2)
+    assert hash(masks.initial_tokens(2)) == hash(masks.initial_tokens(2))
     assert repr(masks.initial_tokens(4)) == "InitialTokens(n=4)"
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="n"):
-        masks.sinks(0)
 
 
 def test_combining_with_a_non_mask_fails():

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 import models
+from models.diff import depth_lambda_init
 
 VOCAB, WIDTH = 32, 32
 B, MAX_LEN = 2, 16
@@ -70,7 +71,7 @@ REGISTRY["alibi_softcap"] = dataclasses.replace(REGISTRY["alibi"], softcap=20.0)
 REGISTRY["softpick_window"] = dataclasses.replace(REGISTRY["softpick"], window=4)
 # Differential attention with GQA over a window's ring buffer, at the first layer's lambda_init.
 REGISTRY["diff_window_gqa"] = dataclasses.replace(
-    REGISTRY["diff"], window=4, num_kv_heads=2, lambda_init=models.depth_lambda_init(1)
+    REGISTRY["diff"], window=4, num_kv_heads=2, lambda_init=depth_lambda_init(1)
 )
 
 # Sparse attention at sizes where the selection matters within MAX_LEN = 16 tokens: MoBA's

@@ -105,16 +105,15 @@ def test_a_field_the_kind_does_not_read_is_refused_by_name(kwargs):
         layer(**kwargs)
 
 
-def test_one_config_class_per_kind_and_the_old_constructor_warns():
+def test_one_config_class_per_kind():
     for name, cls in CLASSES.items():
         assert models.KINDS[name].config_class is cls
     assert models.KINDS["linear"].fields == (
         "rotary_dim",
         *("feature_map", "form", "decay", "gating", "chunk_size", "normalize", "num_features"),
     )
-    with pytest.warns(DeprecationWarning, match=r"AttentionConfig\(kind='linear'"):
-        old = AttentionConfig(kind="linear", rope=False, gating=True)
-    assert old == LinearConfig(rope=False, gating=True)
+    with pytest.raises(ValueError, match="kind 'linear' is configured by LinearConfig"):
+        AttentionConfig(kind="linear")
     with pytest.raises(ValueError, match="kind 'linear' is configured by LinearConfig"):
         SoftmaxConfig(kind="linear")
 
@@ -193,26 +192,33 @@ def test_based_presets():
     assert all(models.presets()[n].short_conv == 0 for n in ("mha", "linear", "mla", "streaming"))
 
 
-OLD_NAMES = [("window_sinks", "streaming"), ("softmax", "mha"), ("global", "mha")]
-
-
-@pytest.mark.parametrize(("old", "new"), [*OLD_NAMES, ("global_conv", "mha_conv")])
-def test_old_preset_names_are_deprecated_aliases(old, new):
-    custom = models.presets(window=8, num_initial_tokens=3)
-    assert custom["streaming"].initial_tokens == 3 and custom["streaming"].window == 8
-    with pytest.warns(DeprecationWarning, match=f"preset '{old}' is deprecated"):
-        assert custom[old] == custom[new]
-    with pytest.warns(DeprecationWarning, match="removed in attnlab 0.2"):
-        assert pattern((old,)) == pattern((new,))
-    assert old not in list(custom) and old in custom  # not listed, still built
-
-
-def test_the_one_presets_object_and_its_deprecated_names():
+def test_the_one_presets_object():
     assert set(models.PRESET_REGISTRY) <= set(models.presets())
-    with pytest.warns(DeprecationWarning, match=r"models\.PRESETS is deprecated"):
-        assert models.PRESETS["gqa"] == models.presets()["gqa"]
-    with pytest.warns(DeprecationWarning, match="MASK_FIELDS is deprecated"):
-        assert "window" in models.MASK_FIELDS
+    assert not hasattr(models, "PRESETS")
+
+
+def test_presets_is_a_public_mapping_at_one_presetsizes():
+    sized = models.presets(num_heads=3)
+    assert type(sized) is models.Presets and sized.sizes == models.PresetSizes(num_heads=3)
+    assert repr(sized) == f"Presets({models.PresetSizes(num_heads=3)!r})"
+    assert models.Presets(models.PresetSizes())["mha"] == models.presets()["mha"]
+    # Every error a user meets names public things only.
+    errors = []
+    for bad in (
+        lambda: sized["gqa"],  # 2 kv heads do not divide 3 heads
+        lambda: sized["flash"],
+        lambda: sized[3],
+        lambda: pattern(("mha",), registry=5),
+        lambda: pattern(("flash",), registry=sized),
+        lambda: models.presets(heads=4),
+        lambda: models.Presets({"num_heads": 4}),
+    ):
+        with pytest.raises((KeyError, ValueError)) as e:
+            bad()
+        errors.append(str(e.value))
+    assert "building preset 'gqa' at PresetSizes(num_heads=3" in errors[0]
+    assert errors[3].startswith("registry: expected a mapping")
+    assert not [m for m in errors if "_Sized" in m or "patterns._" in m], errors
 
 
 def test_masks_and_cache_layouts():

@@ -17,6 +17,7 @@ import pytest
 
 import attn
 import models
+from models.cache import DecodeCache, bookkeeping_bytes
 from tests.models.common import (
     KINDS,
     MAX_LEN,
@@ -231,7 +232,7 @@ def test_kv_cache_bytes_match_attn_formula():
         )
         assert models.cache_bytes(cache) == expected, kind
         # Bookkeeping: per-slot positions (int32) per layer plus the lengths.
-        assert models.bookkeeping_bytes(cache) == 4 * (2 * B * slots + B)
+        assert bookkeeping_bytes(cache) == 4 * (2 * B * slots + B)
 
 
 def test_gqa_cache_is_n_over_k_times_smaller_than_mha():
@@ -247,13 +248,13 @@ def test_mla_cache_bytes_per_token():
     model = model_for(KINDS["mla"])
     layer = model.config.layers[0]
     R, Hr, L = layer.kv_rank, layer.rope_head_dim, 2
-    per_token = models.latent_cache_bytes(
+    per_token = attn.latent_cache_bytes(
         num_layers=L, kv_rank=R, rope_head_dim=Hr, dtype=jnp.float32
     )
     assert per_token == (R + Hr) * 4 * L
     assert models.cache_bytes(init_cache(model)) == per_token * MAX_LEN * B
     assert (
-        models.latent_cache_bytes(
+        attn.latent_cache_bytes(
             num_layers=L, kv_rank=R, rope_head_dim=Hr, dtype=jnp.bfloat16, num_tokens=10, batch=3
         )
         == (R + Hr) * 2 * L * 30
@@ -263,7 +264,7 @@ def test_mla_cache_bytes_per_token():
 def test_linear_state_bytes_do_not_grow():
     model = model_for(KINDS["linear"])
     layer = model.config.layers[0]
-    expected = models.linear_state_bytes(
+    expected = attn.linear_state_bytes(
         num_layers=2, num_heads=layer.num_heads, feature_dim=8, value_dim=8, batch=B
     )
     assert models.cache_bytes(model.init_cache(B, 4)) == expected
@@ -279,10 +280,10 @@ def test_hybrid_cache_bytes_add_up():
     assert [c.shape for c in cache.conv] == [(B, w - 1, WIDTH) for w in widths]
     assert models.cache_bytes(model.init_cache(B, 4000)) > models.cache_bytes(cache)  # MLA grows
     expected = sum(B * (w - 1) * WIDTH * 4 for w in widths) + (
-        models.linear_state_bytes(
+        attn.linear_state_bytes(
             num_layers=1, num_heads=linear.num_heads, feature_dim=8, value_dim=8, batch=B
         )
-        + models.latent_cache_bytes(
+        + attn.latent_cache_bytes(
             num_layers=1,
             kv_rank=mla.kv_rank,
             rope_head_dim=mla.rope_head_dim,
@@ -301,9 +302,9 @@ def test_hybrid_cache_bytes_add_up():
     )
     assert models.cache_bytes(cache) == expected
     ring = window.initial_tokens + window.window
-    assert models.bookkeeping_bytes(cache) == 4 * B * (MAX_LEN + ring + 1)  # pos and lengths
+    assert bookkeeping_bytes(cache) == 4 * B * (MAX_LEN + ring + 1)  # pos and lengths
     # A cache without the convolution states (not from init_cache) is refused.
-    bare = models.DecodeCache(cache.layers, cache.lengths)
+    bare = DecodeCache(cache.layers, cache.lengths)
     with pytest.raises(ValueError, match="cache: expected a cache holding the short-conv states"):
         model.prefill(tokens(0, (B, 3)), bare)
 
@@ -318,15 +319,15 @@ def test_bf16_cache_is_half():
 @pytest.mark.parametrize(
     ("fn", "kwargs", "field"),
     [
-        (models.latent_cache_bytes, {"kv_rank": 0}, "kv_rank"),
-        (models.latent_cache_bytes, {"dtype": "nope"}, "dtype"),
-        (models.linear_state_bytes, {"feature_dim": 0}, "feature_dim"),
+        (attn.latent_cache_bytes, {"kv_rank": 0}, "kv_rank"),
+        (attn.latent_cache_bytes, {"dtype": "nope"}, "dtype"),
+        (attn.linear_state_bytes, {"feature_dim": 0}, "feature_dim"),
     ],
 )
 def test_size_helper_errors(fn, kwargs, field):
     base = (
         {"num_layers": 1, "kv_rank": 4, "rope_head_dim": 2, "dtype": jnp.float32}
-        if fn is models.latent_cache_bytes
+        if fn is attn.latent_cache_bytes
         else {"num_layers": 1, "num_heads": 2, "feature_dim": 4, "value_dim": 4}
     )
     with pytest.raises(ValueError, match=field):

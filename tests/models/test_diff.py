@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import models
+from models.diff import depth_lambda_init
 from tests.models.common import WIDTH, B
 from tests.util import normal, rel_err
 
@@ -61,8 +62,8 @@ def test_diff_layer_is_the_papers_formula(kv_heads):
 
 
 def test_lambda_init_by_depth_and_checks():
-    assert models.depth_lambda_init(1) == pytest.approx(0.2)
-    assert models.depth_lambda_init(100) == pytest.approx(0.8)
+    assert depth_lambda_init(1) == pytest.approx(0.2)
+    assert depth_lambda_init(100) == pytest.approx(0.8)
     with pytest.raises(ValueError, match=r"^lambda_init: expected a number in \[0, 1\)"):
         models.DiffConfig(lambda_init=1.0)
     with pytest.raises(TypeError, match="'score'"):  # a softmax layer's field

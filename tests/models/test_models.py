@@ -15,6 +15,8 @@ import pytest
 from flax import nnx
 
 import models
+from models.block import ShortConv
+from models.cache import LatentCache
 from models.patterns import pattern
 from tests.models.common import (
     KINDS,
@@ -217,7 +219,7 @@ def test_packed_rows_equal_each_sequence_alone(kind, names):
 
 def test_short_conv_starts_as_the_identity():
     """At initialization a layer with a short conv computes what it would without one."""
-    conv = models.ShortConv(4, 6, dtype=jnp.float32, param_dtype=jnp.float32)
+    conv = ShortConv(4, 6, dtype=jnp.float32, param_dtype=jnp.float32)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 6)), jnp.float32)
     np.testing.assert_array_equal(conv(x), x)
     y, state = conv.extend(x, conv.init_state(2), jnp.array([5, 3]))
@@ -265,7 +267,7 @@ def test_mla_cache_holds_only_the_latent():
     cache = model.init_cache(B, MAX_LEN)
     layer = model.config.layers[0]
     c = cache.layers[0]
-    assert isinstance(c, models.LatentCache)
+    assert isinstance(c, LatentCache)
     assert c.c_kv.shape == (B, MAX_LEN, layer.kv_rank)
     assert c.k_rope.shape == (B, MAX_LEN, layer.rope_head_dim)
 

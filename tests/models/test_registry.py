@@ -148,7 +148,7 @@ def test_register_kind_checks_its_arguments(scratch):
 
     with pytest.raises(ValueError, match=r"^module: .*missing \['extend'\]"):
         models.register_kind("test_bad", NoExtend)
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"^fields: "):
+    with pytest.raises(TypeError, match="fields"):  # the old keyword is gone
         models.register_kind("test_bad", models.SelfAttention, fields=("windows",))
     with pytest.raises(ValueError, match=r"^config: "):
         models.register_kind("test_bad", models.SelfAttention, config=dict)

@@ -20,6 +20,7 @@ from flax import nnx
 
 import attn
 import models
+from models.cache import bookkeeping_bytes, clear_rows, paged_layer, set_block_tables
 from tests.models.common import VOCAB, forward, model_for, tokens
 from tests.util import rel_err
 
@@ -157,10 +158,7 @@ def test_a_paged_cache_pages_the_full_layers_only():
     more = models.cache_bytes(cache) - models.cache_bytes(contiguous)
     assert more == (9 * PAGE - 2 * 16) * per_token  # 36 pooled tokens against 2 rows of 16
     # Positions [B,S] of the two full layers give way to their tables [B,M].
-    assert (
-        models.bookkeeping_bytes(contiguous) - models.bookkeeping_bytes(cache)
-        == 2 * (2 * 16 - 2 * 4) * 4
-    )
+    assert bookkeeping_bytes(contiguous) - bookkeeping_bytes(cache) == 2 * (2 * 16 - 2 * 4) * 4
 
 
 def test_a_token_without_a_page_is_refused_or_nan():
@@ -169,7 +167,7 @@ def test_a_token_without_a_page_is_refused_or_nan():
     table = attn.PageTable(9, PAGE, 2, 4)
     table.grow(0, 4)
     table.grow(1, 3)
-    cache = models.set_block_tables(cache, table.tables)
+    cache = set_block_tables(cache, table.tables)
     prompt = tokens(4, (2, 5))
     with pytest.raises(ValueError, match=r"cache: expected pages for row 0's positions 0\.\.4"):
         model.prefill(prompt, cache)
@@ -177,7 +175,7 @@ def test_a_token_without_a_page_is_refused_or_nan():
     logits, _ = jax.jit(lambda c: model.decode_step(jnp.asarray([1, 2]), c))(cache)
     assert np.isnan(logits[0]).all() and np.isfinite(logits[1]).all()  # row 0 has no page 1
     with pytest.raises(ValueError, match="tables: expected block tables of shape \\(2, 4\\)"):
-        models.set_block_tables(cache, table.tables[:, :3])
+        set_block_tables(cache, table.tables[:, :3])
 
 
 def test_clear_rows_empties_a_row_and_leaves_the_others():
@@ -188,16 +186,16 @@ def test_clear_rows_empties_a_row_and_leaves_the_others():
     table = attn.PageTable(9, PAGE, 2, 4)
     for b in range(2):
         table.grow(b, 5)
-    cache = models.set_block_tables(_paged_cache(model), table.tables)
+    cache = set_block_tables(_paged_cache(model), table.tables)
     _, cache = model.prefill(tokens(6, (2, 5)), cache)  # row 0 is replaced below
     table.release(0)
-    cache = models.clear_rows(cache, _paged_cache(model), jnp.asarray([True, False]))
+    cache = clear_rows(cache, _paged_cache(model), jnp.asarray([True, False]))
     np.testing.assert_array_equal(cache.lengths, [0, 5])
     with pytest.raises(ValueError, match=r"rows: expected bools of shape \(2,\), got int32"):
-        models.clear_rows(cache, cache, jnp.asarray([1, 0]))
+        clear_rows(cache, cache, jnp.asarray([1, 0]))
     table.grow(0, 3)
     table.grow(1, 6)
-    cache = models.set_block_tables(cache, table.tables)
+    cache = set_block_tables(cache, table.tables)
     chunk = jnp.asarray([np.asarray(seq[0, :3]).tolist(), [int(seq[1, 0]), 0, 0]])
     logits, cache = model.prefill(chunk, cache, jnp.asarray([3, 1]))
     assert rel_err(logits[0], full[0, :3]) <= RTOL
@@ -209,7 +207,7 @@ def test_paged_layer_refuses_a_ring_buffer():
     model = model_for(SMALL)
     ring = model.init_cache(2, 16).layers[2]
     with pytest.raises(ValueError, match="layer: expected a full SlotCache"):
-        models.paged_layer(ring, 4, PAGE)
+        paged_layer(ring, 4, PAGE)
 
 
 def test_generate_on_pages_sized_to_each_row():
@@ -225,7 +223,7 @@ def test_generate_on_pages_sized_to_each_row():
     short = attn.PageTable(8, PAGE, 3, 3)
     for b, n in enumerate(fed):
         short.grow(b, n - 2 * (b == 1))  # row 1 (10 tokens) lacks the page of its last two
-    cache = models.set_block_tables(model.init_cache(3, 11, page_size=PAGE, num_pages=8),
+    cache = set_block_tables(model.init_cache(3, 11, page_size=PAGE, num_pages=8),
                                     short.tables)  # fmt: skip
     with pytest.raises(ValueError, match=r"cache: expected pages for row 1's positions 0\.\.9"):
         models.generate(model, prompts, 5, cache=cache)

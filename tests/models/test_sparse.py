@@ -13,6 +13,7 @@ from flax import nnx
 import models
 from attn import masks
 from attn.sparse import indexer_loss
+from models.taps import attention_modules
 from tests.models.common import KINDS, REGISTRY, WIDTH, model_for, tokens
 from tests.util import normal, rel_err
 
@@ -40,8 +41,8 @@ def test_dsa_indexer_learns_from_its_loss_alone_and_the_model_from_its_own():
     def output_only(layer):  # the same output, without the indexer's loss
         q, k, v = layer._qkv(x, pos)
         q_side, kv_side = layer._token_arrays(x)
-        call = layer._whole(pos, None)
-        return jnp.sum(layer._output(layer._sparse(q, k, v, q_side, kv_side, call,
+        rows = layer._whole(pos, None)
+        return jnp.sum(layer._output(layer._sparse(q, k, v, q_side, kv_side, **rows,
                                                    training=False)) * ct)  # fmt: skip
 
     def aux(layer):
@@ -63,7 +64,7 @@ def test_dsa_indexer_learns_from_its_loss_alone_and_the_model_from_its_own():
 
 def test_moba_and_dsa_weights_are_their_sparse_rows_and_nsa_refuses():
     model = model_for(KINDS["sparse"])
-    layers = models.attention_modules(model)
+    layers = attention_modules(model)
     seq = tokens(3, (2, 16))
     with pytest.raises(ValueError, match="capture_weights"):
         models.capture_weights(model, seq)

@@ -13,6 +13,8 @@ from flax import nnx
 
 import attn
 import models
+from models.heads import HeadGate
+from models.taps import attention_modules
 from tests.models.common import KINDS, REGISTRY, WIDTH, B, forward, model_for, tokens
 from tests.util import normal, rel_err
 
@@ -44,7 +46,7 @@ def test_captured_weights_are_the_attention_weights():
     nnx.jit(lambda model, seq: model(seq))(model, seq)
     assert not jax.tree.leaves(nnx.state(model, nnx.Intermediate))
     assert nnx.graphdef(model) == graph
-    assert not any(m.sow_weights for m in models.attention_modules(model))
+    assert not any(m.sow_weights for m in attention_modules(model))
 
 
 def _layer(cls, cfg, seed=0):
@@ -159,7 +161,7 @@ def test_head_gates_and_importance():
 def test_head_gates_are_not_trained():
     model = nnx.clone(model_for(KINDS["mha"]))
     optimizer = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param)
-    assert not jax.tree.leaves(nnx.state(optimizer.opt_state, models.HeadGate))
+    assert not jax.tree.leaves(nnx.state(optimizer.opt_state, HeadGate))
     seq = tokens(47, (B, 6))
 
     def loss(model):

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import Decoder, linear_state_bytes
+from attn import linear_state_bytes
+from models import Decoder
 from train import compare
 from train.compare_plots import plot_recall_vs_state
 from train.compare_report import aggregate, first_reached, summarize_variant
@@ -27,6 +28,7 @@ from train.variants import VARIANTS, CompareConfig, cache_sizes, register_varian
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration
 def test_compare_quick_end_to_end(tmp_path, compilation_cache_dir):
     env = {
         **os.environ,
@@ -361,6 +363,7 @@ def _death_signal() -> int:
     return value.value
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 def test_workers_die_with_their_parent():
     # A comparison killed by SIGTERM or SIGKILL must not leave its workers training on.
