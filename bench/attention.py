@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 import os
 import platform as platform_lib
 import subprocess
@@ -69,17 +68,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/attention.py`
     sys.path.insert(0, str(ROOT))
 
+from bench._attention_child import child_main  # noqa: E402
+from bench._attention_report import (  # noqa: E402
+    MATMUL_SIZE,
+    MiB,
+    markdown,
+    plot,
+    row_memory,
+    targets,
+)
 from bench._report import write_report  # noqa: E402
 
 IMPLS = ("xla", "cudnn", "dense", "blockwise", "tiles", "torch")
-IMPL_LABELS = {
-    "xla": "jax.nn (xla)",
-    "cudnn": "jax.nn (cudnn)",
-    "dense": "attn dense",
-    "blockwise": "attn blockwise",
-    "tiles": "blockwise's matmuls alone",
-    "torch": "torch SDPA",
-}
 FORWARD_ONLY = {"tiles"}
 # What runs where by default: torch is the CPU peer (when importable), cuDNN's
 # fused kernel the GPU one; the tile-matmul floor is about XLA:CPU's loops.
@@ -92,7 +92,6 @@ MASKS = ("causal", "full")
 LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_LENGTHS = (1024, 2048)
 BACKWARD_FLOPS = 2.5  # the backward pass does 5 matmuls to the forward pass's 2
-SINGLE_RUN_SECONDS = 3.0  # a run this long is timed once
 ROUND_SECONDS = 3.0  # runs up to this long are measured again in later rounds
 # Peak memory of the materializing implementations in [N,T,S] float32 arrays,
 # measured at T = 4K and 8K (scores, weights, and in the backward their
@@ -106,8 +105,6 @@ MATERIALIZED_ARRAYS = {
 # The configurations the CPU targets are about: measured whatever their
 # projected time (T = 65536 forward + backward takes minutes on 2 cores).
 ALWAYS_MEASURED = {("blockwise", "causal", "fwd+bwd", 65536)}
-MATMUL_SIZE = 4096
-MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -144,198 +141,6 @@ class Config:
             unknown = [v for v in values if v not in allowed]
             if unknown or (flag != "impls" and not values):
                 raise ValueError(f"--{flag}: expected names from {allowed}, got {list(values)}")
-
-
-# ----------------------------------------------------------------------------
-# Child processes: one measurement each.
-
-
-def child_main(spec: dict) -> dict:
-    """Runs one measurement in this (child) process and returns its result."""
-    if spec["platform"]:
-        os.environ["JAX_PLATFORMS"] = spec["platform"]
-    if spec.get("kind") == "scores":
-        from bench._scores import time_scores  # before an earlier checkout shadows `bench`
-
-        if spec.get("root"):  # an earlier checkout's attn (a before/after run)
-            sys.path.insert(0, spec["root"])
-        return time_scores(spec)
-    if spec["impl"] == "platform":  # which backend JAX picks; the parent never starts one
-        import jax
-
-        return {"platform": jax.default_backend()}
-    if spec["impl"] == "torch":
-        seconds = _time_torch(spec)
-    elif spec["impl"] == "matmul":
-        seconds = _time_matmul(spec)
-    else:
-        seconds = _time_jax(spec)
-    result = {"seconds": seconds, "peak_rss_bytes": _peak_rss_bytes()}
-    if spec["platform"] not in ("cpu", "") and spec["impl"] != "torch":
-        import jax
-
-        stats = jax.local_devices()[0].memory_stats() or {}
-        if "peak_bytes_in_use" in stats:
-            result["peak_device_bytes"] = stats["peak_bytes_in_use"]
-        if "bytes_limit" in stats:
-            result["device_bytes_limit"] = stats["bytes_limit"]
-    return result
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    import resource  # not Linux: ru_maxrss (KiB on Linux, bytes on macOS)
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _best_of(run, repeats: int) -> float:
-    times = []
-    while len(times) < repeats:
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-        if times[-1] > SINGLE_RUN_SECONDS:
-            break
-    return min(times)
-
-
-def _inputs(spec: dict):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    shape = (spec["batch"], spec["T"], spec["heads"], spec["head_dim"])
-    return [rng.standard_normal(shape, np.float32) for _ in range(4)]  # q, k, v, cotangent
-
-
-def _time_matmul(spec: dict) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    n = spec["T"]
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), spec["dtype"])
-    dot = jax.jit(jnp.dot).lower(a, a).compile()
-    jax.block_until_ready(dot(a, a))
-    return _best_of(lambda: jax.block_until_ready(dot(a, a)), spec["repeats"])
-
-
-def _time_jax(spec: dict) -> float:
-    import jax
-    import jax.numpy as jnp
-
-    import attn
-    from attn import masks
-    from attn.softmax.blockwise import blockwise_attention
-
-    causal = spec["mask"] == "causal"
-    if spec["impl"] == "tiles":
-        fn = _tile_matmuls(spec, causal)
-    elif spec["impl"] in ("xla", "cudnn"):
-
-        def fn(q, k, v):
-            return jax.nn.dot_product_attention(
-                q, k, v, is_causal=causal, implementation=spec["impl"]
-            )
-
-    else:
-        call = blockwise_attention if spec["impl"] == "blockwise" else attn.dot_product_attention
-        mask = masks.causal() if causal else masks.full()
-
-        def fn(q, k, v):
-            return call(q, k, v, mask=mask)
-
-    q, k, v, ct = (jnp.asarray(x, spec["dtype"]) for x in _inputs(spec))
-    if spec["mode"] == "fwd":
-        step, args = fn, (q, k, v)
-    else:
-
-        def step(q, k, v, ct):
-            return jax.grad(lambda q, k, v: (fn(q, k, v) * ct).sum(), argnums=(0, 1, 2))(q, k, v)
-
-        args = (q, k, v, ct)
-    compiled = jax.jit(step).lower(*args).compile()
-    run = lambda: jax.block_until_ready(compiled(*args))  # noqa: E731
-    start = time.perf_counter()
-    run()  # the first run warms up (allocations, threads); timed for long runs
-    first = time.perf_counter() - start
-    if first > SINGLE_RUN_SECONDS:
-        return first
-    return _best_of(run, spec["repeats"])
-
-
-def _tile_matmuls(spec: dict, causal: bool):
-    """The two matmuls of every tile blockwise's forward pass computes, and nothing else.
-
-    The same tile shapes (one kv head per tile at the default block sizes,
-    ``[X,Q,H] @ [X,H,J]`` then ``[X,Q,J] @ [X,J,E]`` with X = 1 kv head, Q query
-    rows and J key positions, the letters of ``attn/blockwise_tiles.py``), in the same kind of
-    loop, as many times as ``count_blocks`` says the kernel visits a block pair,
-    for each head: the time XLA's matmuls alone take on this schedule, a floor
-    for blockwise's forward pass without the softmax and the masks.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from attn import masks
-    from attn.softmax.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, count_blocks
-
-    B, T, N, H = spec["batch"], spec["T"], spec["heads"], spec["head_dim"]
-    bq, bk = min(DEFAULT_BLOCK_Q, T), min(DEFAULT_BLOCK_K, T)
-    if T % bq or T % bk or bq * bk > 2**19:
-        raise ValueError(f"T: a multiple of {bq} and {bk} with one head per tile, got {T}")
-    mask = masks.causal() if causal else masks.full()
-    counts = count_blocks(*(jnp.zeros((1, T, 1, H)),) * 3, mask=mask)  # block pairs, one head
-    n = (counts.full + counts.partial) * B * N
-
-    def fn(q, k, v):
-        q = q[0, :, 0].reshape(-1, 1, bq, H)
-        kT = k[0, :, 0].reshape(-1, 1, bk, H).swapaxes(-1, -2)
-        v = v[0, :, 0].reshape(-1, 1, bk, H)
-
-        def tile(t, acc):
-            s = jnp.einsum("XQH,XHJ->XQJ", q[t % q.shape[0]], kT[t % kT.shape[0]])
-            return acc + jnp.einsum("XQJ,XJE->XQE", s, v[t % v.shape[0]])
-
-        return jax.lax.fori_loop(0, n, tile, jnp.zeros((1, bq, H), q.dtype))
-
-    return fn
-
-
-def _time_torch(spec: dict) -> float:
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    # torch wants [B,N,T,H]; .contiguous() so the kernel sees its native layout.
-    q, k, v, ct = (
-        torch.from_numpy(x).to(getattr(torch, spec["dtype"])).transpose(1, 2).contiguous()
-        for x in _inputs(spec)
-    )
-    causal = spec["mask"] == "causal"
-    if spec["mode"] == "fwd":
-
-        def run():
-            with torch.no_grad():
-                sdpa(q, k, v, is_causal=causal)
-
-    else:
-        for x in (q, k, v):
-            x.requires_grad_(True)
-
-        def run():
-            for x in (q, k, v):
-                x.grad = None
-            (sdpa(q, k, v, is_causal=causal) * ct).sum().backward()
-
-    start = time.perf_counter()
-    run()
-    first = time.perf_counter() - start
-    if first > SINGLE_RUN_SECONDS:
-        return first
-    return _best_of(run, spec["repeats"])
 
 
 def measure(spec: dict, timeout: float) -> dict:
@@ -475,207 +280,9 @@ def _progress(row: dict, matmul_rate: float, cfg: Config) -> str:
         return f"{head} {row['status']}"
     fraction = useful_flops(cfg, row["T"], row["mask"], row["mode"]) / row["seconds"] / matmul_rate
     return (
-        f"{head} {row['seconds']:8.3f} s  {_memory(row) / MiB:7.0f} MB"
+        f"{head} {row['seconds']:8.3f} s  {row_memory(row) / MiB:7.0f} MB"
         f"  {100 * fraction:5.1f}% of matmul"
     )
-
-
-# ----------------------------------------------------------------------------
-# Reporting.
-
-
-def _memory_label(result: dict) -> str:
-    if result["platform"] == "cpu":
-        return "peak RSS of the child process"
-    return "peak device memory in use (torch: host RSS)"
-
-
-def _memory(row: dict) -> int:
-    """Peak device memory where the child reported it, else its peak RSS."""
-    return row.get("peak_device_bytes", row["peak_rss_bytes"])
-
-
-def _cell(row: dict | None) -> str:
-    if row is None:
-        return "-"
-    if row["status"] != "ok":
-        return "skipped" if row["status"].startswith("skipped") else "failed"
-    return (
-        f"{row['seconds']:.3f} s / {_memory(row) / MiB:.0f} MB / "
-        f"{100 * row['matmul_fraction']:.0f}%"
-    )
-
-
-def _lookup(rows, **key):
-    for row in rows:
-        if all(row[k] == v for k, v in key.items()):
-            return row
-    return None
-
-
-def _ratio(rows, a: str, b: str, **key) -> str:
-    ra, rb = _lookup(rows, impl=a, **key), _lookup(rows, impl=b, **key)
-    if not ra or not rb or ra["status"] != "ok" or rb["status"] != "ok":
-        return "-"
-    return f"{ra['seconds'] / rb['seconds']:.2f}"
-
-
-def targets(result: dict) -> list[dict]:
-    """The CPU targets (causal, f32, B=1, N=8, H=64), checked on this run."""
-    rows = result["rows"]
-
-    def get(impl, mode, T, key="seconds"):
-        row = _lookup(rows, impl=impl, mask="causal", mode=mode, T=T)
-        return row[key] if row and row["status"] == "ok" else None
-
-    def quotient(a, b):
-        return None if a is None or b is None else a / b
-
-    rss = get("blockwise", "fwd+bwd", 65536, "peak_rss_bytes")
-    checks = [
-        ("T=8192 fwd: blockwise / torch SDPA time", "<=", 1.0,
-         quotient(get("blockwise", "fwd", 8192), get("torch", "fwd", 8192))),
-        ("T=8192 fwd: jax.nn (xla) / blockwise time", ">=", 8.0,
-         quotient(get("xla", "fwd", 8192), get("blockwise", "fwd", 8192))),
-        ("T=8192 fwd: blockwise useful FLOP/s / matmul rate", ">=", 0.5,
-         get("blockwise", "fwd", 8192, "matmul_fraction")),
-        ("T=65536 fwd+bwd: blockwise peak RSS (GB)", "<", 3.0, quotient(rss, 1e9)),
-        ("T=8192: blockwise fwd+bwd / fwd time", "<=", 3.5,
-         quotient(get("blockwise", "fwd+bwd", 8192), get("blockwise", "fwd", 8192))),
-    ]  # fmt: skip
-    compare = {"<=": operator.le, ">=": operator.ge, "<": operator.lt}
-    return [
-        dict(target=name, value=value, wanted=f"{op} {bound:g}",
-             met=None if value is None else compare[op](value, bound))
-        for name, op, bound, value in checks
-    ]  # fmt: skip
-
-
-def markdown(result: dict) -> str:
-    cfg, env, rows = result["config"], result["env"], result["rows"]
-    impls = [i for i in cfg["impls"] if any(r["impl"] == i for r in rows)]
-    n = cfg.get("matmul_size", MATMUL_SIZE)
-    lines = [
-        f"# Softmax attention on {result['platform']} ({env['cpu_count']} CPU cores)",
-        "",
-        f"B={cfg['batch']}, N={cfg['heads']}, H={cfg['head_dim']}, {cfg['dtype']}. Each cell: "
-        f"best time / {_memory_label(result)} / useful FLOP/s as a fraction of the matmul "
-        "rate. Useful FLOPs: 4 T^2 N H for a full forward pass, half for causal, x3.5 "
-        "for forward + backward. Short runs: best of "
-        f"{cfg['rounds']} interleaved rounds.",
-        "",
-        f"{cfg['dtype']} matmul rate (jnp.dot {n}x{n}, best of 5): "
-        f"**{result['matmul_gflops']:.0f} GFLOP/s**. Load average at start / end: "
-        f"{env['load_average_at_start'][0]:.2f} / {env['load_average_at_end'][0]:.2f} "
-        f"(niceness {env['nice']}; other processes on a shared machine slow some runs).",
-        "",
-    ]
-    head = ["mask", "pass", "T", *(IMPL_LABELS[i] for i in impls)]
-    with_torch = "torch" in impls and "blockwise" in impls
-    if with_torch:
-        head.append("blockwise / torch")
-    if "xla" in impls and "blockwise" in impls:
-        head.append("xla / blockwise")
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
-    keys = sorted(
-        {(r["mask"], r["mode"], r["T"]) for r in rows},
-        key=lambda k: (cfg["masks"].index(k[0]), cfg["modes"].index(k[1]), k[2]),
-    )
-    for mask, mode, T in keys:
-        cells = [mask, mode, str(T)]
-        cells += [_cell(_lookup(rows, impl=i, mask=mask, mode=mode, T=T)) for i in impls]
-        if with_torch:
-            cells.append(_ratio(rows, "blockwise", "torch", mask=mask, mode=mode, T=T))
-        if "xla" in impls and "blockwise" in impls:
-            cells.append(_ratio(rows, "xla", "blockwise", mask=mask, mode=mode, T=T))
-        lines.append("| " + " | ".join(cells) + " |")
-    skipped = [r for r in rows if r["status"] != "ok"]
-    if skipped:
-        lines += ["", "Not measured:", ""]
-        lines += [
-            f"- {r['impl']} {r['mask']} {r['mode']} T={r['T']}: {r['status']}" for r in skipped
-        ]
-    if result["targets"]:
-        lines += [
-            "",
-            "Targets (causal):",
-            "",
-            "| target | value | wanted | met |",
-            "|---|---:|---|---|",
-        ]
-    for t in result["targets"]:
-        value = "-" if t["value"] is None else f"{t['value']:.2f}"
-        lines.append(f"| {t['target']} | {value} | {t['wanted']} | {t['met']} |")
-    key = dict(mask="causal", mode="fwd", T=8192)
-    floor, torch = _lookup(rows, impl="tiles", **key), _lookup(rows, impl="torch", **key)
-    if floor and torch and floor["status"] == torch["status"] == "ok":
-        lines += [
-            "",
-            f"At T=8192, causal, blockwise's tile matmuls alone take {floor['seconds']:.3f} s: "
-            f"{floor['seconds'] / torch['seconds']:.2f}x torch SDPA's whole forward pass "
-            f"({torch['seconds']:.3f} s).",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows, cfg = result["rows"], result["config"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 6))
-    colors = dict(
-        zip(
-            IMPLS,
-            ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:gray", "tab:green"),
-            strict=True,
-        )
-    )
-    styles = {
-        ("causal", "fwd"): "-",
-        ("causal", "fwd+bwd"): "--",
-        ("full", "fwd"): ":",
-        ("full", "fwd+bwd"): "-.",
-    }
-    for impl in cfg["impls"]:
-        for mask in cfg["masks"]:
-            for mode in cfg["modes"]:
-                pts = sorted(
-                    (r["T"], r["seconds"], _memory(r) / MiB)
-                    for r in rows
-                    if (r["impl"], r["mask"], r["mode"]) == (impl, mask, mode)
-                    and r["status"] == "ok"
-                )
-                if not pts:
-                    continue
-                Ts, secs, mem = zip(*pts, strict=True)
-                kw = dict(
-                    color=colors[impl],
-                    linestyle=styles.get((mask, mode), "-"),
-                    marker="o",
-                    markersize=3,
-                    label=f"{IMPL_LABELS[impl]}, {mask} {mode}",
-                )
-                axes[0].plot(Ts, secs, **kw)
-                axes[1].plot(Ts, mem, **kw)
-    axes[0].set(ylabel="time (s)", title="Time vs sequence length")
-    axes[1].set(ylabel=f"{_memory_label(result)} (MB)", title="Peak memory vs sequence length")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("T = S (tokens)")
-        ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(
-        f"Softmax attention, {result['platform']}, B={cfg['batch']} N={cfg['heads']} "
-        f"H={cfg['head_dim']} {cfg['dtype']} (matmul rate {result['matmul_gflops']:.0f} GFLOP/s)"
-    )
-    fig.tight_layout(rect=(0, 0.16, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def main(cfg: Config) -> dict:

@@ -1,0 +1,345 @@
+"""The recall frontier's grid: its families, scales and runs, and the dry run that counts them.
+
+``FAMILIES`` (each family's knob and the model each knob value gives),
+``SCALES`` (the grids), ``Run`` and ``train_config`` (one training run and its
+config), ``sizes`` (a point's parameters and decode state) and ``dry_run``
+(every config and model built and counted, FLOPs too, nothing trained).
+``analysis.experiments.recall_frontier`` says what the experiment measures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attn.checks import fail
+from models import ModelConfig, pattern, presets
+
+# recall_frontier's NAME, defined here (below it) because the training's progress
+# bar names the experiment too.
+NAME = "recall_frontier"
+HEAD_DIM = 16  # of the softmax and hybrid families, whose knob is the width
+
+
+@dataclass(frozen=True)
+class Family:
+    """A family of the frontier: a label, its knob and the model each knob value gives.
+
+    Attributes:
+      label: the legend's name.
+      knob: what the sweep changes, in words (the table's column).
+      model: ``knob value -> ModelConfig`` (2 layers; vocabulary set by the task).
+    """
+
+    label: str
+    knob: str
+    model: Callable[[int], ModelConfig]
+
+
+def _model(width: int, names: tuple[str, ...], **sizes) -> ModelConfig:
+    """A decoder of ``width`` with layers ``names`` (``models.presets`` at ``sizes``).
+
+    The MLP is a quarter of the width (recall lives in the mixers; the main
+    job's width-64 models use 16).
+    """
+    sizes = {"num_heads": max(width // HEAD_DIM, 1), "head_dim": HEAD_DIM, **sizes}
+    layers = pattern(names, presets(**sizes))
+    return ModelConfig(width=width, mlp_width=max(width // 4, 8), layers=layers)
+
+
+def _heads_of(width: int, names: tuple[str, ...]) -> Callable[[int], ModelConfig]:
+    """``head dim -> model`` at a fixed width: width / H heads of dim H."""
+    return lambda h: _model(width, names, num_heads=width // h, head_dim=h)
+
+
+def _gated_deltanet(h: int) -> ModelConfig:
+    """Gated DeltaNet of width 64 in heads of dim ``h``, in its fastest form at that dim.
+
+    The forms compute the same function; what differs is the cost of a training
+    step. The chunkwise form's triangular inverse costs C^2 per token and head
+    against the recurrence's H x H, so chunks of 16 (not the default 64) suit
+    these head dims, and at H = 8 the scan over tokens is faster still (the
+    step times: ``docs/results/README.md``, trials behind defaults).
+    """
+    model = _heads_of(64, ("gated_deltanet",) * 2)(h)
+    form = "recurrent" if h <= 8 else "chunkwise"
+    layers = tuple(dataclasses.replace(c, form=form, chunk_size=16) for c in model.layers)
+    return dataclasses.replace(model, layers=layers)
+
+
+FAMILIES: dict[str, Family] = {
+    "mha": Family("softmax MHA", "width", lambda d: _model(d, ("mha_conv",) * 2)),
+    "gqa": Family(
+        "softmax GQA (8 heads of 8)",
+        "kv heads",
+        lambda k: _model(64, ("gqa_conv",) * 2, num_heads=8, head_dim=8, gqa_kv_heads=k),
+    ),
+    "mla": Family(
+        "MLA",
+        "latent rank",
+        lambda r: _model(64, ("mla_conv",) * 2, kv_rank=r, q_rank=None, rope_head_dim=4),
+    ),
+    "window": Family(
+        "sliding window", "window", lambda w: _model(64, ("window_conv",) * 2, window=w)
+    ),
+    "linear": Family("linear (elu+1)", "head dim", _heads_of(64, ("linear_conv",) * 2)),
+    "gla": Family("gated linear", "head dim", _heads_of(64, ("linear_gated_conv",) * 2)),
+    "based": Family(
+        "Based (Taylor)",
+        "feature dim",
+        lambda f: _model(64, ("based",) * 2, based_head_dim=f),
+    ),
+    "gated_deltanet": Family("Gated DeltaNet", "head dim", lambda h: _gated_deltanet(h)),
+    # Mamba-2 at width 64 (4 heads of 16), its own convolution over x, B and C: the knob is
+    # the SSD state dim H, so a layer's state is heads x head dim x H.
+    "mamba2": Family("Mamba-2", "state dim", lambda h: _model(64, ("mamba2",) * 2, state_dim=h)),
+    "hybrid": Family(
+        "hybrid (softmax, then linear)", "width", lambda d: _model(d, ("mha_conv", "linear_conv"))
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    """A grid of the experiment.
+
+    Attributes:
+      name: ``cpu``, ``zoology`` or ``quick``.
+      settings: the MQAR (T, pairs) settings, one panel each.
+      steps: the update cap of each setting's runs.
+      knobs: ``(family, knob values)`` pairs: the families and their sweeps.
+      vocab_size: V of the task.
+      lrs: the learning-rate sweep; each point reports its best.
+      seeds: every (point, lr) trains once per seed.
+      batch_size: examples per update.
+      eval_every: updates between test evaluations (the early stop is checked there).
+      eval_batches: test batches of ``batch_size`` per evaluation.
+      target: stop a run once its test accuracy reaches this.
+      min_pairs: training examples hold ``min_pairs`` to ``pairs`` pairs.
+    """
+
+    name: str
+    settings: tuple[tuple[int, int], ...]
+    steps: tuple[int, ...]
+    knobs: tuple[tuple[str, tuple[int, ...]], ...]
+    vocab_size: int
+    lrs: tuple[float, ...]
+    seeds: tuple[int, ...] = (0,)
+    batch_size: int = 64
+    eval_every: int = 50
+    eval_batches: int = 4
+    target: float = 0.99
+    min_pairs: int | None = 1
+
+    def __post_init__(self):
+        if len(self.steps) != len(self.settings):
+            fail("steps", f"one cap per setting ({len(self.settings)})", repr(self.steps))
+        unknown = [f for f, _ in self.knobs if f not in FAMILIES]
+        if unknown:
+            fail("knobs", f"families from {sorted(FAMILIES)}", repr(unknown))
+
+    def families(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.knobs)
+
+    def only(self, names) -> Scale:
+        """This grid restricted to the families ``names``."""
+        unknown = [n for n in names if n not in self.families()]
+        if unknown or not names:
+            fail("only", f"family names from {sorted(self.families())}", repr(list(names)))
+        return dataclasses.replace(self, knobs=tuple(k for k in self.knobs if k[0] in names))
+
+
+SCALES: dict[str, Scale] = {
+    "cpu": Scale(
+        name="cpu",
+        settings=((64, 4), (128, 8)),
+        steps=(500, 350),
+        knobs=(
+            ("mha", (16, 32, 48, 64)),
+            ("gqa", (1, 2, 4, 8)),
+            ("mla", (4, 8, 16, 32)),
+            ("window", (4, 8, 16, 32)),
+            ("linear", (8, 16, 32, 64)),
+            ("gla", (8, 16, 32, 64)),
+            ("based", (4, 8, 12, 16)),
+            ("gated_deltanet", (8, 16, 32, 64)),
+            ("hybrid", (16, 32, 48, 64)),
+            ("mamba2", (8, 16, 32, 64)),
+        ),
+        vocab_size=64,
+        lrs=(1e-2,),
+        batch_size=32,
+    ),
+    "zoology": Scale(
+        name="zoology",
+        settings=((64, 4), (128, 8), (256, 16), (512, 64)),
+        steps=(12_500, 2_500, 2_500, 2_500),
+        knobs=(
+            ("mha", (64, 128, 256, 512)),
+            ("gqa", (1, 2, 4, 8)),
+            ("mla", (8, 16, 32, 64)),
+            ("window", (8, 32, 128, 512)),
+            ("linear", (8, 16, 32, 64)),
+            ("gla", (8, 16, 32, 64)),
+            ("based", (8, 16, 24, 32)),
+            ("gated_deltanet", (8, 16, 32, 64)),
+            ("hybrid", (64, 128, 256, 512)),
+            ("mamba2", (16, 32, 64, 128)),
+        ),
+        vocab_size=8192,
+        lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)),
+        batch_size=256,
+        eval_every=250,
+        eval_batches=4,
+        min_pairs=None,
+    ),
+    "quick": Scale(
+        name="quick",
+        settings=((16, 2),),
+        steps=(6,),
+        knobs=(("mha", (16,)), ("linear", (16,))),
+        vocab_size=32,
+        lrs=(3e-3,),
+        batch_size=8,
+        eval_every=3,
+        eval_batches=1,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: a point (setting, family, knob) at a learning rate and seed."""
+
+    setting: tuple[int, int]
+    family: str
+    knob: int
+    lr: float
+    seed: int
+
+    @property
+    def point(self) -> tuple[tuple[int, int], str, int]:
+        return self.setting, self.family, self.knob
+
+    @property
+    def name(self) -> str:
+        T, pairs = self.setting
+        return f"T{T}-pairs{pairs}/{self.family}-{self.knob}/lr{self.lr:.1e}-seed{self.seed}"
+
+
+def setting_key(setting) -> str:
+    T, pairs = setting
+    return f"T={T}, {pairs} pairs"
+
+
+def train_config(scale: Scale, run: Run):
+    """The ``TrainConfig`` of one run."""
+    from train.config import OptimConfig, TrainConfig
+    from train.tasks import TaskConfig
+
+    T, pairs = run.setting
+    steps = scale.steps[scale.settings.index(run.setting)]
+    min_pairs = None if scale.min_pairs is None else min(scale.min_pairs, pairs)
+    return TrainConfig(
+        task=TaskConfig(
+            name="mqar", seq_len=T, vocab_size=scale.vocab_size, num_pairs=pairs,
+            min_pairs=min_pairs,
+        ),
+        model=FAMILIES[run.family].model(run.knob),
+        optim=OptimConfig(lr=run.lr, warmup_fraction=0.02),
+        steps=steps,
+        batch_size=scale.batch_size,
+        eval_every=scale.eval_every,
+        eval_batches=scale.eval_batches,
+        ckpt_every=max(scale.eval_every, 200),
+        log_every=scale.eval_every,
+        target_accuracy=scale.target,
+        seed=run.seed,
+    ).with_task_vocab()  # fmt: skip
+
+
+def runs(scale: Scale) -> list[Run]:
+    """Every run of the grid, learning rate first: the first wave compiles each point's
+    programs and the later ones (other rates and seeds) find them in the cache."""
+    return [
+        Run(setting, family, knob, lr, seed)
+        for lr in scale.lrs
+        for seed in scale.seeds
+        for setting in scale.settings
+        for family, knobs in scale.knobs
+        for knob in knobs
+    ]
+
+
+def sizes(scale: Scale, point) -> dict[str, int]:
+    """``dict(params, state_elements, state_bytes)`` of a point, from shapes only."""
+    from train.variants import param_count, state_bytes
+
+    setting, family, knob = point
+    config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
+    nbytes = state_bytes(config.model, setting[0])
+    itemsize = np.dtype(config.model.dtype).itemsize
+    return {
+        "params": param_count(config.model),
+        "state_elements": nbytes // itemsize,
+        "state_bytes": nbytes,
+    }
+
+
+# ----------------------------------------------------------------------------
+# Dry run: configs, models, parameters, state (and FLOPs) without training
+
+
+def step_flops(scale: Scale, point) -> float:
+    """XLA's FLOP count of one update's forward + backward at ``point`` (shapes only)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import train.steps
+
+    setting, family, knob = point
+    config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
+    model = nnx.eval_shape(lambda: train.steps.build_model(config, config.model.vocab_size))
+    graphdef, params = nnx.split(model)
+    B, T = scale.batch_size, setting[0]
+    batch = {
+        "tokens": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "labels": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "weights": jax.ShapeDtypeStruct((B, T), jnp.float32),
+    }
+
+    def loss(params, batch):
+        logits = nnx.merge(graphdef, params)(batch["tokens"])
+        return train.steps.weighted_metrics(logits, batch)[0]
+
+    return float(jax.jit(jax.grad(loss)).lower(params, batch).cost_analysis()["flops"])
+
+
+def dry_run(scale: Scale, *, flops: bool = False) -> dict[str, Any]:
+    """Every run's config and every point's model, counted; nothing trained."""
+    grid = runs(scale)
+    for r in grid:
+        train_config(scale, r)  # every run's config builds (and checks itself)
+    rows = []
+    for point in dict.fromkeys(r.point for r in grid):
+        row = {
+            "setting": list(point[0]),
+            "family": point[1],
+            "knob": point[2],
+            **sizes(scale, point),
+        }
+        if flops:
+            steps = scale.steps[scale.settings.index(point[0])]
+            row["flops_per_step"] = step_flops(scale, point)
+            row["flops_per_run"] = row["flops_per_step"] * steps
+        rows.append(row)
+    total = None
+    if flops:
+        per_point_runs = len(scale.lrs) * len(scale.seeds)
+        total = sum(r["flops_per_run"] for r in rows) * per_point_runs
+    return {"scale": scale.name, "runs": len(grid), "points": rows, "total_flops": total}
