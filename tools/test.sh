@@ -11,6 +11,12 @@ cd "$(dirname "$0")/.."
 tiers=("$@")
 [ ${#tiers[@]} -eq 0 ] && tiers=(fast devices integration)
 workers="${TEST_WORKERS:-2}"
+# One persistent compilation cache for every tier (tests/conftest.py), removed at the end.
+if [ -z "${JAX_COMPILATION_CACHE_DIR:-}" ]; then
+  JAX_COMPILATION_CACHE_DIR=$(mktemp -d -t attnlab_xla_cache_XXXX)
+  export JAX_COMPILATION_CACHE_DIR
+  trap 'rm -rf "$JAX_COMPILATION_CACHE_DIR"' EXIT
+fi
 status=0
 for tier in "${tiers[@]}"; do
   case "$tier" in

@@ -67,6 +67,30 @@ class KernelInts(NamedTuple):
     keep: jax.Array | None = None  # the boolean mask array as int8 in pair_layout
 
 
+def flash_call(config: FlashConfig, kernel, name: str, grid, in_specs, out_specs, out_shape):
+    """``pl.pallas_call`` of one of the kernels with the config's interpret mode and
+    compiler parameters."""
+    return pl.pallas_call(
+        functools.partial(kernel, config),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=config.interpret,
+        compiler_params=compiler_params(config),
+        name=name,
+    )
+
+
+def row_inputs(config: FlashConfig, ints: KernelInts, q_rows, kv_rows) -> tuple[list, list]:
+    """``(in_specs, arrays)`` of the kernels' per-row inputs, in the order they read them:
+    the positions, then the segment ids if the call has them."""
+    specs, arrays = [q_rows, kv_rows], [ints.q_pos, ints.kv_pos]
+    if config.call.has_segments:
+        specs, arrays = [*specs, q_rows, kv_rows], [*arrays, ints.q_seg, ints.kv_seg]
+    return specs, arrays
+
+
 # jax.export's platform names, and jax.default_backend()'s, to the kernels' platforms.
 PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 

@@ -41,7 +41,7 @@ from attn.pallas.common import (
     PLATFORMS,
     FlashConfig,
     KernelInts,
-    compiler_params,
+    flash_call,
     head_view,
     logits,
     masked_unless_full,
@@ -51,6 +51,7 @@ from attn.pallas.common import (
     pair_by_query,
     pair_layout,
     pair_rows,
+    row_inputs,
     score_leaves,
     take_pairs,
     take_views,
@@ -240,6 +241,7 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, bias, ints: KernelInt
     one = pl.BlockSpec((None, 1), lambda b, n, i: (i, 0))
     q_rows = pl.BlockSpec((None, bq), lambda b, n, i: (b, i))
     kv_rows = pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0))
+    row_specs, rows = row_inputs(config, ints, q_rows, kv_rows)
     in_specs = [
         per_block,
         per_block,
@@ -247,13 +249,9 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, bias, ints: KernelInt
         pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0)),
         pl.BlockSpec((None, Sp, None, H), lambda b, n, i: (b, 0, n // G, 0)),
         pl.BlockSpec((None, Sp, None, E), lambda b, n, i: (b, 0, n // G, 0)),
-        q_rows,
-        kv_rows,
+        *row_specs,
     ]
-    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, ints.q_pos, ints.kv_pos]
-    if config.call.has_segments:
-        in_specs += [q_rows, kv_rows]
-        args += [ints.q_seg, ints.kv_seg]
+    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, *rows]
     specs, leaves = mod_specs(
         mod,
         head=(None, lambda b, n, i: n),
@@ -265,22 +263,17 @@ def forward(config: FlashConfig, q, k, v, sink, mod: dict, bias, ints: KernelInt
     pair_args = [x for x in (bias, ints.keep) if x is not None]
     in_specs += [pair_by_query(config, x) for x in pair_args]
     args += pair_args
-    return pl.pallas_call(
-        functools.partial(_forward_kernel, config),
-        grid=(B, N, nq),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, bq, None, E), lambda b, n, i: (b, i, n, 0)),
-            pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Tp, N, E), q.dtype),
-            jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
-        ],
-        interpret=config.interpret,
-        compiler_params=compiler_params(config),
-        name="attn_flash_forward",
-    )(*args)
+    out_specs = [
+        pl.BlockSpec((None, bq, None, E), lambda b, n, i: (b, i, n, 0)),
+        pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, Tp, N, E), q.dtype),
+        jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
+    ]
+    call = flash_call(config, _forward_kernel, "attn_flash_forward", (B, N, nq), in_specs,
+                      out_specs, out_shape)  # fmt: skip
+    return call(*args)
 
 
 def _forward_kernel(config: FlashConfig, key_ref, kind_ref, count_ref, q_ref, k_ref, v_ref,

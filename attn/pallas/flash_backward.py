@@ -21,8 +21,6 @@ which owns key columns, those of the k leaves.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -31,7 +29,7 @@ from jax.experimental import pallas as pl
 from attn.pallas.common import (
     FlashConfig,
     KernelInts,
-    compiler_params,
+    flash_call,
     head_view,
     logits,
     masked_unless_full,
@@ -42,6 +40,7 @@ from attn.pallas.common import (
     pair_by_query,
     pair_columns,
     pair_rows,
+    row_inputs,
     store_head,
     take_pairs,
     take_views,
@@ -89,6 +88,7 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kernel
     q_rows = pl.BlockSpec((None, bq), lambda b, n, i: (b, i))
     kv_rows = pl.BlockSpec((None, Sp), lambda b, n, i: (b, 0))
     row_stats = pl.BlockSpec((None, None, bq), lambda b, n, i: (b, n, i))
+    row_specs, rows = row_inputs(config, ints, q_rows, kv_rows)
     in_specs = [
         per_block,
         per_block,
@@ -99,14 +99,9 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kernel
         pl.BlockSpec((None, bq, None, E), lambda b, n, i: (b, i, n, 0)),
         row_stats,
         row_stats,
-        q_rows,
-        kv_rows,
+        *row_specs,
     ]
-    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta]
-    args += [ints.q_pos, ints.kv_pos]
-    if config.call.has_segments:
-        in_specs += [q_rows, kv_rows]
-        args += [ints.q_seg, ints.kv_seg]
+    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta, *rows]
     q_block = ((None, None, bq), lambda b, n, i: (b, n, i))
     k_block = ((None, None, Sp), lambda b, n, i: (b, n, 0))
     specs, leaves = mod_specs(mod, head=(None, lambda b, n, i: n), q=q_block, k=k_block)
@@ -126,16 +121,9 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kernel
     if bias is not None:  # every (b, n, i) writes its own rows: summed over broadcasts outside
         out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda b, n, i: (b, n, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, N, q.shape[1], Sp), jnp.float32))
-    dq, *rest = pl.pallas_call(
-        functools.partial(_dq_kernel, config),
-        grid=(B, N, nq),
-        in_specs=in_specs + specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=config.interpret,
-        compiler_params=compiler_params(config),
-        name="attn_flash_dq",
-    )(*args, *leaves, *pair_args)
+    call = flash_call(config, _dq_kernel, "attn_flash_dq", (B, N, nq), in_specs + specs,
+                      out_specs, out_shape)  # fmt: skip
+    dq, *rest = call(*args, *leaves, *pair_args)
     dbias = rest.pop() if bias is not None else None
     n_head = len(mod["head"])
     return dq, rest[:n_head], rest[n_head:], dbias
@@ -222,6 +210,7 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kern
     q_rows = pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0))
     kv_rows = pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
     row_stats = pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))
+    row_specs, rows = row_inputs(config, ints, q_rows, kv_rows)
     in_specs = [
         per_block,
         per_block,
@@ -232,14 +221,9 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kern
         pl.BlockSpec((None, Tp, G, E), lambda b, h, j: (b, 0, h, 0)),
         row_stats,
         row_stats,
-        q_rows,
-        kv_rows,
+        *row_specs,
     ]
-    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta]
-    args += [ints.q_pos, ints.kv_pos]
-    if config.call.has_segments:
-        in_specs += [q_rows, kv_rows]
-        args += [ints.q_seg, ints.kv_seg]
+    args = [sched.key_tile, sched.kind, sched.count[:, None], q, k, v, d_out, lse, delta, *rows]
     # The modifier's leaves for the G query heads of kv head h.
     k_block = ((None, G, bk), lambda b, h, j: (b, h, j))
     specs, leaves = mod_specs(
@@ -254,16 +238,9 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kern
     out_shape += [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in mod["k"]]
     pair_args = [x for x in (bias, ints.keep) if x is not None]
     specs += [pair_by_key(config, x) for x in pair_args]
-    dk, dv, *d_k = pl.pallas_call(
-        functools.partial(_dkdv_kernel, config),
-        grid=(B, K, nk),
-        in_specs=in_specs + specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        interpret=config.interpret,
-        compiler_params=compiler_params(config),
-        name="attn_flash_dkdv",
-    )(*args, *leaves, *pair_args)
+    call = flash_call(config, _dkdv_kernel, "attn_flash_dkdv", (B, K, nk), in_specs + specs,
+                      out_specs, out_shape)  # fmt: skip
+    dk, dv, *d_k = call(*args, *leaves, *pair_args)
     return dk, dv, d_k
 
 

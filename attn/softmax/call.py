@@ -171,7 +171,7 @@ class Call:
     mask: Mask = dataclasses.field(metadata=dict(static=True))
     scale: float = dataclasses.field(metadata=dict(static=True))
     softcap: float | None = dataclasses.field(metadata=dict(static=True))
-    score: scores.ScoreMod | None  # softcap= first, then score_mod=
+    score_mod: scores.ScoreMod | None  # as given (checked)
     sink_logits: jax.Array | None  # [K, G] float32
     q_segment_ids: jax.Array | None  # [B, T] int32
     kv_segment_ids: jax.Array | None  # [B, S] int32
@@ -179,6 +179,13 @@ class Call:
     keep: jax.Array | None  # [B|1, N|1, T|1, S|1] bool
     positions: tuple  # q [B, T] and kv [B, S] int32 positions, each None where defaulted
     given: tuple  # q_positions, kv_positions, q_segment_ids, kv_segment_ids as passed
+
+    @property
+    def score(self) -> scores.ScoreMod | None:
+        """What the logits go through: the soft-cap first, then ``score_mod`` (None if
+        neither)."""
+        cap = None if self.softcap is None else scores.Softcap(self.softcap)
+        return scores.compose(cap, self.score_mod)
 
     @property
     def q_positions(self) -> jax.Array:
@@ -341,7 +348,7 @@ def check_call(q, k, v, **call_args: Unpack[CallArgs]) -> Call:
         mask=mask,
         scale=scale,
         softcap=softcap,
-        score=scores.compose(None if softcap is None else scores.softcap(softcap), score_mod),
+        score_mod=score_mod,
         sink_logits=sink_logits,
         q_segment_ids=checks.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
         kv_segment_ids=checks.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),

@@ -193,12 +193,12 @@ def unsplit(x, T: int):
 def _with_padded_q_leaves(c: Call, pad: int) -> Call:
     """The call with its modifier's query leaves padded by ``pad`` queries (chunks read them
     by offset)."""
-    structure, leaves = scores.split(c.score)
+    structure, leaves = scores.split(c.score_mod)  # the soft-cap has no leaves
     if structure is None or pad == 0:
         return c
     groups = structure.by_role(leaves)
     groups["q"] = [jnp.pad(x, [(0, 0), (0, pad), (0, 0)]) for x in groups["q"]]
-    return dataclasses.replace(c, score=structure.rebuild(structure.merge(groups)))
+    return dataclasses.replace(c, score_mod=structure.rebuild(structure.merge(groups)))
 
 
 def jit_static(*names):

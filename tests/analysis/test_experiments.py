@@ -10,15 +10,11 @@ initialization once per checkpoint it loads: a persistent compilation cache
 makes every load after the first a cache hit.
 """
 
-import atexit
 import dataclasses
 import json
 import runpy
-import shutil
 import sys
-import tempfile
 
-import jax
 import numpy as np
 import pytest
 
@@ -37,12 +33,6 @@ from analysis.experiments import (
     windows_global,
 )
 from train.cli import load_config
-
-if not jax.config.jax_compilation_cache_dir:
-    _CACHE_DIR = tempfile.mkdtemp(prefix="attnlab_xla_cache_")
-    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
-    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 MODULES = {
     "induction_heads": induction_heads,
