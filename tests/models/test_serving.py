@@ -60,10 +60,12 @@ def _check_against_forward(model, prompts, out, logits):
         np.testing.assert_array_equal(out[r], np.argmax(want, axis=-1))  # greedy
 
 
+@pytest.mark.integration
 def test_serving_every_layer_kind_on_pages_equals_forward_passes():
     """Nine requests through three rows, over 100 steps, in a pool of 20 pages of 4 (a row
     may need 15), so requests also wait for pages. (Contiguous caches under the same
-    schedule: the smaller tests below, whose rows also join and leave.)"""
+    schedule: the smaller tests below, whose rows also join and leave.) End to end on a
+    model of all 13 kinds (150 programs, ~20 s): in the integration tier."""
     model = model_for(EVERY_KIND)
     prompts = _requests()
     steps = -(-(sum(NEW)) // BATCH)
