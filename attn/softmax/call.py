@@ -341,14 +341,13 @@ def check_call(q, k, v, **call_args: Unpack[CallArgs]) -> Call:
         if sink_logits.shape != (d.N,):
             fail("sink_logits", f"shape ({d.N},), one logit per query head", sink_logits.shape)
         sink_logits = sink_logits.astype(jnp.float32).reshape(d.K, d.G)
-    score_mod = scores.check_score_mod(a["score_mod"], d)
     bias = None if a["bias"] is None else check_pair(a["bias"], "bias", d, boolean=False)
     return Call(
         dims=d,
         mask=mask,
         scale=scale,
         softcap=softcap,
-        score_mod=score_mod,
+        score_mod=scores.check_score_mod(a["score_mod"], d),
         sink_logits=sink_logits,
         q_segment_ids=checks.segment_ids(q_segment_ids, "q_segment_ids", d.B, d.T),
         kv_segment_ids=checks.segment_ids(kv_segment_ids, "kv_segment_ids", d.B, d.S),
