@@ -67,7 +67,7 @@ def scratch():
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     """After each test file: its programs are rarely another file's (those that are come
-    back from the compilation cache of tests/train/conftest.py)."""
+    back from the persistent compilation cache)."""
     yield
     jax.clear_caches()
 
