@@ -11,7 +11,8 @@
 # resolves the newest versions except the releases held back in
 # requirements/holds.txt, and only rewrites the file after the whole suite
 # passed with exactly those versions.
-# Extra arguments after the flag go to pytest (e.g. `-- -x tests/attn`).
+# Extra arguments after the flag go to every tier's pytest (e.g. `-- -x`); all three
+# tiers run (tools/test.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,9 +42,9 @@ freeze=$(mktemp)
 echo "== versions that differ from requirements/constraints.txt:"
 diff <(grep -v '^#' requirements/constraints.txt | sort -f) <(grep -v '^#' "$freeze") || true
 
-echo "== python -m pytest -n 2 -q $*"
+echo "== tools/test.sh (pytest flags: $*)"
 status=0
-python -m pytest -n 2 -q "$@" || status=$?
+PYTEST_ARGS="$*" tools/test.sh || status=$?
 if [[ $status -eq 0 && $update -eq 1 ]]; then
   cp "$freeze" requirements/constraints.txt
   echo "== requirements/constraints.txt updated"
