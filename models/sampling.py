@@ -88,7 +88,10 @@ def sampling(temperature, top_k, top_p, min_p, key, eos_id, V: int) -> Sampling:
 def sample(logits, keys, options: Sampling):
     """Tokens ``[B]`` int32 from float32 logits ``[B,V]``, row b drawn with ``keys[b]``."""
     greedy = jnp.argmax(logits, axis=-1)
-    probs = jax.nn.softmax(logits / jnp.where(options.temperature > 0, options.temperature, 1.0))
+    # The row's max comes off before the temperature divides: a tiny temperature then sends
+    # the other logits to -inf, never to inf - inf (NaN probabilities, whose draw is token 0).
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    probs = jax.nn.softmax(shifted / jnp.where(options.temperature > 0, options.temperature, 1.0))
     V = logits.shape[-1]
     ranked = jnp.sort(probs, axis=-1)[:, ::-1]  # descending
     kth = jnp.take(ranked, options.top_k - 1, axis=-1)  # traced k: no lax.top_k

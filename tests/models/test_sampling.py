@@ -63,6 +63,17 @@ def test_each_filter_leaves_the_distribution_it_describes(case):
     assert chi2 <= critical, (chi2, critical, counts, want)
 
 
+def test_a_tiny_temperature_samples_the_argmax():
+    """Logits / 1e-20 overflow to +-inf: the probabilities must still be the argmax's one-hot
+    (they were NaN, and every draw token 0)."""
+    options = sampling(1e-20, None, None, None, key=jax.random.PRNGKey(0), eos_id=None, V=V)
+    logits = jnp.asarray(np.random.default_rng(2).normal(0.0, 1.5, (64, V)), jnp.float32)
+    draws = jax.jit(sample)(logits, jax.random.split(jax.random.PRNGKey(1), 64), options)
+    want = np.argmax(np.asarray(logits), axis=-1)
+    assert len(set(want.tolist())) > 1  # not all token 0
+    np.testing.assert_array_equal(draws, want)
+
+
 def test_options_are_checked():
     key = jax.random.PRNGKey(0)
     with pytest.raises(ValueError, match=r"^top_k: expected None at temperature 0 \(greedy"):
