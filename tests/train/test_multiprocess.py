@@ -111,7 +111,7 @@ def test_processes_train_and_resume_as_one_process(tmp_path, compilation_cache_d
 
 def test_a_killed_process_stops_the_others_with_one_line(tmp_path, compilation_cache_dir):
     # No checkpoints after the first: a kill that lands in orbax's save barrier is waited
-    # out by the coordinator's heartbeat (~100 s), the case issue 58 takes up; here the
+    # out by the coordinator's heartbeat (~100 s), another path than this test's; here the
     # survivor is in its training steps' collectives, which fail at once.
     run = ("--mesh", "data=2", "--steps", "100000", "--ckpt-every", "100000")
     procs = launch(tmp_path / "w", 2, 1, *run, cache=compilation_cache_dir)
