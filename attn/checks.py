@@ -67,6 +67,15 @@ def concrete(x) -> np.ndarray | None:
         return None
 
 
+def finite(x, name: str, expected: str) -> None:
+    """A ``ValueError`` naming ``name`` where ``x``'s values are known and one is NaN or
+    infinite (``expected`` says what it should be); nothing is checked under a trace."""
+    value = concrete(x)
+    if value is not None and not np.all(np.isfinite(value)):
+        bad = value[~np.isfinite(value)]
+        fail(name, expected, f"{bad.size} non-finite values (first {bad.flat[0]})")
+
+
 class Dims(NamedTuple):
     """Sizes of one attention call in the axis vocabulary."""
 

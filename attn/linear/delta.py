@@ -107,6 +107,7 @@ def _dims(q, k, v, beta, step: bool):
         fail("v", want, f"shape {tuple(v.shape)}")
     if np.shape(beta) != (*lead, N):
         fail("beta", f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(beta))
+    checks.finite(beta, "beta", "finite values (a write strength)")
     B, T = lead[0], 1 if step else lead[1]
     return B, T, K, N, H, E
 

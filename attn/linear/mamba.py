@@ -97,12 +97,22 @@ def _check(x, dt, A, B, C, D, step: bool):
         fail("A", f"shape ({N},) (one rate per head)", f"shape {np.shape(A)}")
     if D is not None and np.shape(D) != (N,):
         fail("D", f"shape ({N},) or None", f"shape {np.shape(D)}")
+    # Non-finite values are refused: dt = 0 under A = -inf, or dt = inf under A = 0, make
+    # dt * A NaN, and dt = inf scales the input to inf.
     value = concrete(A)
-    if value is not None and np.any(value > 0):
-        fail("A", "values <= 0 (Mamba's A = -exp(A_log))", f"max {value.max()}")
+    if value is not None and not np.all(np.isfinite(value) & (value <= 0)):
+        fail(
+            "A",
+            "finite values <= 0 (Mamba's A = -exp(A_log))",
+            f"min {value.min()}, max {value.max()}",
+        )
     value = concrete(dt)
-    if value is not None and np.any(value < 0):
-        fail("dt", "values >= 0 (a softplus of the projection)", f"min {value.min()}")
+    if value is not None and not np.all(np.isfinite(value) & (value >= 0)):
+        fail(
+            "dt",
+            "finite values >= 0 (a softplus of the projection)",
+            f"min {value.min()}, max {value.max()}",
+        )
     return lead[0], N, K, H, E
 
 

@@ -11,13 +11,19 @@ Modules:
 * ``nsa``: NSA (Yuan et al. 2025): ``nsa_attention``, compressed, selected and
   window branches, one selection per kv head's group; ``compression_windows``;
 * ``dsa``: DeepSeek-V3.2's sparse attention: ``lightning_indexer``,
-  ``indexer_topk``, ``indexed_topk_attention`` and ``indexer_loss``;
+  ``indexer_scores``, ``indexer_topk``, ``indexed_topk_attention`` and ``indexer_loss``;
 * ``pallas``: a block-sparse Pallas kernel for MoBA's and NSA's selected
   blocks (``impl="pallas"``), each query block looping over the union of its
   queries' blocks.
 """
 
-from attn.sparse.dsa import indexed_topk_attention, indexer_loss, indexer_topk, lightning_indexer
+from attn.sparse.dsa import (
+    indexed_topk_attention,
+    indexer_loss,
+    indexer_scores,
+    indexer_topk,
+    lightning_indexer,
+)
 from attn.sparse.moba import block_key_sums, moba_attention, moba_select
 from attn.sparse.nsa import compressed_at_ends, compression_windows, nsa_attention
 
@@ -27,6 +33,7 @@ __all__ = [
     "compression_windows",
     "indexed_topk_attention",
     "indexer_loss",
+    "indexer_scores",
     "indexer_topk",
     "lightning_indexer",
     "moba_attention",

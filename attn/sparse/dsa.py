@@ -7,6 +7,13 @@ its ``top_k`` tokens by that score, every head the same tokens. The indexer
 costs ``T x S x I x F`` (few heads, small F: the paper runs it in FP8); the
 attention reads ``top_k`` keys per query.
 
+The selection ranks ``indexer_scores``: the same sum on 8-bit operands (the
+paper runs its indexer in FP8), computed exactly, so a score is the same bits
+whatever else is in the batch, the chunk or the cache: forward, prefill and
+decode rank the same values, and a row's choice never depends on its batch.
+Ties go to the earlier key (the lower index: the earlier position along a
+run), as ``jax.lax.top_k`` orders them.
+
 The selection has no gradient. The paper trains the indexer on its own loss
 (``indexer_loss``): the KL divergence from the main attention's distribution
 (summed over heads, renormalized) to the indexer's softmax, over every token
@@ -23,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.checks import fail, positive_int
-from attn.masks import PADDING
+from attn.masks import PADDING, drop_padding
 from attn.softmax.call import MASKED, CallArgs, check_call, takes_call_args
 from attn.sparse import gather
 from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
@@ -39,6 +46,46 @@ def lightning_indexer(index_q, index_k, index_w):
     """
     s = jnp.einsum("BTIF,BSF->BTIS", index_q, index_k, preferred_element_type=jnp.float32)
     return jnp.einsum("BTI,BTIS->BTS", index_w.astype(jnp.float32), jax.nn.relu(s))
+
+
+# The largest magnitude of the 8-bit operands' integers, and the largest F for which their
+# dot product stays exact in float32 (every partial sum at most 2**24).
+LEVELS = 128
+MAX_INDEX_DIM = 2**24 // LEVELS**2
+
+
+def indexer_scores(index_q, index_k, index_w):
+    """The scores the selection ranks: ``[B,T,S]`` float32, ``lightning_indexer`` on
+    8-bit operands, computed exactly.
+
+    Each indexer query (per token and head) and key (per token) is rounded to
+    integers of magnitude at most 128 times a power of two (a shared exponent,
+    as in the MX formats; the paper runs its indexer in FP8). Their dot product
+    is a sum of integer products, at most ``2**24`` (``F <= MAX_INDEX_DIM``):
+    exact in float32 in any summation order, on any matmul unit (bfloat16 and
+    TF32 hold such integers exactly). The heads are then summed one after
+    another, elementwise, so nothing depends on the shapes around a score.
+    Keys equal after rounding tie exactly, whatever rounding noise their float
+    values carry.
+
+    Args: as ``lightning_indexer``'s.
+    """
+    (qi, qs), (ki, ks) = _int8(index_q), _int8(index_k)
+    dots = jnp.einsum("BTIF,BSF->BTIS", qi, ki, preferred_element_type=jnp.float32)
+    w = index_w.astype(jnp.float32) * qs  # [B,T,I]: a head's weight times its query's scale
+    score = jnp.zeros(dots.shape[:2] + dots.shape[3:], jnp.float32)
+    for i in range(dots.shape[2]):  # a fixed order: a reduction's would follow the shapes
+        score = score + w[:, :, i, None] * jax.nn.relu(dots[:, :, i])
+    return score * ks[:, None, :]
+
+
+def _int8(x):
+    """``x [..., F]`` as ``(integers of magnitude <= 128 held in float32, scale [...])``, the
+    scale the power of two putting the largest magnitude in ``[64, 128)``."""
+    x = x.astype(jnp.float32)
+    _, exponent = jnp.frexp(jnp.abs(x).max(-1))  # a max is exact in any order
+    scale = jnp.ldexp(jnp.float32(1), exponent - 7)
+    return jnp.round(x / scale[..., None]), scale
 
 
 def check_indexer(c, index_q, index_k, index_w) -> None:
@@ -58,6 +105,8 @@ def check_indexer(c, index_q, index_k, index_w) -> None:
             f"F={index_q.shape[3]} and I={index_q.shape[2]} as index_q's",
             f"{index_k.shape} and {index_w.shape}",
         )
+    if index_q.shape[3] > MAX_INDEX_DIM:
+        fail("index_q", f"F <= {MAX_INDEX_DIM} (the exact 8-bit scores)", index_q.shape)
 
 
 @takes_call_args
@@ -110,17 +159,19 @@ def _dsa(c, q, k, v, index_q, index_k, index_w, *, top_k, chunk):
 def indexer_topk(c, index_q, index_k, index_w, *, top_k: int, chunk: int = DEFAULT_CHUNK):
     """Each query's ``top_k`` visible tokens by the indexer: ``(start, stop)`` ``[B,T,1,n]``.
 
-    ``stop = start + 1`` for a chosen token, ``start`` where the query sees
-    fewer than ``top_k`` keys; ``n = min(top_k, S)``. Not differentiated.
+    Ranks ``indexer_scores`` (the same bits in any batch, chunk or cache); ties go
+    to the earlier key. ``stop = start + 1`` for a chosen token, ``start`` where
+    the query sees fewer than ``top_k`` keys; ``n = min(top_k, S)``. Not
+    differentiated.
     """
     T, S = c.dims.T, c.dims.S
     n = min(top_k, S)
     C, _ = chunks(T, chunk)
-    index_k = jax.lax.stop_gradient(index_k)
+    index_q, index_k, index_w = jax.lax.stop_gradient(_isolate(c, index_q, index_k, index_w))
 
     def one(xs):
         iq, iw, pos, seg = xs
-        score = lightning_indexer(jax.lax.stop_gradient(iq), index_k, jax.lax.stop_gradient(iw))
+        score = indexer_scores(iq, index_k, iw)
         score = jnp.where(visible(c, pos, seg), score, -jnp.inf)
         top, s = jax.lax.top_k(score, n)  # [B,C,n]
         s = s.astype(jnp.int32)
@@ -131,6 +182,12 @@ def indexer_topk(c, index_q, index_k, index_w, *, top_k: int, chunk: int = DEFAU
         one, (split(index_q, C), split(index_w, C), split(c.q_positions, C), seg)
     )
     return unsplit(start, T), unsplit(stop, T)
+
+
+def _isolate(c, index_q, index_k, index_w):
+    """The indexer's inputs with padding tokens' entries zeroed (``Call.isolate``)."""
+    q_seg, kv_seg = c.q_segment_ids, c.kv_segment_ids
+    return drop_padding(index_q, q_seg), drop_padding(index_k, kv_seg), drop_padding(index_w, q_seg)
 
 
 def visible(c, q_pos, q_seg):
@@ -182,6 +239,7 @@ def indexer_loss(
 def _indexer_loss(c, q, k, index_q, index_k, index_w, *, top_k, chunk):
     B, T, S, _, K, G, _, _ = c.dims
     q, k = jax.lax.stop_gradient(c.isolate(q, k, k)[:2])
+    index_q, index_k, index_w = _isolate(c, index_q, index_k, index_w)
     C, n = chunks(T, chunk)
     q_seg = None if c.q_segment_ids is None else split(c.q_segment_ids, C, PADDING)
     dense = top_k >= S  # every visible token: the keys are gathered once per chunk

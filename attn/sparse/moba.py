@@ -10,9 +10,9 @@ they receive.
 
 Our reading of the paper's causal rule, in terms of any mask: a block is
 scored only when the query sees every key in it (a block with a hidden key
-would leak that key into the choice through its mean); a block it sees in
-part (its own under ``causal()``, the one a window's edge cuts) and its own
-block are read first, whatever their means. Under ``causal()`` that is the
+would leak that key into the choice through its mean); its own block, then
+the blocks it sees in part (the one a window's edge cuts), are read first,
+whatever their means, so ``top_k=1`` reads the own block. Under ``causal()`` that is the
 paper's rule: earlier blocks compete, the current one is kept. With
 ``top_k`` at least the number of blocks every visible key is read, and MoBA
 is dense attention under the same mask. Blocks never cross a segment: packed
@@ -142,9 +142,11 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
             gate = jnp.einsum("BCKGH,BMKH->BCKGM", qg, shared, preferred_element_type=f32)
         own = jnp.arange(J) == layout.own_block(runs_c, pos, block_size)[..., None]
         own &= blk.kind != int(BlockKind.EMPTY)
-        forced = own | (blk.kind == int(BlockKind.PARTIAL))
+        # Read first: the own block, then the blocks seen in part, then the rest by gate.
+        partial = (blk.kind == int(BlockKind.PARTIAL))[:, :, None, None]
         score = jnp.where((blk.kind == int(BlockKind.FULL))[:, :, None, None], gate, -jnp.inf)
-        score = jnp.where(forced[:, :, None, None], jnp.inf, score)
+        score = jnp.where(partial, jnp.finfo(jnp.float32).max, score)
+        score = jnp.where(own[:, :, None, None], jnp.inf, score)
         top, j = jax.lax.top_k(jax.lax.stop_gradient(score), n)  # [B,C,K,G,n]
         pick = lambda x: jnp.take_along_axis(x[:, :, None, None], j, axis=-1)  # noqa: E731
         lo, hi = pick(blk.start), pick(blk.stop)

@@ -169,7 +169,7 @@ def nsa_attention(
       gates: ``[B,T,N,3]``: the compressed, selected and window branches' weights.
       compressed_k: ``[B,M,K,H]``, compressed_v: ``[B,M,K,E]``: one per slot of
         ``compression_windows`` (``M = ceil(S / compress_stride)``); slots without a
-        block are never read.
+        block are never read (whatever they hold, NaN included, reaches nothing).
       compress_block, compress_stride: positions per compressed block, and between their
         starts (``compress_stride <= compress_block``).
       select_block: positions per selected block; num_selected: blocks a kv head's group
@@ -277,6 +277,9 @@ def compressed_branch(
     B, T, S, N, K, G, H, E = c.dims
     q = c.isolate(q, q[:, :1], q[:, :1])[0]
     slot, real = compression_slots(c, compress_block, compress_stride)
+    # Slots without a block hold whatever the caller's buffer held: zeroed before any
+    # product, so a NaN there reaches no output or gradient (0 * NaN is NaN).
+    ck, cv = (jnp.where(real[:, :, None, None], x, jnp.zeros((), x.dtype)) for x in (ck, cv))
     b = jnp.arange(B)[:, None]
     first = jnp.where(real, c.kv_positions[b, slot], 0)  # [B,M] the blocks' first positions
     last = first + compress_block - 1

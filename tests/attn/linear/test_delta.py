@@ -47,6 +47,8 @@ def make_inputs(seed, T, gate, *, b=B, beta_max=0.95):
     beta = rng.uniform(0.05, beta_max, (b, T, N)).astype(np.float32)
     shape = {"none": None, "head": (b, T, N), "channel": (b, T, N, H)}[gate]
     g = None if shape is None else (-rng.uniform(0.0, 0.4, shape)).astype(np.float32)
+    if gate == "head" and T > 7:
+        g[:, 7, 0] = -np.inf  # the edge value: a gate of 0 forgets the state
     state = rng.standard_normal((b, N, H, E)).astype(np.float32)
     return q, k, v, beta, g, state
 
@@ -338,6 +340,8 @@ def _bad_calls():
             (dict(v=v[:, :, :3]), "v"),  # 3 value heads: not a multiple of K = 2
             (dict(beta=beta[..., :1]), "beta"),
             (dict(beta=beta[..., None]), "beta"),
+            (dict(beta=np.where(np.arange(T)[:, None] == 2, np.inf, beta)), "beta"),  # NaN state
+            (dict(beta=np.full_like(beta, np.nan)), "beta"),
             (dict(log_gates=g[..., :1]), "log_gates"),
             (dict(log_gates=np.abs(g)), "log_gates"),
             (dict(chunk_size=0), "chunk_size"),

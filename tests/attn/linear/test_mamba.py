@@ -39,6 +39,7 @@ def make_inputs(seed, T, *, b=Bt):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((b, T, N, E)).astype(np.float32)
     dt = rng.uniform(0.05, 1.0, (b, T, N)).astype(np.float32)
+    dt[:, T // 2, 0] = 0.0  # the edge value: a step of length 0 keeps the state, adds nothing
     A_log = np.log(rng.uniform(0.3, 2.0, (N,))).astype(np.float32)
     Bm = rng.standard_normal((b, T, K, H)).astype(np.float32) * 0.5
     Cm = rng.standard_normal((b, T, K, H)).astype(np.float32) * 0.5
@@ -261,6 +262,9 @@ def test_zero_state_and_bad_input():
         (dict(dt=dt[..., :1]), "dt"),
         (dict(dt=-dt), "dt"),
         (dict(A=np.exp(A_log)), "A"),
+        (dict(A=np.full_like(A_log, -np.inf)), "A"),  # dt = 0 would make dt * A NaN
+        (dict(dt=np.full_like(dt, np.inf)), "dt"),  # inf * (A = 0) is NaN, inf * x inf
+        (dict(dt=np.full_like(dt, np.nan)), "dt"),
         (dict(A=A_log[:2]), "A"),
         (dict(D=D[:1]), "D"),
         (dict(form="parallel"), "form"),

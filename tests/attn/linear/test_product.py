@@ -156,6 +156,7 @@ def test_bad_input_names_the_argument():
         (dict(k=k[:, :, :, :1]), "k"),
         (dict(v=v[:, :, :1]), "v"),
         (dict(beta=beta[:, :, :1]), "beta"),
+        (dict(beta=np.full_like(beta, np.inf)), "beta"),
         (dict(log_gates=np.abs(g) + 1), "log_gates"),
     ):
         with pytest.raises(ValueError, match=f"^{arg}: expected"):

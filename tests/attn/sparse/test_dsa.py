@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attn import dot_product_attention, masks, scores
-from attn.sparse import indexed_topk_attention, indexer_loss, lightning_indexer
+from attn.sparse import indexed_topk_attention, indexer_loss, indexer_scores, lightning_indexer
 from tests.attn.sparse import reference as ref
 from tests.util import normal, qkv, rel_err
 
@@ -33,9 +33,45 @@ def test_indexer_is_the_papers_sum():
     assert rel_err(lightning_indexer(*index), ref.dsa_scores(*index)) <= RTOL
 
 
+def test_selection_scores_are_exact_and_the_same_bits_in_any_batch_chunk_or_cache():
+    _, index, _, _ = inputs()
+    iq, ik, iw = index
+    got = np.asarray(indexer_scores(*index))
+    assert rel_err(got, ref.dsa_selection_scores(*index)) <= 1e-6
+    np.testing.assert_array_equal(indexer_scores(iq[1:], ik[1:], iw[1:])[0], got[1])  # alone
+    np.testing.assert_array_equal(indexer_scores(iq[:, 9:10], ik, iw[:, 9:10]), got[:, 9:10])
+    np.testing.assert_array_equal(indexer_scores(iq, ik[:, :13], iw), got[..., :13])
+
+
+def test_decode_picks_what_the_forward_pass_picks_at_ties():
+    """Tokens share 3 indexer keys, up to a few ulps (near ties), and a decode step computes
+    the indexer's inputs up to a few ulps of the forward pass's (other shapes, other rounding): each
+    query alone, against a longer cache, still reads what it reads in the forward pass."""
+    S, t_len = 30, 24
+    q, k, v = qkv(9, B=1, T=t_len, S=S, N=N, K=K, H=H)
+    ik = np.asarray(normal(10, (3, F)))[np.arange(S) % 3][None]
+    iq, iw = np.asarray(normal(12, (1, t_len, I, F))), np.abs(normal(13, (1, t_len, I))) + 0.1
+    ik, jitter = _ulp(ik, 14), lambda x, seed: jnp.asarray(_ulp(x, seed))
+    forward = indexed_topk_attention(q, k[:, :t_len], v[:, :t_len], iq, ik[:, :t_len], iw,
+                                     top_k=5, chunk=16, mask=MASK)  # fmt: skip
+    for t in range(t_len):
+        step = indexed_topk_attention(
+            q[:, t : t + 1], k, v, jitter(iq[:, t : t + 1], t), jitter(ik, (t, 1)),
+            jitter(iw[:, t : t + 1], (t, 2)), top_k=5, mask=MASK,
+            q_positions=jnp.full((1, 1), t, jnp.int32),
+        )  # fmt: skip
+        assert rel_err(step, forward[:, t : t + 1]) <= 1e-6, t
+
+
+def _ulp(x, seed):
+    """``x`` times ``1 + e``, ``e`` up to ``2**-20`` (a few ulps: another rounding)."""
+    e = np.random.default_rng(seed).uniform(-1, 1, np.shape(x)) * 2.0**-20
+    return np.asarray(x * (1 + e), np.float32)
+
+
 def test_matches_the_naive_reference_forward_and_gradients():
     (q, k, v), index, rows, vis = inputs()
-    reads = ref.dsa_reads(ref.dsa_scores(*index), vis, TOP_K)
+    reads = ref.dsa_reads(ref.dsa_selection_scores(*index), vis, TOP_K)
     assert 0.2 < reads.sum() / vis.sum() < 0.8
     ct = np.random.default_rng(1).standard_normal((B, T, N, H))
     want, want_grads = ref.float64_grads(lambda *a: ref.attend(*a, reads, **rows), (q, k, v), ct)
@@ -69,7 +105,7 @@ def naive_loss(q, k, iq, ik, iw, reads):
 @pytest.mark.parametrize("top_k", [None, TOP_K], ids=["dense-warmup", "sparse"])
 def test_indexer_loss_matches_the_naive_kl_and_trains_only_the_indexer(top_k):
     (q, k, _), index, rows, vis = inputs()
-    reads = vis if top_k is None else ref.dsa_reads(ref.dsa_scores(*index), vis, top_k)
+    reads = vis if top_k is None else ref.dsa_reads(ref.dsa_selection_scores(*index), vis, top_k)
     q, k = (np.nan_to_num(x) for x in (q, k))
     with jax.enable_x64(True):
         args = [jnp.asarray(x, jnp.float64) for x in (q, k, *index)]

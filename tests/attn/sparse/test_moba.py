@@ -25,8 +25,12 @@ def inputs(seed=0):
 
 @pytest.mark.parametrize(
     ("mask", "top_k"),
-    [(masks.causal(), 3), (masks.sliding_window(12), 2)],
-    ids=["causal", "window"],
+    [
+        (masks.causal(), 3),
+        (masks.sliding_window(12), 2),
+        (masks.causal() & masks.sliding_window(7), 1),
+    ],
+    ids=["causal", "window", "causal-window-top1"],
 )
 def test_matches_the_naive_reference_forward_and_gradients(mask, top_k):
     (q, k, v), rows = inputs()
@@ -63,6 +67,15 @@ def test_matches_the_naive_reference_forward_and_gradients(mask, top_k):
     for name, got, w in zip("qkv", grads, want_grads, strict=True):
         assert np.isfinite(got).all() and (np.asarray(got)[~real] == 0).all(), name
         assert rel_err(got, np.nan_to_num(w)) <= GRAD_RTOL, name
+
+
+def test_top_1_reads_the_own_block_before_one_a_window_cuts():
+    """Query 9 (block size 4, window 7) sees keys 3 to 9: block 0 in part, its own block 2."""
+    q, k, v = qkv(4, B=1, T=12, N=2, H=4)
+    mask = masks.causal() & masks.sliding_window(7)
+    out = moba_attention(q, k, v, block_size=4, top_k=1, mask=mask)
+    own = dot_product_attention(q[:, 9:10], k[:, 8:10], v[:, 8:10])
+    assert rel_err(out[:, 9:10], own) <= RTOL
 
 
 MODIFIERS = {
