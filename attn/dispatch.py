@@ -17,6 +17,7 @@ from attn.checks import Dims, as_arrays, fail
 from attn.pallas import flash, splash
 from attn.softmax import blockwise, dense
 from attn.softmax.call import Call, CallArgs, check_call, takes_call_args, visible
+from attn.softmax.jax_nn import mean_where_empty
 
 IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
 
@@ -128,6 +129,11 @@ def attention(
         # jax.nn's residual is its own lse, which the jax.nn route may return.
         wants_lse = return_lse and not residual
         chosen = _choose(call, q.dtype, return_weights, wants_lse) if impl == "auto" else impl
+        if chosen == "splash" and empty_rows == "mean":  # empty rows are found by the lse
+            if impl == "splash":
+                fail("empty_rows", "'zero' for impl='splash' (it returns no lse to find "
+                     "empty rows by)", repr(empty_rows))  # fmt: skip
+            chosen = "blockwise"
         takes = OPTIONS.get(chosen, ())
         for name, value in given.items():
             if impl != "auto" and name not in takes:
@@ -276,6 +282,7 @@ def _jax_nn(call: Call, q, k, v, impl, return_weights, return_lse, empty_rows, r
     if call.score is not None:  # additive (checked above): one [B,N,T,S] bias
         extra = dense.modifier_bias(call).astype(q.dtype)
         bias = extra if bias is None else bias + extra
+    raw_v = v  # jax.nn's mean of V on an empty row reads every key, padding included
     q, k, v = call.isolate(q, k, v)
     if _native(call):
         is_causal, window = _window_args(call.mask)
@@ -294,9 +301,7 @@ def _jax_nn(call: Call, q, k, v, impl, return_weights, return_lse, empty_rows, r
     empty = ~ok.any(-1)  # [B|1, N|1, T]
     empty = jnp.broadcast_to(empty, (call.dims.B, call.dims.N, call.dims.T)).transpose(0, 2, 1)
     lse = [jnp.where(empty, -jnp.inf, x) for x in lse]  # ours: -inf on those rows
-    if empty_rows == "mean" and call.q_segment_ids is not None:
-        empty = empty & (call.q_segment_ids == masks.PADDING)[:, :, None]
-    elif empty_rows == "mean":
-        empty = jnp.zeros_like(empty)
     out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out)
+    if empty_rows == "mean":  # the mean of the caller's V, which isolation zeroed at padding
+        out = mean_where_empty(call, out, jnp.where(empty, -jnp.inf, 0.0), raw_v)
     return (out, *lse) if lse else out

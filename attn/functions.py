@@ -48,8 +48,9 @@ def sigmoid_attention(q, k, v, *, return_weights: bool = False, kv_length=None,
     Args:
       q, k, v: ``[B,T,N,H]``, ``[B,S,K,H]``, ``[B,S,K,E]``.
       return_weights: also return the float32 weights ``[B,N,T,S]``.
-      kv_length: ``[B]`` real keys per row (the layer kinds' argument); unused,
-        since ``n_t`` is counted per query.
+      kv_length: ``[B,T]``, per query the keys its sequence holds up to it (the layer
+        kinds' argument, ``models.functions``); unused, since ``n_t`` is counted per
+        query from the visibility.
       **call_args: the call (``CallArgs``); learned sink logits are refused (they
         belong to softmax's denominator).
 

@@ -116,8 +116,12 @@ def attention_kind(name: str, fn, *, family: str, config: type | None = None, ta
         config.__module__ = getattr(fn, "__module__", __name__)
     if not (isinstance(config, type) and issubclass(config, FunctionConfig)):
         fail("config", "a dataclass subclass of models.FunctionConfig", repr(config))
+    # Named after fn, so the registry tells a re-import (the same function) from a second
+    # function of the same module under the same name (an error naming both).
+    qualname = f"attention_kind({getattr(fn, '__qualname__', type(fn).__qualname__)})"
     module = type(f"{config.__name__.removesuffix('Config')}Attention", (FunctionAttention,),
-                  {"fn": staticmethod(fn), "__module__": config.__module__})  # fmt: skip
+                  {"fn": staticmethod(fn), "__module__": config.__module__,
+                   "__qualname__": qualname})  # fmt: skip
     register_kind(name, module, config=config, family=family, check=_check_for(fn, takes))
     return module
 

@@ -71,7 +71,9 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     file below it, in sorted order, except ones whose bytes contain NUL (binary
     files). Each file is cut into pieces of ``CORPUS_PIECE_BYTES``; a piece is
     held out when ``crc32(relative path : piece index) % 100 < val_percent``,
-    a fixed rule, so the split is the same on every run and machine.
+    a fixed rule, so the split is the same on every run and machine. Where the
+    rule leaves a split empty (a corpus of a piece or two), the bytes are cut
+    instead: the last ``val_percent`` percent (at least one byte) are held out.
 
     Reads are cached per path while no file changes (name, size and
     modification time): a file replaced since is read again.
@@ -122,10 +124,13 @@ def _read_corpus(root: str, stats: tuple, val_percent: int) -> Corpus:
             (test if tag % 100 < val_percent else train).append(data[i : i + CORPUS_PIECE_BYTES])
     if not train and not test:
         raise ValueError(f"data: expected text files under {str(root)!r}, found none")
-    if not test:  # a tiny corpus: hold out its last piece
-        test.append(train.pop())
-    if not train:
-        train.append(test.pop(0))
+    if not train or not test:  # too few pieces for the rule: cut the bytes themselves
+        data = b"".join(train + test)
+        if len(data) < 2:
+            raise ValueError(f"data: expected at least 2 bytes of text, got {len(data)}")
+        cut = min(max(len(data) * (100 - val_percent) // 100, 1), len(data) - 1)
+        train, test = [data[:cut]], [data[cut:]]
+        digest.update(f"\0cut at {cut}".encode())
     as_array = lambda pieces: np.frombuffer(b"".join(pieces), np.uint8)  # noqa: E731
     return Corpus(
         train=as_array(train),

@@ -239,20 +239,28 @@ def state_batch(rng: np.random.Generator, batch: int, *, seq_len: int, group: st
 
 
 def bytes_batch(
-    rng: np.random.Generator, batch: int, *, stream: np.ndarray, seq_len: int, bos: bool = False
+    rng: np.random.Generator,
+    batch: int,
+    *,
+    stream: np.ndarray,
+    seq_len: int,
+    bos: bool = False,
+    split: str = "train",
 ):
     """Random windows of ``T + 1`` bytes: inputs are the first T, labels the next T.
 
     With ``bos`` the inputs are ``BOS`` and the window's first T - 1 bytes, and
     the labels its first T bytes (the same windows, shifted by one).
 
+    ``split`` names the corpus split ``stream`` is, for the message.
+
     Returns:
       ``dict(tokens [B,T], labels [B,T], weights [B,T])``, every position scored.
     """
     if len(stream) < seq_len + 1:
         raise ValueError(
-            f"data: expected a corpus split of at least seq_len + 1 = {seq_len + 1} bytes, "
-            f"got {len(stream)}"
+            f"data: expected a {split} split of at least seq_len + 1 = {seq_len + 1} bytes, "
+            f"got {len(stream)} (a corpus this small needs a shorter seq_len)"
         )
     starts = rng.integers(0, len(stream) - seq_len, size=(batch, 1))
     windows = stream[starts + np.arange(seq_len + 1)].astype(np.int64)

@@ -10,7 +10,10 @@ A run records the plugins it needs in its ``config.json`` (``"plugins"``):
 those loaded here with ``load``, and the modules that define the layer kinds
 and feature maps its model uses (so a script that imported its plugin
 directly is recorded too). ``train.load_run`` and ``train.compare``'s worker
-processes import them again before they build anything.
+processes import them again before they build anything. A plugin is recorded
+as it was found: a module by its name (reading the run from another folder
+needs its folder on ``PYTHONPATH``, as the error says), a file by its absolute
+path (found from anywhere).
 """
 
 from __future__ import annotations

@@ -269,7 +269,9 @@ class Task:
                 rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_copy=c.num_copy
             )
         stream = self.corpus.train if split == "train" else self.corpus.test
-        return bytes_batch(rng, batch_size, stream=stream, seq_len=c.seq_len, bos=c.bos)
+        return bytes_batch(
+            rng, batch_size, stream=stream, seq_len=c.seq_len, bos=c.bos, split=split
+        )
 
 
 def make_task(config: TaskConfig) -> Task:

@@ -170,6 +170,22 @@ def test_dot_product_attention_mask(impl, mask_mode):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_a_row_with_no_keys_is_the_mean_of_v_under_empty_rows_mean(impl):
+    """Row 0 has ``key_value_seq_lengths`` 0: jax.nn gives every query the mean of all of V
+    (its padding's included), and so does every impl under ``empty_rows="mean"``."""
+    q, k, v = (random.normal(random.PRNGKey(i), (2, 16, 2, 16)) for i in range(3))
+    lengths = jnp.array([0, 5], jnp.int32)
+    if impl == "splash":  # no lse to find empty rows by
+        with pytest.raises(ValueError, match=r"^empty_rows: expected 'zero' for impl='splash'"):
+            ours(impl)(q, k, v, key_value_seq_lengths=lengths, empty_rows="mean")
+        return
+    want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
+    got = ours(impl)(q, k, v, key_value_seq_lengths=lengths, empty_rows="mean")
+    close(got, want, 1e-6)
+    close(got[0], jnp.broadcast_to(v[0].mean(0), got[0].shape), 1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(("batch_size", "use_vmap"), [(1, False), (4, True)])
 def test_dot_product_attention_bias_gradient(impl, batch_size, use_vmap):
     """jax's test expects cuDNN to refuse a bias gradient for a batch of more than 1;

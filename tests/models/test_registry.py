@@ -49,7 +49,7 @@ def test_builtin_kinds_are_registered_like_any_other():
     assert (
         models.KINDS["moba"].family == "sparse" and models.KINDS["dsa"].config is models.DSAConfig
     )
-    assert models.KINDS.origin("sigmoid") == "attn.functions.SigmoidAttention"
+    assert models.KINDS.origin("sigmoid") == "attn.functions.attention_kind(sigmoid_attention)"
     assert models.KINDS["delta"].config is models.DeltaConfig
     assert models.KINDS["delta"].family == "linear"
     assert models.KINDS["softmax"].module is models.SelfAttention
@@ -240,6 +240,13 @@ def test_attention_kind_checks_its_arguments_and_taps_its_weights(scratch):
     with pytest.raises(ValueError, match=r"^takes: expected keywords of"):
         models.attention_kind("test_fn", attn.sigmoid_attention, family="x", takes=("bias",))
     assert "test_fn" not in models.KINDS
+    models.attention_kind("test_fn", attn.sigmoid_attention, family="sigmoid")
+    scratch.append((models.KINDS, "test_fn"))
+    models.attention_kind("test_fn", attn.sigmoid_attention, family="sigmoid")  # a re-import
+    with pytest.raises(ValueError, match=r"^kind: 'test_fn' is already a layer kind, defined by "
+                       r".*attention_kind\(sigmoid_attention\); got a second one defined by "
+                       r".*attention_kind\(softpick_attention\)"):  # fmt: skip
+        models.attention_kind("test_fn", attn.softpick_attention, family="softpick")
     with pytest.raises(ValueError, match=r"^sink_logits: expected unset \(sigmoid_attention takes"):
         models.KINDS["sigmoid"].config_class(num_heads=2, head_dim=8, sink_logits=True)
     with pytest.raises(ValueError, match=r"^impl: expected 'auto' for a function kind"):

@@ -179,6 +179,25 @@ def test_corpus_from_a_single_file(tmp_path):
     assert len(corpus.test) > 0 and len(corpus.train) > len(corpus.test)
 
 
+def test_a_corpus_of_one_piece_is_cut_so_both_splits_hold_bytes(tmp_path):
+    """40,000 bytes are one piece: the piece rule would leave a split empty, so the bytes
+    are cut (the last 10% held out), and a split too short for the windows is named."""
+    path = tmp_path / "small.txt"
+    path.write_bytes(b"abcde" * 8000)  # 40,000 bytes
+    corpus = load_corpus(str(path), 10)
+    assert (len(corpus.train), len(corpus.test)) == (36_000, 4_000)
+    assert corpus.train.tobytes() + corpus.test.tobytes() == path.read_bytes()
+    assert corpus.fingerprint != load_corpus(str(path), 20).fingerprint
+    b = make_task(TaskConfig(name="bytes", seq_len=32, data=str(path))).batch(0, "test", 0, 2)
+    assert b["tokens"].shape == (2, 32)
+    path.write_bytes(b"x" * 40)  # 36 train bytes, 4 test bytes
+    with pytest.raises(ValueError, match=r"^data: expected a test split of at least seq_len \+ 1"):
+        make_task(TaskConfig(name="bytes", seq_len=32, data=str(path))).batch(0, "test", 0, 2)
+    path.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"^data: expected at least 2 bytes of text, got 1"):
+        load_corpus(str(path), 10)
+
+
 def test_default_corpus_is_the_standard_library():
     corpus = load_corpus(None, 10)
     assert corpus.files > 100 and len(corpus.train) > 1_000_000
