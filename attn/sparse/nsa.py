@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from attn.checks import fail, positive_int
-from attn.masks import PADDING, BlockKind
+from attn.masks import PADDING, BlockKind, drop_padding
 from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args
 from attn.sparse import gather, layout
 from attn.sparse import pallas as sparse_pallas
@@ -242,7 +242,7 @@ def _nsa(c, q, k, v, gates, ck, cv, *, impl, platform, **sizes):
     o_win, _ = gather.gathered_attention(
         c, q, k, v, w_start, w_stop, block=sizes["window"], chunk=chunk
     )
-    g = gates.astype(jnp.float32)
+    g = drop_padding(gates, c.q_segment_ids).astype(jnp.float32)  # a padding query outputs 0
     out = sum(g[..., i, None] * o.astype(jnp.float32) for i, o in enumerate((o_cmp, o_slc, o_win)))
     return out.astype(q.dtype)
 
