@@ -18,6 +18,12 @@ paper's rule: earlier blocks compete, the current one is kept. With
 is dense attention under the same mask. Blocks never cross a segment: packed
 sequences choose among their own blocks only.
 
+Ties go to the earlier block (``jax.lax.top_k``'s order). The gate is a
+float32 dot of the query and a block's mean, taken from running sums that a
+forward pass adds in a tree and a decode cache one key at a time: two blocks
+within float rounding of each other may be chosen differently by the two
+(DSA's indexer, whose scores are exact, never is).
+
 Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
 attention ``top_k x block_size`` keys per query and head, never ``T x S``.
 """

@@ -18,6 +18,11 @@ sigmoids): ``out = g_cmp o_cmp + g_slc o_slc + g_win o_win``.
   the ``local_blocks`` ending at the query's own always among them;
 * window: the last ``window`` positions up to the query's.
 
+Selected blocks that tie go to the earlier block (``jax.lax.top_k``'s order);
+their scores are float32 probabilities, so two blocks within float rounding of
+each other may be chosen differently by computations of other shapes (a
+forward pass and a decode step).
+
 Every branch follows the call's mask and segments (blocks never cross a
 segment). The selection has no gradient of its own; what trains it is the
 compressed branch, whose probabilities are the scores, and whose keys and

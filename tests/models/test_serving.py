@@ -252,7 +252,19 @@ def test_a_request_whose_pages_hold_nan_and_inf_leaves_the_others_bit_identical(
     next request takes them, with NaN in every slot it has not written yet. The other
     requests' tokens and logits are bit-identical to a run with a clean request in its
     place (same lengths, so the same rows, pages and steps)."""
-    model = nnx.clone(model_for(SMALL, tied_embeddings=False))  # the head reads no bad row
+    _nan_request_leaves_the_others_bit_identical(SMALL)
+
+
+@pytest.mark.integration
+def test_every_kind_keeps_a_nan_request_to_itself():
+    """The same on every layer kind's cache: pages, ring buffers, fixed states (a row's state
+    cleared for its next request), the sparse kinds' key sums, compressed blocks and indexer
+    keys."""
+    _nan_request_leaves_the_others_bit_identical(EVERY_KIND)
+
+
+def _nan_request_leaves_the_others_bit_identical(names):
+    model = nnx.clone(model_for(names, tied_embeddings=False))  # the head reads no bad row
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, VOCAB, n) for n in (3, 6, 1, 9)]
     new = [2, 6, 6, 6]
