@@ -67,13 +67,27 @@ def concrete(x) -> np.ndarray | None:
         return None
 
 
-def finite(x, name: str, expected: str) -> None:
-    """A ``ValueError`` naming ``name`` where ``x``'s values are known and one is NaN or
-    infinite (``expected`` says what it should be); nothing is checked under a trace."""
+def real_values(x, ids=None) -> np.ndarray | None:
+    """The NumPy values of ``x [B,T,...]`` at real tokens (``ids [B,T]`` != 0; every token
+    without ids), or None under a trace. Padding holds anything: value checks skip it."""
     value = concrete(x)
-    if value is not None and not np.all(np.isfinite(value)):
-        bad = value[~np.isfinite(value)]
-        fail(name, expected, f"{bad.size} non-finite values (first {bad.flat[0]})")
+    if value is None or ids is None:
+        return value
+    ids = concrete(ids)
+    return None if ids is None else value[np.asarray(ids) != 0]
+
+
+def check_values(x, ok, name: str, expected: str, ids=None) -> None:
+    """A ``ValueError`` naming ``name`` where ``x``'s values at real tokens are known and
+    ``ok(values)`` is not all true (``expected`` says what they should be); nothing is
+    checked under a trace. The message gives the range, or the first non-finite value."""
+    value = real_values(x, ids)
+    if value is None or not value.size or np.all(ok(value)):
+        return
+    bad = value[~np.isfinite(value)]
+    got = f"{bad.size} non-finite values (first {bad.flat[0]})" if bad.size else (
+        f"min {value.min()}, max {value.max()}")  # fmt: skip
+    fail(name, expected, got)
 
 
 class Dims(NamedTuple):

@@ -140,8 +140,10 @@ def init_linear_state(batch: int, num_heads: int, feature_dim: int, value_dim: i
 # Validation
 
 
-def _check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="log_gates"):
-    """Validates ``decay`` (gamma ``[N]`` or scalar) and ``log_gates`` ``[B,T,N]``."""
+def check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="log_gates",
+                ids=None):  # fmt: skip
+    """Validates ``decay`` (gamma ``[N]`` or scalar) and ``log_gates`` ``[B,T,N]`` (its values
+    at real tokens: ``ids`` the kv segment ids, or None). The sharded form checks here too."""
     if not causal and (decay is not None or log_gates is not None):
         arg = "decay" if decay is not None else name
         fail(arg, "None when causal=False (decay needs an order)", "an array")
@@ -156,9 +158,8 @@ def _check_decay(decay, log_gates, B: int, T: int, N: int, causal: bool, name="l
         shape = np.shape(log_gates)
         if shape != (B, T, N):
             fail(name, f"shape ({B}, {T}, {N}) = [B,T,N]", f"shape {shape}")
-        value = concrete(log_gates)
-        if value is not None and np.any(value > 0):
-            fail(name, "values <= 0 (log of gates in [0, 1])", f"max {value.max()}")
+        ok = lambda g: g <= 0  # noqa: E731  -inf (a gate of 0) resets the state; NaN is refused
+        checks.check_values(log_gates, ok, name, "values <= 0 (log of gates in [0, 1])", ids)
 
 
 def _check_signs(negative_gates, B: int, T: int, N: int, causal: bool, name="negative_gates"):
@@ -320,11 +321,11 @@ def linear_attention(
     phi = resolve(feature_map, projection, H)
     root = root_scale(scale, feature_map, H)
     F = output_dim(phi, H)
-    _check_decay(decay, log_gates, B, T, N, causal)
-    neg = _check_signs(negative_gates, B, T, N, causal)
     q_seg, kv_seg = _check_segments(
         q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state
     )
+    check_decay(decay, log_gates, B, T, N, causal, ids=kv_seg)
+    neg = _check_signs(negative_gates, B, T, N, causal)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v = drop_padding(q, q_seg), drop_padding(k, kv_seg), drop_padding(v, kv_seg)
     if initial_state is not None:
@@ -434,7 +435,7 @@ def linear_attention_step(
         if np.shape(log_gate) != (B, N):
             fail("log_gate", f"shape ({B}, {N}) = [B,N]", f"shape {np.shape(log_gate)}")
         log_gate = jnp.asarray(log_gate)[:, None]
-    _check_decay(decay, log_gate, B, 1, N, causal=True, name="log_gate")
+    check_decay(decay, log_gate, B, 1, N, causal=True, name="log_gate")
     if negative_gate is not None:
         if np.shape(negative_gate) != (B, N):
             fail("negative_gate", f"shape ({B}, {N}) = [B,N]", f"shape {np.shape(negative_gate)}")

@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import checks
-from attn.checks import as_arrays, concrete, fail
+from attn.checks import as_arrays, fail
 from attn.linear import delta_forms, segments
 from attn.masks import drop_padding
 
@@ -107,21 +107,24 @@ def _dims(q, k, v, beta, step: bool):
         fail("v", want, f"shape {tuple(v.shape)}")
     if np.shape(beta) != (*lead, N):
         fail("beta", f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(beta))
-    checks.finite(beta, "beta", "finite values (a write strength)")
     B, T = lead[0], 1 if step else lead[1]
     return B, T, K, N, H, E
 
 
-def _check_gates(log_gates, lead: tuple, N: int, H: int, name: str):
-    """Per head ``[*lead, N]`` or per key channel ``[*lead, N, H]``, values <= 0."""
+def check_values(beta, log_gates, lead: tuple, N: int, H: int, ids=None) -> None:
+    """The per-token values of the delta family, at real tokens (``ids``, the kv segment
+    ids, or None): finite ``beta``; ``log_gates`` per head ``[*lead, N]`` or per key channel
+    ``[*lead, N, H]``, values <= 0 (``-inf`` erases the state). Its sharded forms check here too.
+    """
+    checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", ids)
     if log_gates is None:
         return
     shape = np.shape(log_gates)
     if shape not in ((*lead, N), (*lead, N, H)):
-        fail(name, f"shape {(*lead, N)} (per head) or {(*lead, N, H)} (per key channel)", shape)
-    value = concrete(log_gates)
-    if value is not None and np.any(value > 0):
-        fail(name, "values <= 0 (logs of gates in [0, 1])", f"max {value.max()}")
+        want = f"shape {(*lead, N)} (per head) or {(*lead, N, H)} (per key channel)"
+        fail("log_gates", want, shape)
+    ok = lambda g: g <= 0  # noqa: E731  -inf (a gate of 0) erases the state; NaN is refused
+    checks.check_values(log_gates, ok, "log_gates", "values <= 0 (logs of gates in [0, 1])", ids)
 
 
 def _check_state(state, name: str, B: int, N: int, H: int, E: int):
@@ -194,8 +197,8 @@ def delta_rule(
         fail("form", f"one of {DELTA_FORMS}", repr(form))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         fail("chunk_size", "a positive int", repr(chunk_size))
-    _check_gates(log_gates, (B, T), N, H, "log_gates")
     q_seg, kv_seg = _segments(q_segment_ids, kv_segment_ids, B, T)
+    check_values(beta, log_gates, (B, T), N, H, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v, beta = drop_padding(q, q_seg), *(drop_padding(x, kv_seg) for x in (k, v, beta))
     if initial_state is not None:
@@ -260,7 +263,7 @@ def delta_rule_step(q, k, v, beta, state, *, log_gates=None, scale: float | None
     q, k, v, beta, log_gates, state = as_arrays(q, k, v, beta, log_gates, state)
     B, _, K, N, H, E = _dims(q, k, v, beta, step=True)
     G = N // K
-    _check_gates(log_gates, (B,), N, H, "log_gates")
+    check_values(beta, log_gates, (B,), N, H)
     _check_state(state, "state", B, N, H, E)
     log_g = None if log_gates is None else log_gates.astype(jnp.float32)
     new, out = delta_forms.step(

@@ -1,11 +1,15 @@
 """Whole arrays in and out of ``attn.linear.chain``: the checks, the mesh, whole spans.
 
 Internal to ``attn.linear.sharded``: a call's arguments checked once on their
-whole shapes (``check_whole``), T padded to whole spans with padding tokens and
-cut back (``drive``), and the layout of the result on an Explicit mesh.
+whole shapes (``check_whole``), the mesh and its axes (``check_mesh``), T padded
+to whole spans with padding tokens and cut back, all of it one jitted program
+(``drive``), and the layout of the result on an Explicit mesh.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +20,7 @@ from attn.checks import fail
 from attn.linear.chain import chain_over_axis
 from attn.masks import PADDING
 
-__all__ = ["abstract_mesh", "check_whole", "drive", "finish", "mesh_size"]
+__all__ = ["abstract_mesh", "check_mesh", "check_whole", "drive", "finish"]
 
 
 def abstract_mesh(mesh):
@@ -33,6 +37,7 @@ def check_whole(fn, *args, **kwargs):
 
     The arrays are traced unsharded: what is checked is the call, not its layout
     (on an Explicit mesh the one-device form could not even trace a sharded T).
+    Traced, their values are not seen: the callers check those apart.
     """
 
     leaves, tree = jax.tree.flatten((args, kwargs))
@@ -49,12 +54,32 @@ def check_whole(fn, *args, **kwargs):
     jax.eval_shape(call, *shapes)
 
 
-def mesh_size(mesh, axis_name):
+def check_mesh(mesh, axis_name, batch_axes, B: int) -> None:
+    """Refuses, in one line each, a mesh and axes that cannot split a ``[B,T,...]`` call.
+
+    ``mesh`` a ``jax.sharding.Mesh`` (or None inside ``jax.set_mesh``),
+    ``axis_name`` one of its axes, ``batch_axes`` distinct others whose devices
+    divide B. Left to ``shard_map``, these fail in many lines naming none of
+    the arguments.
+    """
     abstract = abstract_mesh(mesh)
-    if abstract.empty or axis_name not in abstract.axis_names:
-        names = () if abstract.empty else abstract.axis_names
+    if abstract.empty:
+        fail("mesh", "a jax.sharding.Mesh, or None inside jax.set_mesh", "None outside any mesh")
+    names = abstract.axis_names
+    if axis_name not in names:
         fail("axis_name", f"an axis of the mesh {names}", repr(axis_name))
-    return abstract.shape[axis_name]
+    others = tuple(name for name in names if name != axis_name)
+    if (
+        not isinstance(batch_axes, tuple | list)
+        or any(axis not in others for axis in batch_axes)
+        or len(set(batch_axes)) != len(batch_axes)
+    ):
+        want = f"a tuple of distinct axes of the mesh {names} other than axis_name={axis_name!r}"
+        fail("batch_axes", want, repr(batch_axes))
+    devices = math.prod(abstract.shape[axis] for axis in batch_axes)
+    if B % devices:
+        want = f"axes whose number of devices divides B={B}"
+        fail("batch_axes", want, f"{tuple(batch_axes)} of {devices} devices")
 
 
 def pad_time(tokens: dict, aux: dict, T: int, P: int):
@@ -85,8 +110,30 @@ def pad_time(tokens: dict, aux: dict, T: int, P: int):
 
 
 def drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
-    """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``."""
-    P = mesh_size(mesh, axis_name)
+    """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``.
+
+    ``tokens``, ``aux``: dicts of ``[B,T,...]`` arrays (or None); ``params``:
+    dicts of replicated arrays (or None); ``state0``: leaves ``[B,...]`` or None.
+    The mesh and its axes are checked already (``check_mesh``).
+    """
+    run = functools.partial(
+        _drive,
+        rec,
+        T=T,
+        axis_name=axis_name,
+        mesh=mesh,
+        batch_axes=tuple(batch_axes),
+        exchange=exchange,
+    )
+    # Always jitted: eagerly, shard_map over some of a mesh's axes refuses its
+    # own specs (naming an axis the call never named), a reshard onto an
+    # Explicit mesh needs a mesh context, and the chain runs op by op (20 s
+    # instead of 1 s on 8 CPU devices). Under a caller's jit this is inlined.
+    return jax.jit(run)(tokens, params, aux, state0)
+
+
+def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
+    P = abstract_mesh(mesh).shape[axis_name]
     if T % P and is_explicit(mesh):  # an Explicit axis pads only whole: gather T first
         whole = rows_whole(mesh, batch_axes)
         tokens, aux = (
@@ -107,7 +154,7 @@ def drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, e
         state0,
         axis_name=axis_name,
         mesh=mesh,
-        batch_axes=tuple(batch_axes),
+        batch_axes=batch_axes,
         exchange=exchange,
     )
     if y.shape[1] == T:

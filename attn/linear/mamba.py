@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn import checks
-from attn.checks import as_arrays, concrete, fail
+from attn.checks import as_arrays, fail
 from attn.linear.attention import LinearState, linear_attention, linear_attention_step
 from attn.masks import drop_padding
 
@@ -77,8 +77,10 @@ def ssd_decay(dt, A, negative_eigenvalues: bool = False):
     return jnp.where(positive, log_pos, log_neg), ~positive
 
 
-def _check(x, dt, A, B, C, D, step: bool):
-    """Shapes of x ``[B,(T,)N,E]``, dt ``[B,(T,)N]``, A, D ``[N]``, B, C ``[B,(T,)K,H]``."""
+def check_inputs(x, dt, A, B, C, D, step: bool, ids=None):
+    """Shapes of x ``[B,(T,)N,E]``, dt ``[B,(T,)N]``, A, D ``[N]``, B, C ``[B,(T,)K,H]``, and
+    the values of A and dt (dt's at real tokens: ``ids`` the segment ids, or None). The
+    sharded form checks here too."""
     t = "" if step else "T,"
     rank = 3 if step else 4
     for name, arr, layout in (("x", x, f"[B,{t}N,E]"), ("B", B, f"[B,{t}K,H]")):
@@ -99,20 +101,12 @@ def _check(x, dt, A, B, C, D, step: bool):
         fail("D", f"shape ({N},) or None", f"shape {np.shape(D)}")
     # Non-finite values are refused: dt = 0 under A = -inf, or dt = inf under A = 0, make
     # dt * A NaN, and dt = inf scales the input to inf.
-    value = concrete(A)
-    if value is not None and not np.all(np.isfinite(value) & (value <= 0)):
-        fail(
-            "A",
-            "finite values <= 0 (Mamba's A = -exp(A_log))",
-            f"min {value.min()}, max {value.max()}",
-        )
-    value = concrete(dt)
-    if value is not None and not np.all(np.isfinite(value) & (value >= 0)):
-        fail(
-            "dt",
-            "finite values >= 0 (a softplus of the projection)",
-            f"min {value.min()}, max {value.max()}",
-        )
+    ok = lambda a: np.isfinite(a) & (a <= 0)  # noqa: E731
+    checks.check_values(A, ok, "A", "finite values <= 0 (Mamba's A = -exp(A_log))")
+    ok = lambda t: np.isfinite(t) & (t >= 0)  # noqa: E731
+    want = "finite values >= 0 (a softplus of the projection)"
+    ids = None if ids is None else checks.segment_ids(ids, "segment_ids", *lead[:2])
+    checks.check_values(dt, ok, "dt", want, ids)
     return lead[0], N, K, H, E
 
 
@@ -168,7 +162,7 @@ def ssd(
         y ``[B,T,N,E]`` in x's dtype, or ``(y, state)`` with ``return_state``.
     """
     x, dt, A, B, C, D, initial_state = as_arrays(x, dt, A, B, C, D, initial_state)
-    batch, N, K, H, E = _check(x, dt, A, B, C, D, step=False)
+    batch, N, K, H, E = check_inputs(x, dt, A, B, C, D, step=False, ids=segment_ids)
     if form not in SSD_FORMS:
         fail("form", f"one of {SSD_FORMS}", repr(form))
     seg = checks.segment_ids(segment_ids, "segment_ids", batch, x.shape[1])
@@ -212,7 +206,7 @@ def ssd_step(state, x, dt, A, B, C, *, D=None, negative_eigenvalues: bool = Fals
         ``(y [B,N,E] in x's dtype, state [B,N,H,E] float32)``.
     """
     state, x, dt, A, B, C, D = as_arrays(state, x, dt, A, B, C, D)
-    batch, N, K, H, E = _check(x, dt, A, B, C, D, step=True)
+    batch, N, K, H, E = check_inputs(x, dt, A, B, C, D, step=True)
     _check_state(state, "state", batch, N, H, E)
     log_a, neg = ssd_decay(dt, A, negative_eigenvalues)
     x32 = x.astype(jnp.float32)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from attn import checks
 from attn.checks import as_arrays, fail
 from attn.linear.delta import delta_rule, delta_rule_step
 
@@ -44,7 +43,6 @@ def _steps(q, k, v, beta, step: bool) -> int:
         fail("v", f"shape {(*lead, n, 'N', 'E')} ([B,{t}n,N,E])", np.shape(v))
     if np.shape(beta) != (*lead, n, v.shape[-2]):
         fail("beta", f"shape {(*lead, n, v.shape[-2])} ([B,{t}n,N])", np.shape(beta))
-    checks.finite(beta, "beta", "finite values (a write strength)")
     if n < 1:
         fail("k", "at least one step per token (n >= 1)", f"n = {n}")
     return n

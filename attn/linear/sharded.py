@@ -5,10 +5,19 @@
 (causal), ``attn.delta_rule``, ``attn.delta_product``, ``attn.ssd`` and
 ``attn.short_conv`` on whole arrays whose T is split over one mesh axis, each
 device running the single-device form on its contiguous span and the states
-chained across devices (``attn.linear.chain``). Any batch size, an initial
-state, the final state, packed segments across device boundaries; T need
-not be a multiple of the devices (the tail is padded with padding tokens,
-which change no state).
+chained across devices (``attn.linear.chain``). Any batch size (a multiple
+of the devices of ``batch_axes``, which split it), an initial state, the final
+state, packed segments across device boundaries; T need not be a multiple of
+the devices (the tail is padded with padding tokens, which change no state).
+The mesh has Auto axes (``jax.sharding.Mesh``) or Explicit ones
+(``jax.make_mesh``), passed or the context mesh of ``jax.set_mesh``; the arrays
+come whole or already laid out, and the call is eager or jitted.
+
+The arguments are checked as the one-device form checks them: shapes and
+options by tracing it on the whole shapes (``attn.linear.drive.check_whole``),
+values (gate signs, ``A``, ``dt``, segment ids) by its own checks on the
+values as given, so where they are concrete and not under a trace; then the
+mesh and its axes (``check_mesh``). All before ``shard_map`` sees them.
 
 How each family reads its transition ``M`` off one pass from a zero state:
 the state's columns along the value axis evolve independently, each by the
@@ -27,12 +36,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from attn.checks import fail
+from attn.checks import fail, segment_values
 from attn.conv import short_conv
+from attn.linear import attention, delta, mamba
 from attn.linear.attention import LinearState, linear_attention
 from attn.linear.chain import Recurrence
 from attn.linear.delta import delta_rule
-from attn.linear.drive import check_whole, drive, finish
+from attn.linear.drive import check_mesh, check_whole, drive, finish
 from attn.linear.mamba import ssd
 from attn.linear.product import delta_product
 
@@ -80,6 +90,20 @@ def _widen(x, extra: int):
 def _start(zeros, eye):
     """A state ``[..., E + e]``: zeros, then ``eye [..., e]`` (the extra columns)."""
     return jnp.concatenate([zeros, jnp.broadcast_to(eye, (*zeros.shape[:-1], eye.shape[-1]))], -1)
+
+
+# ----------------------------------------------------------------------------
+# Values
+#
+# check_whole traces the one-device form on abstract values, where its value
+# checks see nothing; each sharded form calls those same checks again on the
+# values as given (skipped under a trace, as there), before shard_map traces them.
+
+
+def _check_ids(**ids):
+    """Segment ids ``[B,T]`` (or None) by name: the values every one-device form refuses."""
+    for name, x in ids.items():
+        segment_values(x, name)
 
 
 # ----------------------------------------------------------------------------
@@ -146,7 +170,8 @@ def sharded_linear_attention(
       axis_name: the mesh axis T is split over (contiguous spans).
       mesh: a ``jax.sharding.Mesh`` (Auto or Explicit axes), or None for the
         context mesh of ``jax.set_mesh``.
-      batch_axes: mesh axes that split B as well.
+      batch_axes: other mesh axes, splitting B (their devices must divide it);
+        the remaining axes split nothing (Auto ones are left to XLA).
       exchange: how the devices pass their states on (``attn.linear.chain.EXCHANGES``):
         ``"gather"`` (one all-gather of every device's transition and state,
         the default) or ``"scan"`` (an associative scan in log2 P rounds of
@@ -174,11 +199,14 @@ def sharded_linear_attention(
         initial_state=state,
         **options,
     )
+    B, T, N = jnp.shape(q)[:3]
+    check_mesh(mesh, axis_name, batch_axes, B)
+    _check_ids(q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+    attention.check_decay(decay, log_gates, B, T, N, causal=True, ids=kv_segment_ids)
     params = dict(decay=None if decay is None else jnp.asarray(decay, jnp.float32))
     params["projection"] = projection
     aux = dict(neg=negative_gates, q_seg=q_segment_ids, seg=kv_segment_ids)
     rec = _linear(options)
-    T = jnp.shape(q)[1]
     kw = dict(T=T, axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
     arrays = {k_: None if x is None else jnp.asarray(x) for k_, x in arrays.items()}
     y, final = drive(rec, arrays, params, aux, state, **kw)
@@ -243,6 +271,8 @@ def sharded_ssd(
     check_whole(
         ssd, x, dt, A, B, C, D=D, segment_ids=segment_ids, initial_state=initial_state, **options
     )
+    check_mesh(mesh, axis_name, batch_axes, jnp.shape(x)[0])
+    mamba.check_inputs(x, dt, A, B, C, D, step=False, ids=segment_ids)  # the values, as given
     tokens = dict(x=jnp.asarray(x), dt=jnp.asarray(dt), B=jnp.asarray(B), C=jnp.asarray(C))
     params = dict(A=jnp.asarray(A), D=None if D is None else jnp.asarray(D))
     kw = dict(
@@ -266,7 +296,7 @@ def _delta(options, product: bool):
             t["v"],
             t["beta"],
             log_gates=t.get("log_gates"),
-            q_segment_ids=a.get("seg"),
+            q_segment_ids=a.get("q_seg"),
             kv_segment_ids=a.get("seg"),
             initial_state=state,
             return_state=True,
@@ -286,8 +316,10 @@ def _delta(options, product: bool):
     return Recurrence(run, transition, _left, _left_t, zeros)
 
 
-def _delta_call(product, q, k, v, beta, log_gates, seg, state, return_state, kw, options):
+def _delta_call(product, q, k, v, beta, log_gates, ids, state, return_state, kw, options):
+    """Both sharded delta forms; ``ids`` ``(q_segment_ids, kv_segment_ids)``."""
     fn = delta_product if product else delta_rule
+    q_seg, seg = ids
     check_whole(
         fn,
         q,
@@ -295,22 +327,21 @@ def _delta_call(product, q, k, v, beta, log_gates, seg, state, return_state, kw,
         v,
         beta,
         log_gates=log_gates,
-        q_segment_ids=seg,
+        q_segment_ids=q_seg,
         kv_segment_ids=seg,
         initial_state=state,
         **options,
     )
+    check_mesh(kw["mesh"], kw["axis_name"], kw["batch_axes"], jnp.shape(q)[0])
+    lead, N, H = jnp.shape(q)[:2], jnp.shape(v)[-2], jnp.shape(q)[-1]
+    _check_ids(q_segment_ids=q_seg, kv_segment_ids=seg)
+    delta.check_values(beta, log_gates, lead, N, H, seg)  # the values, as given
     tokens = dict(q=q, k=k, v=v, beta=beta, log_gates=log_gates)
     tokens = {name: None if x is None else jnp.asarray(x) for name, x in tokens.items()}
     kw = dict(kw, T=jnp.shape(q)[1])
-    y, final = drive(_delta(options, product), tokens, {}, dict(seg=seg), state, **kw)
+    aux = dict(q_seg=q_seg, seg=seg)
+    y, final = drive(_delta(options, product), tokens, {}, aux, state, **kw)
     return finish(y, final, return_state)
-
-
-def _one_seg(q_segment_ids, kv_segment_ids):
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
-    return kv_segment_ids
 
 
 def sharded_delta_rule(
@@ -341,9 +372,9 @@ def sharded_delta_rule(
     Returns:
       out ``[B,T,N,E]``, or ``(out, state [B,N,H,E])`` with ``return_state``.
     """
-    seg = _one_seg(q_segment_ids, kv_segment_ids)
+    ids = (q_segment_ids, kv_segment_ids)
     kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
-    args = (q, k, v, beta, log_gates, seg, initial_state, return_state, kw, options)
+    args = (q, k, v, beta, log_gates, ids, initial_state, return_state, kw, options)
     return _delta_call(False, *args)
 
 
@@ -365,9 +396,9 @@ def sharded_delta_product(
     **options,
 ):
     """``attn.delta_product`` with T sharded over ``axis_name`` (as ``sharded_delta_rule``)."""
-    seg = _one_seg(q_segment_ids, kv_segment_ids)
+    ids = (q_segment_ids, kv_segment_ids)
     kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
-    args = (q, k, v, beta, log_gates, seg, initial_state, return_state, kw, options)
+    args = (q, k, v, beta, log_gates, ids, initial_state, return_state, kw, options)
     return _delta_call(True, *args)
 
 
@@ -423,6 +454,8 @@ def sharded_short_conv(
       ``(y [B,T,D], new_state [B,W-1,D])`` as ``attn.short_conv``.
     """
     check_whole(short_conv, x, weight, bias, state=state, segment_ids=segment_ids)
+    check_mesh(mesh, axis_name, batch_axes, jnp.shape(x)[0])
+    _check_ids(segment_ids=segment_ids)
     W = jnp.shape(weight)[0]
     x = jnp.asarray(x)
     if W == 1:  # no window: every token alone

@@ -209,6 +209,28 @@ def test_delta_rule_and_linear_attention():
     assert_isolated(fn, (q, k, v, beta, log_gates), (PAD,) * 5)
 
 
+def test_value_checks_read_real_tokens_only():
+    """Eagerly, where values are checked: junk in the padding of dt, beta and log gates is
+    not refused (padding holds anything), the same junk at a real token is, in one line."""
+    seg = ROWS["kv_segment_ids"]
+    ids = dict(q_segment_ids=seg, kv_segment_ids=seg)
+    x, Bm = normal(30, (B, T, N, H)), normal(31, (B, T, K, H))
+    dt, A = _fill(jax.nn.softplus(normal(32, (B, T, N))), PAD, _junk((B, T, N))), -jnp.ones(N)
+    q, k = normal(33, (B, T, K, H)), normal(34, (B, T, K, H))
+    beta = _fill(jax.nn.sigmoid(normal(35, (B, T, N))), PAD, _junk((B, T, N)))
+    gates = _fill(-jnp.abs(normal(36, (B, T, N))), PAD, _junk((B, T, N)))
+    assert np.isfinite(attn.ssd(x, dt, A, Bm, Bm, segment_ids=seg)).all()
+    assert np.isfinite(attn.delta_rule(q, k, x, beta, log_gates=gates, **ids)).all()
+    assert np.isfinite(attn.linear_attention(x, x, x, log_gates=gates, **ids)).all()
+    real = (0, 0, 1)  # a real token's entry
+    with pytest.raises(ValueError, match=r"^dt: expected finite values >= 0 .*got 1 non-finite"):
+        attn.ssd(x, dt.at[real].set(jnp.inf), A, Bm, Bm, segment_ids=seg)
+    with pytest.raises(ValueError, match=r"^beta: expected finite values .*got 1 non-finite"):
+        attn.delta_rule(q, k, x, beta.at[real].set(jnp.nan), **ids)
+    with pytest.raises(ValueError, match=r"^log_gates: expected values <= 0"):
+        attn.linear_attention(x, x, x, log_gates=gates.at[real].set(jnp.nan), **ids)
+
+
 FUNCTION_KINDS = sorted(
     name for name, kind in models.KINDS.items() if issubclass(kind.module, FunctionAttention)
 )
