@@ -106,6 +106,13 @@ def _check_ids(**ids):
         segment_values(x, name)
 
 
+def _continued(aux: dict, state, options: dict) -> dict:
+    """The keywords of a one-device call on a span: its ids, the state it continues from
+    and returns, and the caller's options."""
+    ids = dict(q_segment_ids=aux.get("q_seg"), kv_segment_ids=aux.get("seg"))
+    return dict(ids, initial_state=state, return_state=True, **options)
+
+
 # ----------------------------------------------------------------------------
 # Linear attention (and with it Mamba-2's SSD, its special case)
 
@@ -120,11 +127,7 @@ def _linear(options):
             decay=p.get("decay"),
             projection=p.get("projection"),
             negative_gates=a.get("neg"),
-            q_segment_ids=a.get("q_seg"),
-            kv_segment_ids=a.get("seg"),
-            initial_state=state,
-            return_state=True,
-            **options,
+            **_continued(a, state, options),
         )
 
     def zeros(t, p):
@@ -296,11 +299,7 @@ def _delta(options, product: bool):
             t["v"],
             t["beta"],
             log_gates=t.get("log_gates"),
-            q_segment_ids=a.get("q_seg"),
-            kv_segment_ids=a.get("seg"),
-            initial_state=state,
-            return_state=True,
-            **options,
+            **_continued(a, state, options),
         )
 
     def zeros(t, p):

@@ -36,6 +36,8 @@ def make_inputs(seed, T, n):
     v = rng.standard_normal((B, T, n, N, E)).astype(np.float32)
     beta = rng.uniform(0.05, 1.95, (B, T, n, N)).astype(np.float32)  # negative eigenvalues
     g = -rng.uniform(0.0, 0.4, (B, T, N)).astype(np.float32)
+    if T > 2:
+        g[:, 2, 0] = -np.inf  # the edge value: a gate of 0 forgets the state
     state = rng.standard_normal((B, N, H, E)).astype(np.float32)
     return q, k, v, beta, g, state
 

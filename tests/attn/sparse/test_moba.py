@@ -78,6 +78,26 @@ def test_top_1_reads_the_own_block_before_one_a_window_cuts():
     assert rel_err(out[:, 9:10], own) <= RTOL
 
 
+def test_tied_blocks_go_to_the_earlier_one_in_forward_and_decode():
+    """Blocks 0 to 3 hold the same keys (exactly tied gates): every query reads the earliest,
+    in the forward pass and in decode steps whose key sums a cache added one key at a time."""
+    q, k, v = qkv(6, B=1, T=24, N=2, H=4)
+    k = jnp.concatenate([jnp.tile(k[:, :4], (1, 4, 1, 1)), k[:, 16:]], axis=1)
+    kw = dict(block_size=4, top_k=2, mask=masks.causal())
+    forward = moba_attention(q, k, v, chunk=8, **kw)
+    sums = np.zeros(k.shape, np.float32)  # a cache's running sums, key by key
+    for s in range(24):
+        sums[:, s] = k[:, s] + (sums[:, s - 1] if s % 4 else 0)
+    for t in (9, 14, 23):
+        one = dict(q_positions=jnp.full((1, 1), t, jnp.int32), key_sums=sums)
+        step = moba_attention(q[:, t : t + 1], k, v, **kw, **one)
+        assert rel_err(step, forward[:, t : t + 1]) <= RTOL, t
+    # Query 9 (own block 2) reads block 0 of the tied 0 and 1, not block 1.
+    keys = np.r_[0:4, 8:10]
+    want = dot_product_attention(q[:, 9:10], k[:, keys], v[:, keys])
+    assert rel_err(forward[:, 9:10], want) <= RTOL
+
+
 MODIFIERS = {
     "alibi": dict(score_mod=scores.alibi(scores.alibi_slopes(N))),
     "softcap+sinks": dict(softcap=2.0, sink_logits=np.linspace(-1, 1, N, dtype=np.float32)),

@@ -100,6 +100,25 @@ def test_each_branch_covering_everything_is_dense_attention():
     assert rel_err(slc, dense) <= RTOL and rel_err(win, window) <= RTOL
 
 
+def test_tied_blocks_go_to_the_earlier_one_in_forward_and_decode():
+    """Every compressed block has the same key (their probabilities tie exactly): the
+    selection keeps the forced blocks and the earliest others, alike in the forward pass
+    and in single-query decode steps against a longer cache."""
+    t_len, S = 24, 28
+    q, k, v = qkv(7, B=1, T=t_len, S=S, N=N, K=K, H=H)
+    gates = jax.nn.sigmoid(normal(8, (1, t_len, N, 3)))
+    M = S // SIZES["compress_stride"]
+    ck = jnp.broadcast_to(normal(9, (1, 1, K, H)), (1, M, K, H))
+    cv = normal(10, (1, M, K, H))
+    kw = dict(chunk=8, mask=MASK, **SIZES)
+    forward = nsa_attention(q, k[:, :t_len], v[:, :t_len], gates, ck[:, : t_len // 2],
+                            cv[:, : t_len // 2], **kw)  # fmt: skip
+    for t in (9, 15, 23):
+        pos = dict(q_positions=jnp.full((1, 1), t, jnp.int32))
+        step = nsa_attention(q[:, t : t + 1], k, v, gates[:, t : t + 1], ck, cv, **kw, **pos)
+        assert rel_err(step, forward[:, t : t + 1]) <= RTOL, t
+
+
 def test_compression_windows_hold_each_complete_block():
     _, rows = inputs()
     x = jnp.broadcast_to(jnp.arange(T, dtype=jnp.float32)[None, :, None, None], (B, T, 1, 1))
