@@ -31,7 +31,9 @@ the same names.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import traceback
 from typing import ClassVar
 
 import jax.numpy as jnp
@@ -71,10 +73,11 @@ class FunctionAttention(SelfAttention):
     def _attention(self, q, k, v, *, impl="auto", return_weights=False, **call):
         del impl  # the function computes itself
         args = _layer_args(q, k, v, call, self.causal)
-        out = type(self).fn(q, k, v, **args)
+        fn = functools.partial(checked_call, type(self).fn, self.cfg.kind)
+        out = fn(q, k, v, **args)
         if not return_weights:
             return out
-        return out, probed_weights(type(self).fn, q, k, args)
+        return out, probed_weights(fn, q, k, args)
 
     def _cached(self, positions, kv_pos) -> dict:
         """A cached call's arguments, with ``kv_length``: position + 1 (decoders are causal,
@@ -143,6 +146,39 @@ def _check_for(fn, takes):
                 fail(field, f"unset ({fn.__name__} takes no {keyword})", repr(value))
 
     return check
+
+
+def checked_call(fn, kind: str, q, k, v, **args):
+    """``fn(q, k, v, **args)``, its output checked where the layer receives it: a floating
+    array ``[B,T,N,E]``. A wrong output, or an exception inside ``fn``, is one
+    ``ValueError`` naming the kind and the function (and the function's line that raised),
+    at the first trace, instead of a failure deep in the output projection."""
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    try:
+        out = fn(q, k, v, **args)
+    except Exception as e:
+        where = _own_line(fn, e)
+        text = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(
+            f"kind {kind!r}: expected {name} to return its output, got {type(e).__name__}: "
+            f"{text}{where}"
+        ) from e
+    want = (*q.shape[:3], v.shape[-1])
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != want or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        got = f"{dtype} {shape}" if shape is not None else type(out).__name__
+        fail(f"kind {kind!r}", f"{name} to return a floating array {want} = [B,T,N,E]", got)
+    return out
+
+
+def _own_line(fn, error: BaseException) -> str:
+    """`` (at file:line)``: the last frame of ``error``'s traceback in ``fn``'s file, if any."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    frames = traceback.extract_tb(error.__traceback__)
+    frames = [f for f in frames if f.filename == code.co_filename]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def _layer_args(q, k, v, call: dict, causal: bool) -> dict:

@@ -59,12 +59,17 @@ def translate(d: Dims, mask, is_causal, window, q_lengths, kv_lengths, q_positio
 
 
 def _window(window) -> tuple[int, int]:
-    """``local_window_size``: an int ``w`` (``(w, w)``) or a pair ``(left, right)``."""
-    if isinstance(window, int | np.integer) and not isinstance(window, bool):
-        return int(window), int(window)
-    if isinstance(window, tuple | list) and len(window) == 2:
-        return window[0], window[1]
-    fail("local_window_size", "an int or a pair (left, right) of non-negative ints", repr(window))
+    """``local_window_size``: an int ``w`` (``(w, w)``) or a pair ``(left, right)``, each a
+    non-negative int (checked here, so the error names the caller's argument)."""
+    pair = (window, window) if not isinstance(window, tuple | list) else tuple(window)
+    if len(pair) != 2 or not all(_count(x) for x in pair):
+        fail("local_window_size", "an int or a pair (left, right) of non-negative ints",
+             repr(window))  # fmt: skip
+    return int(pair[0]), int(pair[1])
+
+
+def _count(x) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool) and x >= 0
 
 
 def _within(ids, lengths, name: str, batch: int, length: int):

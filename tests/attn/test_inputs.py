@@ -116,6 +116,11 @@ NEAR_2_31 = np.arange(4, dtype=np.int64) + 2**31 - 2  # crosses 2**31: wraps as 
             "q_positions",
         ),
         (lambda: attn.decode_attention(Q4, Q4, Q4, lengths=np.array([2**32 + 3])), "lengths"),
+        # jax.nn-style arguments are named as the caller passed them (not the mask's "left")
+        (lambda: attn.attention(Q4, Q4, Q4, local_window_size=(-1, 2)), "local_window_size"),
+        (lambda: attn.attention(Q4, Q4, Q4, local_window_size=(1.5, 2)), "local_window_size"),
+        (lambda: attn.attention(Q4, Q4, Q4, local_window_size=(None, 2)), "local_window_size"),
+        (lambda: attn.attention(Q4, Q4, Q4, local_window_size=-3), "local_window_size"),
     ],
 )
 def test_values_that_cannot_be_right_are_refused_where_concrete(call, arg):

@@ -230,6 +230,43 @@ def test_family_is_inherited_from_a_registered_base_or_required(scratch):
     assert models.KINDS["softpick"].family == "softpick"
 
 
+def _int_output(q, k, v, **call):
+    return jnp.ones((*q.shape[:3], v.shape[-1]), jnp.int32)
+
+
+def _wide_output(q, k, v, **call):
+    return jnp.ones((*q.shape[:3], v.shape[-1] + 2), q.dtype)
+
+
+def _raises(q, k, v, **call):
+    raise RuntimeError("no kernel for this shape\nsecond line")
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (_int_output, r"expected .*_int_output to return a floating array \(2, 6, 2, 8\) "
+                      r"= \[B,T,N,E\], got int32 \(2, 6, 2, 8\)"),
+        (_wide_output, r"expected .*_wide_output to return a floating array .*got float32 "
+                       r"\(2, 6, 2, 10\)"),
+        (_raises, r"expected .*_raises to return its output, got RuntimeError: no kernel for "
+                  r"this shape \(at .*test_registry.py:\d+\)"),
+    ],
+    ids=["int32", "wrong_last_axis", "raises"],
+)  # fmt: skip
+def test_a_function_kinds_output_is_checked_where_the_layer_receives_it(scratch, fn, message):
+    """A wrong output, or an exception inside the function, is one line naming the kind and
+    the function, at the first trace (jitted), not a failure in the output projection."""
+    models.attention_kind("test_bad_fn", fn, family="x")
+    scratch.append((models.KINDS, "test_bad_fn"))
+    layer = models.KINDS["test_bad_fn"].config_class(num_heads=2, head_dim=8)
+    model = models.Decoder(ModelConfig(vocab_size=16, width=16, layers=(layer,)), rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, 6), jnp.int32)
+    with pytest.raises(ValueError, match=rf"^kind 'test_bad_fn': {message}") as e:
+        jax.jit(lambda t: model(t))(tokens)
+    assert "\n" not in str(e.value)
+
+
 def test_attention_kind_checks_its_arguments_and_taps_its_weights(scratch):
     """Bad arguments are named; a config setting the function takes no keyword for is
     refused; the weights tap (the function on one-hot values) gives the function's weights."""

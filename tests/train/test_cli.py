@@ -123,6 +123,32 @@ def test_pattern_refusals_and_plugin_flags_through_the_command_lines(tmp_path, c
     assert "marker plugin imported" in done.stderr
 
 
+BAD_KIND_PLUGIN = """
+import jax.numpy as jnp
+import models
+
+def int_attention(q, k, v, **call):
+    return jnp.ones((*q.shape[:3], v.shape[-1]), jnp.int32)
+
+models.attention_kind("int_out", int_attention, family="int")
+models.register_preset("int_out", lambda s: s.function("int_out"), description="an int output")
+"""
+
+
+def test_a_plugin_kind_returning_ints_ends_the_run_in_one_line(tmp_path):
+    """It trained silently on truncated outputs (status 0); now one line, status 2."""
+    (tmp_path / "int_plugin.py").write_text(BAD_KIND_PLUGIN)
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "--plugin", "int_plugin.py", "--config", TINY_CONFIG,
+         "--workdir", "w", "--model.pattern", "int_out", "--no-progress"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    )  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("error: kind 'int_out': expected int_plugin.int_attention to ")
+    assert lines[0].endswith("got int32 (8, 16, 2, 8)") and done.stdout == ""
+
+
 def test_layer_pattern_and_depth_from_the_command_line():
     base = load_config(TINY_CONFIG)
     model = with_pattern(base.model, "gqa,streaming", 5)
