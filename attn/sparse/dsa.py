@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from attn.checks import fail, positive_int
 from attn.masks import PADDING, drop_padding
 from attn.softmax.call import MASKED, CallArgs, check_call, takes_call_args
-from attn.sparse import gather
+from attn.sparse import exact, gather
 from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
 
 
@@ -48,44 +48,25 @@ def lightning_indexer(index_q, index_k, index_w):
     return jnp.einsum("BTI,BTIS->BTS", index_w.astype(jnp.float32), jax.nn.relu(s))
 
 
-# The largest magnitude of the 8-bit operands' integers, and the largest F for which their
-# dot product stays exact in float32 (every partial sum at most 2**24).
-LEVELS = 128
-MAX_INDEX_DIM = 2**24 // LEVELS**2
-
-
 def indexer_scores(index_q, index_k, index_w):
     """The scores the selection ranks: ``[B,T,S]`` float32, ``lightning_indexer`` on
     8-bit operands, computed exactly.
 
     Each indexer query (per token and head) and key (per token) is rounded to
-    integers of magnitude at most 128 times a power of two (a shared exponent,
-    as in the MX formats; the paper runs its indexer in FP8). Their dot product
-    is a sum of integer products, at most ``2**24`` (``F <= MAX_INDEX_DIM``):
-    exact in float32 in any summation order, on any matmul unit (bfloat16 and
-    TF32 hold such integers exactly). The heads are then summed one after
-    another, elementwise, so nothing depends on the shapes around a score.
-    Keys equal after rounding tie exactly, whatever rounding noise their float
-    values carry.
+    8 bits (``attn.sparse.exact``), so their dot products are exact; the heads
+    are then summed one after another, elementwise, so nothing depends on the
+    shapes around a score. Keys equal after rounding tie exactly, whatever
+    rounding noise their float values carry.
 
     Args: as ``lightning_indexer``'s.
     """
-    (qi, qs), (ki, ks) = _int8(index_q), _int8(index_k)
+    (qi, qs), (ki, ks) = exact.int8(index_q), exact.int8(index_k)
     dots = jnp.einsum("BTIF,BSF->BTIS", qi, ki, preferred_element_type=jnp.float32)
     w = index_w.astype(jnp.float32) * qs  # [B,T,I]: a head's weight times its query's scale
     score = jnp.zeros(dots.shape[:2] + dots.shape[3:], jnp.float32)
     for i in range(dots.shape[2]):  # a fixed order: a reduction's would follow the shapes
         score = score + w[:, :, i, None] * jax.nn.relu(dots[:, :, i])
     return score * ks[:, None, :]
-
-
-def _int8(x):
-    """``x [..., F]`` as ``(integers of magnitude <= 128 held in float32, scale [...])``, the
-    scale the power of two putting the largest magnitude in ``[64, 128)``."""
-    x = x.astype(jnp.float32)
-    _, exponent = jnp.frexp(jnp.abs(x).max(-1))  # a max is exact in any order
-    scale = jnp.ldexp(jnp.float32(1), exponent - 7)
-    return jnp.round(x / scale[..., None]), scale
 
 
 def check_indexer(c, index_q, index_k, index_w) -> None:
@@ -105,8 +86,7 @@ def check_indexer(c, index_q, index_k, index_w) -> None:
             f"F={index_q.shape[3]} and I={index_q.shape[2]} as index_q's",
             f"{index_k.shape} and {index_w.shape}",
         )
-    if index_q.shape[3] > MAX_INDEX_DIM:
-        fail("index_q", f"F <= {MAX_INDEX_DIM} (the exact 8-bit scores)", index_q.shape)
+    exact.check_dim(index_q.shape[3], "index_q", index_q.shape)
 
 
 @takes_call_args

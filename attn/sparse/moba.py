@@ -18,11 +18,11 @@ paper's rule: earlier blocks compete, the current one is kept. With
 is dense attention under the same mask. Blocks never cross a segment: packed
 sequences choose among their own blocks only.
 
-Ties go to the earlier block (``jax.lax.top_k``'s order). The gate is a
-float32 dot of the query and a block's mean, taken from running sums that a
-forward pass adds in a tree and a decode cache one key at a time: two blocks
-within float rounding of each other may be chosen differently by the two
-(DSA's indexer, whose scores are exact, never is).
+The gate is computed so that a forward pass, prefill chunks and decode steps
+see the same bits: a block's mean comes from running sums added one key after
+another in all of them (``block_key_sums``), and the dot product with the
+query is exact on 8-bit operands (``attn.sparse.exact``). Ties go to the
+earlier block (``jax.lax.top_k``'s order).
 
 Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
 attention ``top_k x block_size`` keys per query and head, never ``T x S``.
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from attn.checks import fail, positive_int
 from attn.masks import BlockKind, drop_padding
 from attn.softmax.call import CallArgs, check_call, takes_call_args
-from attn.sparse import gather, layout
+from attn.sparse import exact, gather, layout
 from attn.sparse import pallas as sparse_pallas
 from attn.sparse.gather import DEFAULT_CHUNK, chunks, split, unsplit
 
@@ -87,6 +87,7 @@ def moba_attention(
     block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
     chunk = positive_int(chunk, "chunk")
     sparse_pallas.check_impl(c, impl, platform, return_lse, "moba_attention")
+    exact.check_dim(c.dims.H, "q", q.shape)
     if key_sums is not None and getattr(key_sums, "shape", None) != k.shape:
         fail("key_sums", f"shape {k.shape}, as k's", getattr(key_sums, "shape", key_sums))
     out, lse = _moba(c, q, k, v, key_sums, block_size=block_size, top_k=top_k, chunk=chunk,
@@ -141,11 +142,7 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
         qc, pos, *rc = xs
         runs_c = layout.Runs(*rc)
         blk = layout.blocks(c.mask, runs_c, pos, block_size, S)
-        qg, f32 = qc.reshape(B, -1, K, G, H), jnp.float32
-        if shared is None:
-            gate = jnp.einsum("BCKGH,BCMKH->BCKGM", qg, means(blk), preferred_element_type=f32)
-        else:
-            gate = jnp.einsum("BCKGH,BMKH->BCKGM", qg, shared, preferred_element_type=f32)
+        gate = _gate(qc.reshape(B, -1, K, G, H), means(blk) if shared is None else shared)
         own = jnp.arange(J) == layout.own_block(runs_c, pos, block_size)[..., None]
         own &= blk.kind != int(BlockKind.EMPTY)
         # Read first: the own block, then the blocks seen in part, then the rest by gate.
@@ -164,24 +161,45 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
     return unsplit(start, T), unsplit(stop, T)
 
 
-def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None):
+def _gate(q, means):
+    """The gate ``[B,C,K,G,M]``: queries ``[B,C,K,G,H]`` against block means ``[B,C,M,K,H]``
+    (each query its own candidates) or ``[B,M,K,H]`` (shared), as exact dot products of
+    8-bit operands (``attn.sparse.exact``): the same bits in any chunk, batch or cache."""
+    (qi, qs), (mi, ms) = exact.int8(q), exact.int8(means)
+    f32 = jnp.float32
+    if means.ndim == 5:
+        dots = jnp.einsum("BCKGH,BCMKH->BCKGM", qi, mi, preferred_element_type=f32)
+        ms = jnp.moveaxis(ms, 2, 3)[:, :, :, None]  # [B,C,K,1,M]
+    else:
+        dots = jnp.einsum("BCKGH,BMKH->BCKGM", qi, mi, preferred_element_type=f32)
+        ms = jnp.moveaxis(ms, 1, 2)[:, None, :, None]  # [B,1,K,1,M]
+    return dots * qs[..., None] * ms
+
+
+def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None, carry=None):
     """Each key's running sum along its block: ``[B,S,K,H]`` float32.
 
     Blocks are ``position // block_size`` within each segment's run of keys
     (``attn.sparse.layout``); key s holds the sum of its block's keys up to and
-    including s, so a block's last key holds the block's sum. A decode cache
-    keeps these beside the keys: a new key's sum is its predecessor's plus
-    itself, or itself where its block starts.
+    including s, so a block's last key holds the block's sum. The sums are
+    added one key after another (a left fold), as a decode cache adds them: a
+    new key's sum is its predecessor's plus itself, or itself where its block
+    starts. So a forward pass, prefill chunks and decode steps hold the same
+    bits, and MoBA's gate sees the same means in all of them.
 
     Args:
       k: ``[B,S,K,H]``; kv_positions, kv_segment_ids: ``[B,S]`` (default ``arange(S)``,
         one segment).
+      carry: ``[B,K,H]`` or None: the running sum the first key's block held before it
+        (a cache's, where the chunk continues a block begun earlier; zeros elsewhere).
     """
     k = jnp.asarray(k)
     block_size = positive_int(block_size, "block_size")
     if k.ndim != 4:
         fail("k", "keys [B,S,K,H]", k.shape)
     B, S = k.shape[:2]
+    if carry is not None and getattr(carry, "shape", None) != (B, *k.shape[2:]):
+        fail("carry", f"shape {(B, *k.shape[2:])} = [B,K,H]", getattr(carry, "shape", carry))
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if kv_positions is None
                            else jnp.asarray(kv_positions, jnp.int32), (B, S))  # fmt: skip
     ids = jnp.ones((B, S), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
@@ -189,11 +207,16 @@ def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None
     starts = jnp.concatenate(
         [jnp.ones((B, 1), bool), (block[:, 1:] != block[:, :-1]) | (ids[:, 1:] != ids[:, :-1])], 1
     )
+    s = jnp.arange(S, dtype=jnp.int32)
+    # Keys before each in its block; positions that do not grow by 1 (which check_runs
+    # refuses where it sees them) restart the fold every block_size keys.
+    offset = (s - jax.lax.cummax(jnp.where(starts, s, 0), axis=1)) % block_size
+    k32 = k.astype(jnp.float32)
+    if carry is not None:
+        k32 = k32.at[:, 0].add(carry.astype(jnp.float32))
 
-    def add(a, b):  # a segmented sum: a run restarts where a block starts
-        (a_start, a_sum), (b_start, b_sum) = a, b
-        keep = b_start[..., None, None]
-        return a_start | b_start, jnp.where(keep, b_sum, a_sum + b_sum)
+    def add(o, sums):  # the keys at offset o: their predecessor's finished sum plus themselves
+        before = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums[:, :-1]], axis=1)
+        return jnp.where((offset == o)[..., None, None], before + k32, sums)
 
-    _, sums = jax.lax.associative_scan(add, (starts, k.astype(jnp.float32)), axis=1)
-    return sums
+    return jax.lax.fori_loop(1, min(block_size, S), add, k32)

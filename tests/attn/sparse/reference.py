@@ -37,7 +37,8 @@ def groups(kv_pos, kv_seg, size: int, b: int, seg: int):
 def moba_reads(q, k, vis, q_pos, q_seg, kv_pos, kv_seg, *, block_size, top_k):
     """``[B,N,T,S]`` bool: the keys MoBA's gate gives each query head (Lu et al. 2025).
 
-    A block scores ``q . mean(k over the block)``; the query's own block, then the blocks it
+    A block scores ``q . mean(k over the block)`` (on 8-bit operands, ``exact_dot``); the
+    query's own block, then the blocks it
     sees in part, are kept first; blocks it sees whole compete; ``top_k`` blocks in all.
     """
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
@@ -54,7 +55,7 @@ def moba_reads(q, k, vis, q_pos, q_seg, kv_pos, kv_seg, *, block_size, top_k):
                     if not seen.any():
                         continue
                     own = j == int(q_pos[b, t]) // block_size
-                    gate = q[b, t, n] @ k[b, keys, n // G].mean(0)
+                    gate = exact_dot(q[b, t, n], k[b, keys, n // G].mean(0))
                     rank = 2 if own else 1 if not seen.all() else 0
                     scored.append((rank, gate, keys))
                 scored.sort(key=lambda x: (-x[0], -x[1]))  # stable: ties keep block order
@@ -69,15 +70,23 @@ def dsa_scores(index_q, index_k, index_w):
     return np.einsum("bti,btis->bts", iw, np.maximum(np.einsum("btif,bsf->btis", iq, ik), 0))
 
 
+def int8(x):
+    """``x [..., F]`` rounded to integers times the power of two that puts its largest
+    magnitude in [64, 128): ``(integers, scale [...])`` (the sparse methods' 8-bit scores)."""
+    x = np.asarray(x, np.float64)
+    scale = 2.0 ** (np.frexp(np.abs(x).max(-1, keepdims=True))[1] - 7)
+    return np.round(x / scale), scale[..., 0]
+
+
+def exact_dot(a, b):
+    """``a . b`` on 8-bit operands (``int8``)."""
+    (ai, sa), (bi, sb) = int8(a), int8(b)
+    return float(ai @ bi) * sa * sb
+
+
 def dsa_selection_scores(index_q, index_k, index_w):
-    """``dsa_scores`` on 8-bit operands: each indexer query (per token and head) and key
-    rounded to integers times the power of two that puts its largest magnitude in [64, 128)."""
-
-    def int8(x):
-        x = np.asarray(x, np.float64)
-        scale = 2.0 ** (np.frexp(np.abs(x).max(-1, keepdims=True))[1] - 7)
-        return np.round(x / scale), scale[..., 0]
-
+    """``dsa_scores`` on 8-bit operands (``int8``): each indexer query (per token and head)
+    and key rounded."""
     (qi, qs), (ki, ks) = int8(index_q), int8(index_k)
     w = np.asarray(index_w, np.float64) * qs
     return dsa_scores(qi, ki, w) * ks[:, None, :]
