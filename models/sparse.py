@@ -299,11 +299,11 @@ class MobaAttention(SparseAttention):
         """The new keys' running sums: their own block's, continuing the cached one where
         the first new key's block began before it."""
         bs = self.cfg.block_size
+        sums = attn.sparse.block_key_sums(k, bs, kv_positions=positions)
         before = jnp.maximum(start - 1, 0)
         carry = read_positions(cache, cache.ksum, before[:, None])[:, 0]  # [B,K,H]
-        carry = jnp.where((start % bs != 0)[:, None, None], carry, 0.0)  # the block goes on
-        # The fold continues from the cached sum, so the sums are the forward pass's bits.
-        return (attn.sparse.block_key_sums(k, bs, kv_positions=positions, carry=carry),)
+        joins = (start % bs != 0)[:, None] & (positions // bs == (before // bs)[:, None])
+        return (sums + jnp.where(joins[..., None, None], carry[:, None], 0.0),)
 
     def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
         cfg = self.cfg

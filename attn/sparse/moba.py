@@ -18,11 +18,15 @@ paper's rule: earlier blocks compete, the current one is kept. With
 is dense attention under the same mask. Blocks never cross a segment: packed
 sequences choose among their own blocks only.
 
-The gate is computed so that a forward pass, prefill chunks and decode steps
-see the same bits: a block's mean comes from running sums added one key after
-another in all of them (``block_key_sums``), and the dot product with the
-query is exact on 8-bit operands (``attn.sparse.exact``). Ties go to the
-earlier block (``jax.lax.top_k``'s order).
+The gate's dot product is exact on 8-bit operands (``attn.sparse.exact``), so
+equal means give the same bits in a forward pass, prefill chunks and decode
+steps, and ties go to the earlier block (``jax.lax.top_k``'s order). A block's
+mean comes from running sums that a forward pass adds as a tree and a cache
+one key at a time: they may differ in the last bit, which the 8-bit rounding
+absorbs unless a mean lies on a rounding boundary (about one entry in 10^5
+for a one-ulp difference). A left fold everywhere would make them exact at
+``block_size`` sequential steps over the keys, which costs more than the
+attention on a GPU.
 
 Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
 attention ``top_k x block_size`` keys per query and head, never ``T x S``.
@@ -176,30 +180,24 @@ def _gate(q, means):
     return dots * qs[..., None] * ms
 
 
-def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None, carry=None):
+def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None):
     """Each key's running sum along its block: ``[B,S,K,H]`` float32.
 
     Blocks are ``position // block_size`` within each segment's run of keys
     (``attn.sparse.layout``); key s holds the sum of its block's keys up to and
-    including s, so a block's last key holds the block's sum. The sums are
-    added one key after another (a left fold), as a decode cache adds them: a
-    new key's sum is its predecessor's plus itself, or itself where its block
-    starts. So a forward pass, prefill chunks and decode steps hold the same
-    bits, and MoBA's gate sees the same means in all of them.
+    including s, so a block's last key holds the block's sum. A decode cache
+    keeps these beside the keys: a new key's sum is its predecessor's plus
+    itself, or itself where its block starts.
 
     Args:
       k: ``[B,S,K,H]``; kv_positions, kv_segment_ids: ``[B,S]`` (default ``arange(S)``,
         one segment).
-      carry: ``[B,K,H]`` or None: the running sum the first key's block held before it
-        (a cache's, where the chunk continues a block begun earlier; zeros elsewhere).
     """
     k = jnp.asarray(k)
     block_size = positive_int(block_size, "block_size")
     if k.ndim != 4:
         fail("k", "keys [B,S,K,H]", k.shape)
     B, S = k.shape[:2]
-    if carry is not None and getattr(carry, "shape", None) != (B, *k.shape[2:]):
-        fail("carry", f"shape {(B, *k.shape[2:])} = [B,K,H]", getattr(carry, "shape", carry))
     pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) if kv_positions is None
                            else jnp.asarray(kv_positions, jnp.int32), (B, S))  # fmt: skip
     ids = jnp.ones((B, S), jnp.int32) if kv_segment_ids is None else jnp.asarray(kv_segment_ids)
@@ -207,16 +205,11 @@ def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None
     starts = jnp.concatenate(
         [jnp.ones((B, 1), bool), (block[:, 1:] != block[:, :-1]) | (ids[:, 1:] != ids[:, :-1])], 1
     )
-    s = jnp.arange(S, dtype=jnp.int32)
-    # Keys before each in its block; positions that do not grow by 1 (which check_runs
-    # refuses where it sees them) restart the fold every block_size keys.
-    offset = (s - jax.lax.cummax(jnp.where(starts, s, 0), axis=1)) % block_size
-    k32 = k.astype(jnp.float32)
-    if carry is not None:
-        k32 = k32.at[:, 0].add(carry.astype(jnp.float32))
 
-    def add(o, sums):  # the keys at offset o: their predecessor's finished sum plus themselves
-        before = jnp.concatenate([jnp.zeros_like(sums[:, :1]), sums[:, :-1]], axis=1)
-        return jnp.where((offset == o)[..., None, None], before + k32, sums)
+    def add(a, b):  # a segmented sum: a run restarts where a block starts
+        (a_start, a_sum), (b_start, b_sum) = a, b
+        keep = b_start[..., None, None]
+        return a_start | b_start, jnp.where(keep, b_sum, a_sum + b_sum)
 
-    return jax.lax.fori_loop(1, min(block_size, S), add, k32)
+    _, sums = jax.lax.associative_scan(add, (starts, k.astype(jnp.float32)), axis=1)
+    return sums
