@@ -11,10 +11,18 @@ checkpoint is left as it was. Ctrl-C lets the current step finish, saves a
 checkpoint of it, prints it and the command that resumes, and exits with
 status 130 (a second Ctrl-C stops at once, keeping the checkpoints written);
 a bad config or a workdir holding another run's config is one line on stderr
-and status 2. In a job of several processes, a collective that fails because
-another process stopped (killed, crashed) is one line on stderr and status 3,
-at once: the process exits without JAX's shutdown barrier, which would wait
-out the coordinator's heartbeat timeout for the process that is gone.
+and status 2.
+
+In a job of several processes, when one process stops (killed, crashed, a
+typo in its flags) every other ends with one ``error:`` line on stderr and
+status 3: at once when it was training (a collective that fails exits without
+JAX's shutdown barrier, which would wait out the coordinator's heartbeat
+timeout for the process that is gone), and after ``ATTNLAB_JOIN_TIMEOUT``
+seconds (60 by default) when the job never formed, the line naming the process
+that did not join. For that the command trains in a child process and speaks
+for it (``train.supervisor``): JAX aborts a process that loses the job's
+coordinator, or whose job does not form, with a C++ fatal log and stack trace,
+which the command holds back (the line names the file it is kept in).
 
 ``--mesh data=2,fsdp=4`` (the ``TrainConfig.mesh`` field) trains sharded over a
 device mesh (``train.sharding``); a run may resume under another mesh. A ``seq``
@@ -34,6 +42,13 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
+
+from train import supervisor  # noqa: E402
+
+if __name__ == "__main__" and supervisor.wanted():  # a job of several processes: before JAX
+    status = supervisor.supervise(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(status)
 
 import jax  # noqa: E402
 

@@ -13,7 +13,10 @@ It acts when the environment describes a multi-process job:
   (``mpirun``) with ``OMPI_COMM_WORLD_SIZE > 1``, a Cloud TPU pod slice with
   several hosts in ``TPU_WORKER_HOSTNAMES``.
 
-Otherwise (one process, the usual case) it does nothing.
+Otherwise (one process, the usual case) it does nothing. The processes wait
+``ATTNLAB_JOIN_TIMEOUT`` seconds (60 by default, ``train.supervisor.join_timeout``)
+for each other to join; then JAX aborts each, and ``python -m train`` says which
+process did not join.
 
 Batches. Every process builds the same global batch (the tasks' batches are a
 function of ``(seed, step)``), takes the block its own devices hold
@@ -33,6 +36,9 @@ from collections.abc import Callable, Mapping
 import jax
 import numpy as np
 
+# EXIT_PEER_LOST: ``python -m train``'s exit status when another process of the job stopped.
+from train.supervisor import EXIT_PEER_LOST, join_timeout
+
 __all__ = [
     "EXIT_PEER_LOST",
     "initialize",
@@ -43,9 +49,6 @@ __all__ = [
     "process_block",
     "put_batch",
 ]
-
-# ``python -m train``'s exit status when a collective failed because another process stopped.
-EXIT_PEER_LOST = 3
 
 # The variables that make a launch explicit (JAX reads only the first itself).
 EXPLICIT = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
@@ -74,12 +77,14 @@ def multihost_settings(environ: Mapping[str, str] | None = None) -> dict | None:
       environ: the environment (default ``os.environ``).
 
     Returns:
-      None for a single process; ``{}`` where JAX detects the cluster itself;
-      ``{coordinator_address, num_processes, process_id}`` for an explicit launch.
+      None for a single process; ``{initialization_timeout}`` where JAX detects the
+      cluster itself; ``{coordinator_address, num_processes, process_id,
+      initialization_timeout}`` for an explicit launch.
 
     Raises:
       ValueError: naming the variable, for an explicit launch with
-        ``JAX_NUM_PROCESSES`` or ``JAX_PROCESS_ID`` missing or out of range.
+        ``JAX_NUM_PROCESSES`` or ``JAX_PROCESS_ID`` missing or out of range, or a
+        malformed ``ATTNLAB_JOIN_TIMEOUT``.
     """
     environ = os.environ if environ is None else environ
     address = environ.get("JAX_COORDINATOR_ADDRESS")
@@ -90,13 +95,18 @@ def multihost_settings(environ: Mapping[str, str] | None = None) -> dict | None:
             raise ValueError(
                 f"JAX_PROCESS_ID: expected an int in [0, JAX_NUM_PROCESSES={count}), got {index}"
             )
-        return {"coordinator_address": address, "num_processes": count, "process_id": index}
+        return {
+            "coordinator_address": address,
+            "num_processes": count,
+            "process_id": index,
+            "initialization_timeout": join_timeout(environ),
+        }
     for _, marker, count in CLUSTERS:
         value = environ.get(count, "")
         if marker in environ and value.isdigit() and int(value) > 1:
-            return {}
+            return {"initialization_timeout": join_timeout(environ)}
     hosts = [h for h in environ.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    return {} if len(hosts) > 1 else None
+    return {"initialization_timeout": join_timeout(environ)} if len(hosts) > 1 else None
 
 
 def initialize(environ: Mapping[str, str] | None = None, *, init: Callable | None = None) -> bool:

@@ -8,12 +8,15 @@ state chain and the ring cross process boundaries. One process with 4 devices
 is the reference: 2 processes of 2 devices train its first 2 steps (and save),
 and one process of 4 devices resumes that checkpoint for the last 2 (the
 reference's program, from the compilation cache); the losses and the final
-parameters equal the reference's. A killed process makes the other exit at once
-with one ``error:`` line.
+parameters equal the reference's. A killed process, the coordinator (process 0)
+included, makes the other exit at once with one ``error:`` line; one that never
+joins (a typo in its flags) makes it exit after the join timeout, naming it.
 """
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -42,14 +45,23 @@ def free_port() -> int:
 
 
 def launch(
-    workdir, processes: int, devices: int, *extra: str, cache=None
+    workdir,
+    processes: int,
+    devices: int,
+    *extra: str,
+    cache=None,
+    own=None,
+    environ=None,
+    logs=None,
 ) -> list[subprocess.Popen]:
     """``python -m train`` as ``processes`` processes of ``devices`` fake CPU devices each
-    (compiling into ``cache``, the tests' folder, when given)."""
+    (compiling into ``cache``, the tests' folder, when given). ``own[i]``: process i's own
+    flags; ``environ``: more variables; ``logs``: a folder for each process's stderr
+    (``process{i}.err``), else a pipe."""
     port = free_port()
     procs = []
     for i in range(processes):
-        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+        env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", **(environ or {}))
         if cache is not None:
             env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
         flags = (
@@ -62,11 +74,13 @@ def launch(
             )
             env["JAX_PROCESS_ID"] = str(i)
         argv = [sys.executable, "-m", "train", *RUN, "--workdir", str(workdir), *extra]
+        argv += (own or {}).get(i, ())
+        err = subprocess.PIPE if logs is None else (Path(logs) / f"process{i}.err").open("w")
         procs.append(
-            subprocess.Popen(
-                argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
+            subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         )
+        if logs is not None:
+            err.close()  # the process has its own copy
     return procs
 
 
@@ -109,22 +123,132 @@ def test_processes_train_and_resume_as_one_process(tmp_path, compilation_cache_d
     assert rel_err(final_params(job), final_params(ref)) <= 1e-6
 
 
-def test_a_killed_process_stops_the_others_with_one_line(tmp_path, compilation_cache_dir):
-    # No checkpoints after the first: a kill that lands in orbax's save barrier is waited
-    # out by the coordinator's heartbeat (~100 s), another path than this test's; here the
-    # survivor is in its training steps' collectives, which fail at once.
-    run = ("--mesh", "data=2", "--steps", "100000", "--ckpt-every", "100000")
-    procs = launch(tmp_path / "w", 2, 1, *run, cache=compilation_cache_dir)
-    metrics = tmp_path / "w" / "metrics.jsonl"
+# No checkpoints after the first: a kill that lands in orbax's save barrier is waited out
+# by the coordinator's heartbeat (~100 s), another path than these tests'.
+LONG = ("--mesh", "data=2", "--steps", "100000", "--ckpt-every", "100000")
+
+
+@contextlib.contextmanager
+def ending(procs):
+    """Kills the processes still running at the end: a failed check must not leave a job
+    training (its training processes go with them)."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def wait_for(procs, path):
+    """Until ``path`` holds something, every process still running."""
     deadline = time.monotonic() + TIMEOUT_S
-    while not (metrics.exists() and metrics.read_text().strip()) and time.monotonic() < deadline:
+    while not (path.exists() and path.read_text().strip()) and time.monotonic() < deadline:
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
-        time.sleep(0.5)
-    procs[1].send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    code, out, err = finish(procs[:1])[0]
-    procs[1].wait()
+        time.sleep(0.1)
+
+
+def test_a_killed_process_stops_the_others_with_one_line(tmp_path, compilation_cache_dir):
+    # Here the survivor is in its training steps' collectives, which fail at once.
+    with ending(launch(tmp_path / "w", 2, 1, *LONG, cache=compilation_cache_dir)) as procs:
+        wait_for(procs, tmp_path / "w" / "metrics.jsonl")
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        code, out, err = finish(procs[:1])[0]
+        procs[1].wait()
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 3 and out == "" and len(errors) == 1, err[-3000:]
     assert "another process of the job has stopped" in errors[0]
     assert time.monotonic() - killed < 60  # at once, not after the 100 s heartbeat timeout
+
+
+# A C++ fatal log: glog's F lines, a check failure, the stack trace's frames.
+FATAL_LOG = r"F\d{4} |\*\*\* |\s*@ +0x"
+
+
+def lines_since(log: Path, offset: int) -> list[str]:
+    """The non-empty lines written to ``log`` after its first ``offset`` bytes, XLA's
+    warnings about its compilation cache aside (as ``test_signals.py``)."""
+    text = log.read_bytes()[offset:].decode(errors="replace")
+    return [line for line in text.splitlines() if line.strip() and "cpu_aot_loader" not in line]
+
+
+def alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    with contextlib.suppress(OSError):
+        return stat.read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    return False
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="python -m train supervises on Linux")
+@pytest.mark.parametrize("moment", ["config.json", "metrics.jsonl"])
+def test_a_killed_coordinator_stops_the_others_with_one_line(
+    tmp_path, compilation_cache_dir, moment
+):
+    """Process 0, the job's coordinator, killed while process 1 compiles its first step
+    (``config.json`` is written: JAX's client aborts process 1, a fatal log and a stack
+    trace) and while it trains (a collective fails, unless the abort wins the race): one
+    line, and the command's training process goes with it."""
+    kept = {"TMPDIR": str(tmp_path)}  # where JAX's log, held back, is kept
+    job = launch(
+        tmp_path / "w", 2, 1, *LONG, cache=compilation_cache_dir, environ=kept, logs=tmp_path
+    )
+    with ending(job) as procs:
+        wait_for(procs, tmp_path / "w" / moment)
+        trainer = children(procs[0].pid)
+        offset = (tmp_path / "process1.err").stat().st_size
+        procs[0].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = procs[1].communicate(timeout=TIMEOUT_S)
+        took = time.monotonic() - killed
+        procs[0].wait()
+    lines = lines_since(tmp_path / "process1.err", offset)
+    assert procs[1].returncode == 3 and out == "" and len(lines) == 1, lines
+    assert lines[0].startswith("error: process 1 of 2") and "Check failure" not in lines[0]
+    assert took < 10, took  # at once, not after the 100 s heartbeat timeout
+    assert len(trainer) == 1  # process 0's training process, which its end took along
+    deadline = time.monotonic() + 10
+    while alive(trainer[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(trainer[0])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="python -m train supervises on Linux")
+def test_a_process_that_never_joins_is_named_by_the_others(tmp_path, compilation_cache_dir):
+    """A typo in one process's flags: it exits with status 2 before joining, and the other
+    ends after the join timeout (3 s here, 60 by default) naming it; both ways round."""
+    jobs = {
+        bad: launch(tmp_path / f"bad{bad}", 2, 1, "--mesh", "data=2", own={bad: ["--no-such"]},
+                    environ={"ATTNLAB_JOIN_TIMEOUT": "3", "TMPDIR": str(tmp_path)},
+                    cache=compilation_cache_dir)
+        for bad in (0, 1)
+    }  # fmt: skip
+    started = time.monotonic()
+    with ending([*jobs[0], *jobs[1]]):
+        for bad, procs in jobs.items():
+            out, _ = procs[bad].communicate(timeout=TIMEOUT_S)
+            assert procs[bad].returncode == 2 and out == ""
+        for bad, procs in jobs.items():
+            out, err = procs[1 - bad].communicate(timeout=TIMEOUT_S)
+            lines = [line for line in err.splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith("error:")]
+            assert procs[1 - bad].returncode == 3 and out == "" and len(errors) == 1, lines
+            assert not [line for line in lines if re.match(FATAL_LOG, line)], lines
+            assert errors[0].startswith(
+                f"error: process {1 - bad} of 2: the job did not form within 3 s "
+                f"(ATTNLAB_JOIN_TIMEOUT): process {bad} did not join"
+            )
+            kept = re.search(r"\(JAX's log: (\S+)\)$", errors[0])  # the abort held back
+            assert "RegisterTask" in Path(kept.group(1)).read_text()
+    assert time.monotonic() - started < 30  # not jax.distributed's 300 s
