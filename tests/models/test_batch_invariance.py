@@ -30,6 +30,7 @@ def test_the_kinds_cover_every_registered_layer_kind():
     assert used == set(models.KINDS)
 
 
+@pytest.mark.integration  # 17 decoders: about 10 s, beside the fast tier's 4 minutes
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_a_rows_logits_are_the_same_bits_beside_any_other_row(kind):
     model = nnx.clone(model_for(KINDS[kind]))
