@@ -72,7 +72,11 @@ def test_signature_is_a_superset_of_jax_nn():
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     ("dtype", "group_num", "use_vmap"),
-    [(jnp.bfloat16, 1, False), (jnp.float16, 2, True), (jnp.bfloat16, 4, True)],
+    [
+        (jnp.bfloat16, 1, False),
+        pytest.param(jnp.float16, 2, True, marks=pytest.mark.integration),  # float16: slow tier
+        (jnp.bfloat16, 4, True),
+    ],
     ids=["bf16-1", "f16-2-vmap", "bf16-4-vmap"],
 )
 def test_dot_product_attention(impl, dtype, group_num, use_vmap):
@@ -103,14 +107,16 @@ def test_dot_product_attention(impl, dtype, group_num, use_vmap):
     close(dV_ref, dV_ans, 0.01)
 
 
+# Each mode alone in the fast tier; their compositions (jax's own cases) in the integration tier.
+_COMBINED = pytest.mark.integration
 MASK_MODES = [
     ("bias",),
     ("causal",),
     ("padding",),
     ("custom",),
-    ("causal", "padding"),
-    ("custom", "padding"),
-    ("bias", "causal"),
+    pytest.param(("causal", "padding"), marks=_COMBINED, id="causal+padding"),
+    pytest.param(("custom", "padding"), marks=_COMBINED, id="custom+padding"),
+    pytest.param(("bias", "causal"), marks=_COMBINED, id="bias+causal"),
     ("causal", "sliding_window"),
 ]
 
