@@ -17,6 +17,10 @@ config may switch on (``score``, ``softcap``, ``sink_logits``) reach ``fn`` as
 ``score_mod``, ``softcap`` and ``sink_logits`` when it takes them, and are
 refused by name when it does not.
 
+The layer checks what ``fn`` returns (a floating ``[B,T,N,E]`` array) and turns
+an exception inside it into one ``ValueError`` naming the kind, the function
+and its line (``checked_call``), at the first trace.
+
 The layer (``FunctionAttention``, a ``models.SelfAttention``) supplies the
 rest: the projections, RoPE, the masks of ``MaskedConfig``, every decode cache
 (contiguous, ring buffer, paged), the batch sharding and the weights tap,
