@@ -21,7 +21,8 @@ fi
 status=0
 for tier in "${tiers[@]}"; do
   case "$tier" in
-    fast) cmd=(python -m pytest -n "$workers" --dist loadfile -q) ;;
+    # worksteal: an idle worker takes the other's tests (one file per worker left one idle).
+    fast) cmd=(python -m pytest -n "$workers" --dist worksteal -q) ;;
     devices) cmd=(env XLA_FLAGS="--xla_force_host_platform_device_count=8 ${XLA_FLAGS:-}"
                   python -m pytest -m devices tests/devices -n "$workers" --dist load -q) ;;
     integration) cmd=(python -m pytest -m integration -n "$workers" --dist loadfile -q) ;;
