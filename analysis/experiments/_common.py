@@ -135,24 +135,30 @@ def train_run(config, out_dir: Path, name: str, *, progress: bool = False) -> tu
 def run_all(worker, todo: Sequence, jobs: int, report=None) -> dict:
     """``{item: worker(item)}`` for every item of ``todo``, ``jobs`` at a time.
 
-    With ``jobs > 1`` each runs in a spawned process pinned to a core
-    (``train.compare.worker_init``; ``worker`` must be picklable, a module-level
-    function or a ``functools.partial`` of one); ``report(item, result)`` is called
-    as each finishes.
+    With ``jobs > 1`` (and several items) each runs in a spawned process pinned
+    to a core (``train.compare.worker_init``; ``worker`` must be picklable, a
+    module-level function or a ``functools.partial`` of one), and Ctrl-C stops
+    the workers (their runs keep their checkpoints); ``report(item, result)`` is
+    called as each finishes.
     """
     import multiprocessing
+    import os
+    import signal
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     import train.compare
     from train import plugins
 
     results = {}
-    if jobs == 1:
+    if jobs == 1 or len(todo) <= 1:
         for item in todo:
             results[item] = worker(item)
             if report is not None:
                 report(item, results[item])
         return results
+    if train.interrupt.active():
+        signal.signal(signal.SIGINT, train.compare.stop_workers)
+        os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         jobs,

@@ -3,12 +3,9 @@ from its summary when finished."""
 
 from __future__ import annotations
 
+import functools
 import json
-import multiprocessing
-import os
-import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +25,11 @@ def _train(config, workdir: str, desc: str) -> dict[str, Any]:
     return summary
 
 
+def _train_run(scale: Scale, out: Path, run: Run) -> dict[str, Any]:
+    """``run`` of ``scale`` under ``out/runs`` (picklable for the workers)."""
+    return _train(train_config(scale, run), str(_common.run_dir(out, run.name)), run.name)
+
+
 def _finished(workdir: Path) -> dict[str, Any] | None:
     """A finished run's summary, read back (None: not finished, or unreadable)."""
     path = workdir / "summary.json"
@@ -42,9 +44,6 @@ def _finished(workdir: Path) -> dict[str, Any] | None:
 def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run, dict]:
     """Trains every unfinished run of ``scale`` under ``out/runs``; returns every summary."""
     from tqdm.auto import tqdm
-
-    import train.compare
-    from train import interrupt, plugins
 
     todo, summaries = [], {}
     for run in runs(scale):
@@ -62,23 +61,6 @@ def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run
         )
         bar.update(1)
 
-    args = [(train_config(scale, r), str(_common.run_dir(out, r.name)), r.name) for r in todo]
-    if jobs == 1 or len(todo) <= 1:
-        for run, a in zip(todo, args, strict=True):
-            report(run, _train(*a))
-    else:
-        if interrupt.active():  # Ctrl-C stops the workers; their runs keep their checkpoints
-            signal.signal(signal.SIGINT, train.compare.stop_workers)
-            os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(
-            jobs,
-            mp_context=context,
-            initializer=train.compare.worker_init,
-            initargs=(context.Value("i", 0), plugins.loaded()),
-        ) as pool:
-            futures = {pool.submit(_train, *a): run for run, a in zip(todo, args, strict=True)}
-            for future in as_completed(futures):
-                report(futures[future], future.result())
+    _common.run_all(functools.partial(_train_run, scale, out), todo, jobs, report)
     bar.close()
     return summaries

@@ -151,3 +151,6 @@ def test_bad_input():
         indexed_topk_attention(q, k, v, iq, ik[..., :2], iw, top_k=4)
     with pytest.raises(ValueError, match="mask"):
         indexer_loss(q, k, iq, ik, iw, mask=jnp.ones((T, T), bool))
+    long = jnp.zeros((B, T, I, 1025))  # past the exact 8-bit dot product (1024 terms)
+    with pytest.raises(ValueError, match=r"^index_q: expected a last axis of at most 1024"):
+        indexed_topk_attention(q, k, v, long, jnp.zeros((B, T, 1025)), iw, top_k=4)
