@@ -41,8 +41,18 @@ class FlashConfig:
     bwd_block_k: int  # dk/dv kernel: keys per program
     platform: str  # lowered for: "cpu", "gpu" or "tpu" (not necessarily the host's)
     interpret: bool
-    num_warps: int | None
+    num_warps: int | None  # Triton launch of the forward kernel (None off a GPU)
     num_stages: int | None
+    bwd_num_warps: int | None = None  # of the dq and dk/dv kernels (None: the forward's)
+    bwd_num_stages: int | None = None
+
+    def launch(self, backward: bool = False) -> tuple[int | None, int | None]:
+        """``(num_warps, num_stages)`` of the forward kernel, or of the backward kernels."""
+        if not backward:
+            return self.num_warps, self.num_stages
+        warps = self.num_warps if self.bwd_num_warps is None else self.bwd_num_warps
+        stages = self.num_stages if self.bwd_num_stages is None else self.bwd_num_stages
+        return warps, stages
 
     @property
     def blocks(self) -> BlockSpec:
@@ -67,9 +77,10 @@ class KernelInts(NamedTuple):
     keep: jax.Array | None = None  # the boolean mask array as int8 in pair_layout
 
 
-def flash_call(config: FlashConfig, kernel, name: str, grid, in_specs, out_specs, out_shape):
+def flash_call(config: FlashConfig, kernel, name: str, grid, in_specs, out_specs, out_shape,
+               backward: bool = False):  # fmt: skip
     """``pl.pallas_call`` of one of the kernels with the config's interpret mode and
-    compiler parameters."""
+    compiler parameters (the backward kernels' launch settings where ``backward``)."""
     return pl.pallas_call(
         functools.partial(kernel, config),
         grid=grid,
@@ -77,7 +88,7 @@ def flash_call(config: FlashConfig, kernel, name: str, grid, in_specs, out_specs
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=config.interpret,
-        compiler_params=compiler_params(config),
+        compiler_params=compiler_params(config, backward),
         name=name,
     )
 
@@ -95,8 +106,9 @@ def row_inputs(config: FlashConfig, ints: KernelInts, q_rows, kv_rows) -> tuple[
 PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
-def compiler_params(config: FlashConfig):
-    """Triton launch settings when lowering for a GPU; nothing elsewhere.
+def compiler_params(config: FlashConfig, backward: bool = False):
+    """Triton launch settings when lowering for a GPU (the forward kernel's, or with
+    ``backward`` the dq and dk/dv kernels'); nothing elsewhere.
 
     Chosen by the platform lowered for, never by the host: on a CPU host
     exporting for ``cuda``, asking ``jax.default_backend()`` would leave the
@@ -107,7 +119,8 @@ def compiler_params(config: FlashConfig):
         return None
     from jax.experimental.pallas import triton as plgpu  # loads Triton's lowering: GPU only
 
-    return plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    num_warps, num_stages = config.launch(backward)
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def allowed(mask: masks.Mask, q_pos, k_pos):

@@ -21,7 +21,9 @@ zeros, soft-cap, learned sink logits, GQA/MQA, any T and S) as Pallas kernels:
 
 T and S are padded to whole blocks inside (padding keys are masked, padding
 rows dropped); on a compiled GPU the head dims are padded to powers of two, as
-Triton requires. Block sizes come from ``attn.pallas.blocks``.
+Triton requires. Block sizes and launch settings come from
+``attn.pallas.tuning``'s cache where the GPU has a measured entry for the case,
+else from ``attn.pallas.blocks``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from jax.experimental import pallas as pl
 from attn import scores
 from attn.checks import as_arrays, fail, positive_int
 from attn.pallas import blocks as blocks_lib
+from attn.pallas import tuning
 from attn.pallas.common import (
     PLATFORMS,
     FlashConfig,
@@ -73,6 +76,8 @@ def flash_attention(
     block_k: int | None = None,
     interpret: bool | None = None,
     platform: str | None = None,
+    tiles: blocks_lib.Blocks | None = None,
+    device_kind: str | None = None,
     **call_args: Unpack[CallArgs],
 ):
     """Softmax attention as Pallas kernels (forward and FlashAttention-2 backward).
@@ -88,15 +93,24 @@ def flash_attention(
       return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
         sees nothing), which ``attn.merge_attention`` merges and which is
         differentiable.
-      block_q, block_k: tile sizes for every kernel; None takes
-        ``attn.pallas.blocks.BLOCKS`` for the platform. Compiled, they must be
-        powers of two >= 16.
+      block_q, block_k: tile sizes for every kernel, over ``tiles`` and the
+        cache; None takes ``tiles``, else the tuning cache's entry for the GPU
+        (``attn.pallas.tuning``), else ``attn.pallas.blocks.BLOCKS`` for the
+        platform. Compiled, they must be powers of two >= 16.
       interpret: run the kernels in Pallas interpret mode; None means on a CPU.
       platform: the platform the kernels are lowered for: ``"gpu"`` (or
         ``"cuda"``/``"rocm"``: Triton), ``"tpu"`` or ``"cpu"``; None is
         ``jax.default_backend()``. Give it to ``jax.export`` a call for an
         accelerator from another host: the blocks, the launch parameters and
         interpret mode follow it.
+      tiles: every tile and launch setting at once (``attn.pallas.blocks.Blocks``;
+        launch settings None take the defaults), instead of the cache's entry
+        or ``BLOCKS``: what a sweep times. Tiles longer than the sequence shrink
+        to it.
+      device_kind: the GPU (``jax.Device.device_kind``, e.g. ``"NVIDIA H200"``)
+        whose tuning-cache entry to use; None: the host's default device when
+        compiling for a GPU on one (interpret mode and lowering from a CPU then
+        take the defaults).
       **call_args: the call (``attn.softmax.call.CallArgs``), as in
         ``attn.dot_product_attention`` (segment ids: id 0 is padding).
 
@@ -106,14 +120,16 @@ def flash_attention(
     q, k, v = as_arrays(q, k, v)
     call = check_call(q, k, v, **call_args)
     return attend(call, q, k, v, return_lse=return_lse, block_q=block_q, block_k=block_k,
-                  interpret=interpret, platform=platform)  # fmt: skip
+                  interpret=interpret, platform=platform, tiles=tiles,
+                  device_kind=device_kind)  # fmt: skip
 
 
 def attend(call: Call, q, k, v, *, return_lse=False, block_q=None, block_k=None, interpret=None,
-           platform=None):  # fmt: skip
+           platform=None, tiles=None, device_kind=None):  # fmt: skip
     """``flash_attention`` of a checked call (see there)."""
     q, k, v = call.isolate(q, k, v)
-    config = _config(call, block_q, block_k, interpret, platform)
+    dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    config = _config(call, dtype, block_q, block_k, interpret, platform, tiles, device_kind)
     ints = _kernel_ints(config, call)
     qp, kp, vp = _padded_operands(config, q, k, v)
     N = call.dims.N
@@ -129,14 +145,15 @@ def attend(call: Call, q, k, v, *, return_lse=False, block_q=None, block_k=None,
     return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
 
 
-def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
+def _config(call: Call, dtype, block_q, block_k, interpret, platform, tiles=None,
+            device_kind=None) -> FlashConfig:  # fmt: skip
     """The call's kernel settings: interpret mode, the tiles and the launch parameters."""
     given = jax.default_backend() if platform is None else platform
     if given not in PLATFORMS:
         fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
     platform = PLATFORMS[given]
     interpret = platform == "cpu" if interpret is None else bool(interpret)
-    table = blocks_lib.platform_blocks("cpu" if interpret else platform)
+    table = _table(call, dtype, platform, interpret, tiles, device_kind)
     minimum = 1 if interpret else blocks_lib.MIN_BLOCK
     T, S = call.dims.T, call.dims.S
     bq, bk, bwd_bq, bwd_bk = (
@@ -149,6 +166,8 @@ def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
         )
     )
     num_warps = table.num_warps or (4 if call.dims.H <= 64 else 8)
+    bwd_num_warps = table.bwd_num_warps or num_warps
+    bwd_num_stages = table.num_stages if table.bwd_num_stages is None else table.bwd_num_stages
     return FlashConfig(
         call=call.spec(),
         block_q=bq,
@@ -159,7 +178,27 @@ def _config(call: Call, block_q, block_k, interpret, platform) -> FlashConfig:
         interpret=interpret,
         num_warps=None if interpret else num_warps,
         num_stages=None if interpret else table.num_stages,
+        bwd_num_warps=None if interpret else bwd_num_warps,
+        bwd_num_stages=None if interpret else bwd_num_stages,
     )
+
+
+def _table(call: Call, dtype, platform: str, interpret: bool, tiles, device_kind):
+    """The settings before explicit block sizes: ``tiles``, else the tuning cache's entry
+    for the device (named, or the host's GPU when compiling for one), else ``BLOCKS``."""
+    if tiles is not None:
+        return tuning.check_tiles(tiles, compiled=not interpret)
+    if device_kind is not None:
+        if not isinstance(device_kind, str) or not device_kind:
+            fail("device_kind", "a jax.Device.device_kind string or None", repr(device_kind))
+    elif platform == "gpu" and not interpret:
+        device_kind = tuning.host_device_kind()
+    if device_kind is not None:
+        d = call.dims
+        found = tuning.lookup(device_kind, tuning.case(d.H, d.E, dtype, call.mask, d.T, d.S))
+        if found is not None:
+            return found
+    return blocks_lib.platform_blocks("cpu" if interpret else platform)
 
 
 def _padded_lengths(config: FlashConfig) -> tuple[int, int]:
@@ -213,7 +252,7 @@ def _round_up(n: int, block: int) -> int:
 
 
 def _head_pad(d: int) -> int:
-    return max(blocks_lib.next_power_of_2(d), blocks_lib.MIN_BLOCK)
+    return blocks_lib.padded_head_dim(d)
 
 
 def _pad(x, length: int, mode: str, last: int | None = None):

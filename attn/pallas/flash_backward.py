@@ -17,6 +17,13 @@ The score modifier (soft-cap included) is differentiated per tile with
 the dq kernel, which owns query rows, writes those of the q leaves and a
 per-program partial of the head leaves' (summed outside); the dk/dv kernel,
 which owns key columns, those of the k leaves.
+
+Tiles and launch: the dq kernel walks the forward's schedule, so it has the
+forward's tiles (``block_q``, ``block_k``); the dk/dv kernel has its own
+(``bwd_block_q``, ``bwd_block_k``). Both launch with the backward's Triton
+settings (``FlashConfig.launch(backward=True)``: ``bwd_num_warps`` and
+``bwd_num_stages``, the forward's where not set), which the tuning cache
+(``attn.pallas.tuning``) may give apart from the forward's.
 """
 
 from __future__ import annotations
@@ -122,7 +129,7 @@ def _dq(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kernel
         out_specs.append(pl.BlockSpec((None, None, bq, Sp), lambda b, n, i: (b, n, i, 0)))
         out_shape.append(jax.ShapeDtypeStruct((B, N, q.shape[1], Sp), jnp.float32))
     call = flash_call(config, _dq_kernel, "attn_flash_dq", (B, N, nq), in_specs + specs,
-                      out_specs, out_shape)  # fmt: skip
+                      out_specs, out_shape, backward=True)  # fmt: skip
     dq, *rest = call(*args, *leaves, *pair_args)
     dbias = rest.pop() if bias is not None else None
     n_head = len(mod["head"])
@@ -239,7 +246,7 @@ def _dkdv(config: FlashConfig, q, k, v, d_out, lse, delta, mod, bias, ints: Kern
     pair_args = [x for x in (bias, ints.keep) if x is not None]
     specs += [pair_by_key(config, x) for x in pair_args]
     call = flash_call(config, _dkdv_kernel, "attn_flash_dkdv", (B, K, nk), in_specs + specs,
-                      out_specs, out_shape)  # fmt: skip
+                      out_specs, out_shape, backward=True)  # fmt: skip
     dk, dv, *d_k = call(*args, *leaves, *pair_args)
     return dk, dv, d_k
 

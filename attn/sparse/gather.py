@@ -63,7 +63,7 @@ def logits(c: Call, q, k, index, real, q_rows):
     q_pos, q_seg, t0 = q_rows
     B, Ci, K, Gs, _ = index.shape
     C, G, H = q.shape[1], c.dims.G, c.dims.H
-    kg = take(k, index)  # [B,C|1,K,Gs,M,H]
+    kg = take(k, index).astype(q.dtype)  # [B,C|1,K,Gs,M,H]: float32 k (see gathered_attention)
     qg = q.reshape(B, C, K, G, H)
     f32 = jnp.float32
     if Ci == 1 and C > 1:
@@ -146,6 +146,11 @@ def gathered_attention(c: Call, q, k, v, start, stop, *, block: int, chunk: int 
     """
     B, T, _, N, K, G, _, E = c.dims
     q, k, v = c.isolate(q, k, v)
+    # A gather's gradient sums the parts of every query that read a key, over the chunk and
+    # then over the chunks: gathered from float32 copies, that sum is float32 and bf16 keys
+    # and values are rounded once (summed in bf16, dk was 2e-2 off at 256 queries a chunk).
+    # The matmuls still take the inputs' dtype.
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     start, stop = per_kv_head(start, K, G), per_kv_head(stop, K, G)
     C, n = chunks(T, chunk)
     xs = (

@@ -154,3 +154,25 @@ def test_bad_input():
     long = jnp.zeros((B, T, I, 1025))  # past the exact 8-bit dot product (1024 terms)
     with pytest.raises(ValueError, match=r"^index_q: expected a last axis of at most 1024"):
         indexed_topk_attention(q, k, v, long, jnp.zeros((B, T, 1025)), iw, top_k=4)
+
+
+def test_bf16_gradients_of_keys_read_by_many_queries_are_summed_in_float32():
+    # Every query of one 256-query chunk reads every earlier key: a key's gradient sums up
+    # to 256 parts. Summed in bf16 (the gathered keys' dtype) dk was 2.1e-2 off the float32
+    # computation on the same values; summed in float32 and rounded once, 2.9e-3.
+    T = 256
+    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(3, B=1, T=T, N=2, K=1, H=32))
+    index = (jnp.ones((1, T, 1, 4)), jnp.ones((1, T, 4)), jnp.ones((1, T, 1)))
+    ct = normal(4, (1, T, 2, 32))
+
+    def grads(q, k, v):
+        def loss(q, k, v):
+            out = indexed_topk_attention(q, k, v, *index, top_k=T, chunk=T, mask=MASK)
+            return (out.astype(jnp.float32) * ct).sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    low = grads(q, k, v)
+    want = grads(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, got, w in zip("qkv", low, want, strict=True):
+        assert got.dtype == jnp.bfloat16 and rel_err(got.astype(jnp.float32), w) < 4e-3, name
