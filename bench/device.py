@@ -53,8 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/device.py`
-    sys.path.insert(0, str(ROOT))
+# The repository first, always: run as a script, this folder leads sys.path, and with the
+# root on PYTHONPATH too (as on a device machine) bench/models.py would shadow `models`.
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 from bench._device_common import Context  # noqa: E402
 

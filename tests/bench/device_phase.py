@@ -3,6 +3,8 @@
 import os
 import time
 
+import models  # noqa: F401  (the package, not bench/models.py: see bench/device.py's sys.path)
+
 TITLE = "A test phase"
 WEIGHT = 1.0
 

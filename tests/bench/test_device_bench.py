@@ -28,7 +28,8 @@ def test_the_budget_is_shared_by_weight_and_phases_are_named(bench):
 
 
 @pytest.mark.integration
-def test_a_crash_and_an_overrun_cost_their_own_items_only(bench, tmp_path):
+def test_a_crash_and_an_overrun_cost_their_own_items_only(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(bench.ROOT))  # as tools/device_run.sh runs it
     phase = "tests.bench.device_phase"
     cfg = bench.Config(dry_run=True, phases=(phase,), budget_seconds=8.0, out_dir=str(tmp_path))
     bench.GRACE_SECONDS, grace = 2.0, bench.GRACE_SECONDS
