@@ -193,7 +193,10 @@ def main(cfg: Config) -> dict:
                          "try --dry-run")  # fmt: skip
     info.update(peak_tflops=peak_tflops(info["kind"]), dry_run=cfg.dry_run)
     fla = Path(cfg.fla_path) if Path(cfg.fla_path).is_absolute() else ROOT / cfg.fla_path
-    phases = {}
+    kind = "dry-run" if cfg.dry_run else info["kind"].replace(" ", "_")
+    out = Path(cfg.out_dir) if Path(cfg.out_dir).is_absolute() else ROOT / cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    phases, files = {}, []
     for n, name in enumerate(cfg.phases):
         module, begun = modules[name], time.time()
         weights = [modules[p].WEIGHT for p in cfg.phases[n:]]
@@ -213,20 +216,16 @@ def main(cfg: Config) -> dict:
                     context=dataclasses.asdict(context))  # fmt: skip
         timeout = min(share, end - begun) + GRACE_SECONDS
         rows = run_child(spec, timeout) if items else []
+        # A phase's own files are written before the next phase starts: the families and
+        # the training step then run the Pallas kernel with the settings just tuned.
+        finish = getattr(module, "finish", None)
+        files += [str(p) for p in finish(rows, info, out)] if finish else []
         phases[name] = dict(share_seconds=share, seconds=time.time() - begun, rows=rows)
         print(f"{name}: {count_statuses(rows)} in {phases[name]['seconds']:.0f} s "
               f"of {share:.0f}", flush=True)  # fmt: skip
-    kind = "dry-run" if cfg.dry_run else info["kind"].replace(" ", "_")
-    out = Path(cfg.out_dir) if Path(cfg.out_dir).is_absolute() else ROOT / cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     result = dict(device=info, config=dataclasses.asdict(cfg), phases=phases,
-                  fla_commit=fla_commit(fla))  # fmt: skip
-    files = []
-    for name in cfg.phases:
-        finish = getattr(modules[name], "finish", None)
-        if finish is not None:
-            files += [str(p) for p in finish(phases[name]["rows"], info, out)]
-    result.update(files=files, wall_seconds=time.time() - started)
+                  fla_commit=fla_commit(fla), files=files,
+                  wall_seconds=time.time() - started)  # fmt: skip
     (out / f"device-{kind}.json").write_text(json.dumps(result, indent=2, default=float) + "\n")
     table = markdown(result, modules)
     (out / f"device-{kind}.md").write_text(table)

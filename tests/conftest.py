@@ -32,12 +32,16 @@ import gc
 import os
 import shutil
 import tempfile
+from importlib.metadata import version
 
 COMPILE_FAST = (
     "--xla_backend_optimization_level=0"
     " --xla_cpu_use_fusion_emitters=false"
     " --xla_cpu_parallel_codegen_split_count=1"
 )
+if tuple(int(x) for x in version("jaxlib").split(".")[:2]) >= (0, 11):
+    # jaxlib 0.11's XLA has no fusion-emitter flag, and an unknown XLA flag ends the process.
+    COMPILE_FAST = COMPILE_FAST.replace(" --xla_cpu_use_fusion_emitters=false", "")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {COMPILE_FAST}".strip()
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="attnlab_xla_cache_")
