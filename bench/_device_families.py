@@ -781,7 +781,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         f"Each step holds {TOKENS} tokens (B x T); chunks of {CHUNK}; bf16 inputs, float32 "
         "states. Cells: best time / useful TFLOP/s (the same count for ours and the peer; "
         "bench/_device_families.py says which) / share of the bf16 peak"
-        + (f" (measured matmul: {matmul:.0f} TFLOP/s)" if matmul else "")
+        + (f" (measured matmul: {matmul:.3g} TFLOP/s)" if matmul else "")
         + ". ours / peer: the time ratio (below 1: ours is faster). Match: the largest "
         "difference from the peer, relative to its largest value, of the output and of the "
         "worst gradient, on the first batch row.",
