@@ -26,11 +26,14 @@ __all__ = [
     "concrete",
     "default_positions",
     "fail",
+    "float_array",
     "in_range",
     "positions",
     "positive_float",
     "positive_int",
     "qkv_dims",
+    "query_scale",
+    "same_token_segment_ids",
     "segment_ids",
     "segment_values",
 ]
@@ -215,3 +218,31 @@ def segment_values(x, name: str) -> None:
     if value is not None and value.size and value.min() < 0:
         fail(name, "ids >= 0 (0 is padding, >= 1 a segment)", f"min {value.min()}")
     in_range(x, name, 0, MAX_ID, "ids (int32)")
+
+
+def float_array(x, name: str, rank: int, layout: str) -> None:
+    """Refuses ``x`` unless it is a rank-``rank`` real floating-point array with no empty
+    axis (``layout`` names its axes, e.g. ``"[B,T,K,H]"``)."""
+    if getattr(x, "ndim", None) != rank:
+        fail(name, f"a rank-{rank} array {layout}", f"shape {getattr(x, 'shape', type(x))}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        fail(name, "a real floating-point array", f"dtype {x.dtype}")
+    if 0 in x.shape:
+        fail(name, "non-empty axes (no size 0)", f"shape {tuple(x.shape)}")
+
+
+def query_scale(scale, H: int) -> float:
+    """The fixed-state families' ``scale`` argument: None is ``1/sqrt(H)``."""
+    if scale is None:
+        return H**-0.5
+    return positive_float(scale, "scale", "a positive finite number or None (1/sqrt(H))")
+
+
+def same_token_segment_ids(q_segment_ids, kv_segment_ids, batch: int, length: int):
+    """Both or neither of the ids ``[B,T]`` of a causal recurrence, whose queries and keys are
+    the same tokens; as int32 (``segment_ids``)."""
+    q_seg = segment_ids(q_segment_ids, "q_segment_ids", batch, length)
+    kv_seg = segment_ids(kv_segment_ids, "kv_segment_ids", batch, length)
+    if (q_seg is None) != (kv_seg is None):
+        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
+    return q_seg, kv_seg

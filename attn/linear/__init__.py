@@ -10,6 +10,14 @@ Modules:
 * ``delta``: the delta rule (DeltaNet, Gated DeltaNet, KDA): ``delta_rule``
   (forms ``"recurrent"`` and ``"chunkwise"``, in ``delta_forms``) and
   ``delta_rule_step``;
+* ``dplr``: the DPLR delta rule (RWKV-7's diagonal-plus-low-rank transition):
+  ``dplr_delta_rule`` (``DPLR_FORMS``, in ``dplr_forms``) and
+  ``dplr_delta_rule_step``; ``sharded_dplr``: ``sharded_dplr_delta_rule``, on ``chain``;
+* ``log_linear``: log-linear attention (Guo et al. 2025), gated linear attention
+  over a Fenwick tree of states: ``log_linear_attention`` (``LOG_LINEAR_FORMS``,
+  in ``log_linear_forms``) and ``log_linear_attention_step``; log-linear Gated
+  DeltaNet: ``log_linear_delta_rule`` (``LOG_LINEAR_DELTA_FORMS``, in
+  ``log_linear_delta_forms``) and ``log_linear_delta_rule_step``;
 * ``mamba``: Mamba-2's SSD layer as the gated linear attention it is:
   ``ssd`` (forms ``SSD_FORMS``: recurrent, chunkwise, quadratic; negative
   eigenvalues), ``ssd_step``;
@@ -33,6 +41,7 @@ from attn.linear.attention import (
     linear_attention_step,
 )
 from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state
+from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
 from attn.linear.features import (
     EXP_KERNEL_MAPS,
     FEATURE_MAPS,
@@ -45,6 +54,16 @@ from attn.linear.features import (
     relu,
     taylor,
 )
+from attn.linear.log_linear import (
+    LOG_LINEAR_DELTA_FORMS,
+    LOG_LINEAR_FORMS,
+    LogLinearState,
+    init_log_linear_state,
+    log_linear_attention,
+    log_linear_attention_step,
+    log_linear_delta_rule,
+    log_linear_delta_rule_step,
+)
 from attn.linear.mamba import SSD_FORMS, init_ssd_state, ssd, ssd_decay, ssd_step
 from attn.linear.product import delta_product, delta_product_step
 from attn.linear.sharded import (
@@ -54,32 +73,45 @@ from attn.linear.sharded import (
     sharded_short_conv,
     sharded_ssd,
 )
+from attn.linear.sharded_dplr import sharded_dplr_delta_rule
 
 __all__ = [
     "DELTA_FORMS",
+    "DPLR_FORMS",
     "EXP_KERNEL_MAPS",
     "FEATURE_MAPS",
     "LINEAR_FORMS",
+    "LOG_LINEAR_DELTA_FORMS",
+    "LOG_LINEAR_FORMS",
     "SSD_FORMS",
     "LinearState",
+    "LogLinearState",
     "delta_product",
     "delta_product_step",
     "delta_rule",
     "delta_rule_step",
+    "dplr_delta_rule",
+    "dplr_delta_rule_step",
     "elu1",
     "favor",
     "favor_projection",
     "identity",
     "init_delta_state",
     "init_linear_state",
+    "init_log_linear_state",
     "init_ssd_state",
     "linear_attention",
     "linear_attention_step",
     "linear_feature_dim",
+    "log_linear_attention",
+    "log_linear_attention_step",
+    "log_linear_delta_rule",
+    "log_linear_delta_rule_step",
     "register_feature_map",
     "relu",
     "sharded_delta_product",
     "sharded_delta_rule",
+    "sharded_dplr_delta_rule",
     "sharded_linear_attention",
     "sharded_short_conv",
     "sharded_ssd",

@@ -80,24 +80,15 @@ def init_delta_state(batch: int, num_heads: int, head_dim: int, value_dim: int):
 # Validation
 
 
-def _check_float(x, name: str, rank: int, layout: str):
-    if getattr(x, "ndim", None) != rank:
-        fail(name, f"a rank-{rank} array {layout}", f"shape {getattr(x, 'shape', type(x))}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        fail(name, "a real floating-point array", f"dtype {x.dtype}")
-    if 0 in x.shape:
-        fail(name, "non-empty axes (no size 0)", f"shape {tuple(x.shape)}")
-
-
 def _dims(q, k, v, beta, step: bool):
     """Checks q, k ``[B,(T,)K,H]``, v ``[B,(T,)N,E]``, beta ``[B,(T,)N]``.
 
     Returns B, T, K, N, H, E (T = 1 for a step).
     """
     t = "" if step else "T,"
-    _check_float(q, "q", 3 if step else 4, f"[B,{t}K,H]")
-    _check_float(k, "k", q.ndim, f"[B,{t}K,H]")
-    _check_float(v, "v", q.ndim, f"[B,{t}N,E]")
+    checks.float_array(q, "q", 3 if step else 4, f"[B,{t}K,H]")
+    checks.float_array(k, "k", q.ndim, f"[B,{t}K,H]")
+    checks.float_array(v, "v", q.ndim, f"[B,{t}N,E]")
     if k.shape != q.shape:
         fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
     *lead, K, H = q.shape
@@ -127,23 +118,10 @@ def check_values(beta, log_gates, lead: tuple, N: int, H: int, ids=None) -> None
     checks.check_values(log_gates, ok, "log_gates", "values <= 0 (logs of gates in [0, 1])", ids)
 
 
-def _check_state(state, name: str, B: int, N: int, H: int, E: int):
+def check_state(state, name: str, B: int, N: int, H: int, E: int):
+    """Refuses a state unless it is ``[B,N,H,E]`` (the DPLR delta rule's too)."""
     if np.shape(state) != (B, N, H, E):
         fail(name, f"shape {(B, N, H, E)} = [B,N,H,E]", f"shape {np.shape(state)}")
-
-
-def _scale(scale, H: int) -> float:
-    if scale is None:
-        return H**-0.5
-    return checks.positive_float(scale, "scale", "a positive finite number or None (1/sqrt(H))")
-
-
-def _segments(q_segment_ids, kv_segment_ids, B: int, T: int):
-    q_seg = checks.segment_ids(q_segment_ids, "q_segment_ids", B, T)
-    kv_seg = checks.segment_ids(kv_segment_ids, "kv_segment_ids", B, T)
-    if (q_seg is None) != (kv_seg is None):
-        fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
-    return q_seg, kv_seg
 
 
 # ----------------------------------------------------------------------------
@@ -197,16 +175,16 @@ def delta_rule(
         fail("form", f"one of {DELTA_FORMS}", repr(form))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         fail("chunk_size", "a positive int", repr(chunk_size))
-    q_seg, kv_seg = _segments(q_segment_ids, kv_segment_ids, B, T)
+    q_seg, kv_seg = checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
     check_values(beta, log_gates, (B, T), N, H, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v, beta = drop_padding(q, q_seg), *(drop_padding(x, kv_seg) for x in (k, v, beta))
     if initial_state is not None:
-        _check_state(initial_state, "initial_state", B, N, H, E)
+        check_state(initial_state, "initial_state", B, N, H, E)
         initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
 
-    q32 = q.astype(jnp.float32) * _scale(scale, H)
+    q32 = q.astype(jnp.float32) * checks.query_scale(scale, H)
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
     beta32 = beta.astype(jnp.float32).reshape(B, T, K, G)
@@ -264,11 +242,11 @@ def delta_rule_step(q, k, v, beta, state, *, log_gates=None, scale: float | None
     B, _, K, N, H, E = _dims(q, k, v, beta, step=True)
     G = N // K
     check_values(beta, log_gates, (B,), N, H)
-    _check_state(state, "state", B, N, H, E)
+    check_state(state, "state", B, N, H, E)
     log_g = None if log_gates is None else log_gates.astype(jnp.float32)
     new, out = delta_forms.step(
         state.astype(jnp.float32).reshape(B, K, G, H, E),
-        q.astype(jnp.float32) * _scale(scale, H),
+        q.astype(jnp.float32) * checks.query_scale(scale, H),
         k.astype(jnp.float32),
         v.astype(jnp.float32).reshape(B, K, G, E),
         beta.astype(jnp.float32).reshape(B, K, G),

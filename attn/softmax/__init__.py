@@ -16,7 +16,9 @@ Modules, in the order a reader needs them:
 * ``tiles``: the tile layout of the blockwise kernels' operands, a score
   modifier's arrays included;
 * ``kernels``: the online-softmax forward and the FlashAttention-2 backward;
-* ``blockwise``: ``blockwise_attention`` and ``count_blocks``.
+* ``blockwise``: ``blockwise_attention`` and ``count_blocks``;
+* ``path``: PaTH attention (Householder-like transforms as position encoding),
+  naive and blockwise, and its decode-cache updates.
 
 Ring attention (``attn.ring``) and the Pallas kernels (``attn.pallas``) build
 on the same contract and schedule.
@@ -31,10 +33,12 @@ from attn.softmax.blockwise import (
 )
 from attn.softmax.call import Call, CallArgs, check_call
 from attn.softmax.dense import dot_product_attention, logits
+from attn.softmax.path import PATH_FORMS, path_attention, path_transform_keys, path_update_keys
 
 __all__ = [
     "DEFAULT_BLOCK_K",
     "DEFAULT_BLOCK_Q",
+    "PATH_FORMS",
     "BlockCounts",
     "Call",
     "CallArgs",
@@ -43,4 +47,7 @@ __all__ = [
     "count_blocks",
     "dot_product_attention",
     "logits",
+    "path_attention",
+    "path_transform_keys",
+    "path_update_keys",
 ]

@@ -1,0 +1,592 @@
+"""Log-linear attention and log-linear Gated DeltaNet: a Fenwick tree of states.
+
+Log-linear attention (Guo, Yang, Goel, Xing, Dao and Kim, 2025) replaces the
+one state of a gated linear-attention layer by a Fenwick-tree partition of the
+prefix, each part read with a weight of its own. Per value head, with a scalar
+decay ``a_r = exp(log_a_r)`` and level weights ``lambda_t^(l) >= 0``:
+
+    o_t = sum_{s <= t} lambda_t^(level(t, s)) * prod_{r=s+1..t} a_r * (q_t . k_s) v_s
+
+Log-linear Mamba-2 is this with ``q = C``, ``k = B``, ``v = dt x`` and
+``log_a = dt A`` (``attn.ssd``'s names; ``scale=1``, plus its ``D x``).
+
+Levels (the paper's Fenwick partition, fla's ``construct_level_mask``). For
+query position t the keys ``s < t`` split into buckets: at level ``l >= 1``,
+with ``t'`` the position t with its lowest ``l - 1`` bits cleared, the bucket
+is ``[t' - 2^(l-1), t')``, present when bit ``l - 1`` of t is set; level 0 is
+``s = t`` alone. Equivalently ``level(t, s) = bit_length(t XOR s)``: 0 for
+``s = t``, else one plus the highest bit where t and s differ. A query reads
+``popcount(t) + 1`` buckets, at most ``bit_length(t) + 1``. With
+``level_weights`` of L levels, levels at or above ``L - 1`` share the top
+weight (the top level holds everything older); ``L >= bit_length(T - 1) + 1``
+gives every level its own weight over T tokens, and all-ones weights give
+plain gated linear attention (``attn.ssd``) for any L.
+
+Forms (``LOG_LINEAR_FORMS``), the same function tested to float32 precision
+against a float64 loop from the equations, outputs and every gradient:
+
+- ``"quadratic"``: the masked ``[T, T]`` form, the reference; O(T^2).
+- ``"recurrent"``: a scan over tokens carrying the L level states
+  ``[L, H, E]`` and merging them as a Fenwick counter does (``attn.linear.
+  log_linear_forms.merge``); O(T L H E).
+- ``"chunkwise"`` (default): chunks of ``chunk_size`` (a power of 2) tokens;
+  the levels inside a chunk by a masked quadratic product, the levels across
+  chunks by block states built bottom-up, each odd block of ``2^(j-1)``
+  chunks reading its even sibling in one matmul
+  (``attn.linear.log_linear_forms.chunkwise``); O(T C (H + E) + T H E log(T/C)).
+
+Grouped value heads, as ``attn.delta_rule`` (and Mamba-2's groups): q and k
+have K heads; v, log_a, the level weights, the states and the output have
+``N = K G`` heads, and value heads ``k G .. k G + G - 1`` read and write with
+query/key head k.
+
+Segments (packing, padding), causal, ``q_segment_ids`` and ``kv_segment_ids``
+the same ids: id 0 is padding, which writes nothing, does not decay and outputs
+0, whatever its inputs hold (NaN and Inf are selected away where they enter).
+A segment is a run of equal non-zero ids (padding inside it skipped) and
+starts a fresh tree: the levels count positions from the segment's start
+(its real tokens ``0, 1, ...``), so packed segments compute what each computes
+alone. The chunkwise form needs positions aligned with its chunks, so with
+segment ids it lays each segment out at an offset that is a multiple of its
+length rounded up to a power of 2 (segments sorted by that size, largest
+first, which aligns every offset), in a buffer of ``2T - 1`` tokens: up to
+twice the work of the unsegmented call.
+
+Decoding: ``log_linear_attention_step`` advances a ``LogLinearState`` (levels
+``[B,N,L,H,E]`` and the segment's length so far); after t tokens
+``popcount(t - 1) + 1 <= floor(log2 t) + 2`` levels are non-zero.
+``return_state`` hands the forward's last segment to it.
+
+Log-linear Gated DeltaNet (``log_linear_delta_rule``, forms
+``LOG_LINEAR_DELTA_FORMS``, and ``log_linear_delta_rule_step``): the same tree
+over the delta rule. With Gated DeltaNet's transition ``A_r = a_r (I - beta_r
+k_r k_r^T)`` and ``Phi(s -> t) = A_t ... A_{s+1}``,
+
+    o_t = sum_{s <= t} lambda_t^(level(t, s)) (q_t^T Phi(s -> t) k_s) beta_s v_s
+
+(the paper's ``O = ((Q K^T * decay) (I + tril(diag(beta) K K^T * decay, -1))^-1
+diag(beta) * M^H) V``): every level takes every transition, the writes go to
+level 0. Its forms: a scan over tokens, and chunks in the WY form with a scan
+over chunks carrying one state per chunk level (``attn.linear.
+log_linear_delta_forms``). Same layout, segments, states and decoding.
+
+The states are float32 whatever the input dtype; the output has the inputs'
+dtype. An initial state for the forward (continuing a sequence) is not
+supported: the chunkwise form's levels need the sequence to start at 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from attn import checks
+from attn.checks import as_arrays, fail
+from attn.linear import log_linear_delta_forms as delta_forms
+from attn.linear import log_linear_forms as forms
+from attn.linear import segments
+from attn.masks import PADDING, drop_padding
+
+__all__ = [
+    "LOG_LINEAR_DELTA_FORMS",
+    "LOG_LINEAR_FORMS",
+    "LogLinearState",
+    "init_log_linear_state",
+    "log_linear_attention",
+    "log_linear_attention_step",
+    "log_linear_delta_rule",
+    "log_linear_delta_rule_step",
+]
+
+LOG_LINEAR_FORMS = ("quadratic", "recurrent", "chunkwise")
+LOG_LINEAR_DELTA_FORMS = ("recurrent", "chunkwise")
+
+
+class LogLinearState(NamedTuple):
+    """The Fenwick states of one sequence per batch row, float32.
+
+    Attributes:
+        levels: ``[B,N,L,H,E]``; level l holds the sum of ``k_s v_s^T`` over its
+            bucket, each decayed to the last token (level 0: that token alone).
+        length: ``[B]`` int32, the tokens of the segment so far (the position of
+            the next token).
+    """
+
+    levels: jax.Array
+    length: jax.Array
+
+
+def init_log_linear_state(
+    batch: int, num_heads: int, head_dim: int, value_dim: int, num_levels: int
+) -> LogLinearState:
+    """The empty state: levels ``[B,N,L,H,E]`` zeros (float32), length 0."""
+    return LogLinearState(
+        jnp.zeros((batch, num_heads, num_levels, head_dim, value_dim), jnp.float32),
+        jnp.zeros((batch,), jnp.int32),
+    )
+
+
+# ----------------------------------------------------------------------------
+# Validation
+
+
+def _dims(q, k, v, per_head: dict, level_weights, step: bool):
+    """Checks q, k ``[B,(T,)K,H]``, v ``[B,(T,)N,E]``, the ``per_head`` arrays ``[B,(T,)N]``
+    (by name; None passes), level_weights ``[B,(T,)N,L]``. Returns B, T, K, N, H, E, L
+    (T = 1 for a step)."""
+    t = "" if step else "T,"
+    rank = 3 if step else 4
+    checks.float_array(q, "q", rank, f"[B,{t}K,H]")
+    checks.float_array(k, "k", rank, f"[B,{t}K,H]")
+    checks.float_array(v, "v", rank, f"[B,{t}N,E]")
+    if k.shape != q.shape:
+        fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
+    *lead, K, H = q.shape
+    N, E = v.shape[-2:]
+    if tuple(v.shape[:-2]) != tuple(lead) or N % K:
+        want = f"shape ({', '.join(map(str, lead))}, N, E) with N a multiple of K={K}"
+        fail("v", want, f"shape {tuple(v.shape)}")
+    for name, x in per_head.items():
+        if x is not None and np.shape(x) != (*lead, N):
+            fail(name, f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(x))
+    shape = np.shape(level_weights)
+    if len(shape) != rank or tuple(shape[:-1]) != (*lead, N) or shape[-1] < 1:
+        want = f"shape {(*lead, N, 'L')} = [B,{t}N,L] with L >= 1 levels"
+        fail("level_weights", want, shape)
+    B, T = lead[0], 1 if step else lead[1]
+    return B, T, K, N, H, E, shape[-1]
+
+
+def _check_values(log_a, level_weights, ids, name="log_a") -> None:
+    """``log_a <= 0`` (``-inf``, a gate of 0, allowed; NaN refused; None passes) and finite
+    level weights >= 0, at real tokens (``ids`` the kv segment ids, or None: all)."""
+    ok = lambda g: g <= 0  # noqa: E731
+    if log_a is not None:
+        checks.check_values(log_a, ok, name, "values <= 0 (logs of decays in [0, 1])", ids)
+    ok = lambda w: np.isfinite(w) & (w >= 0)  # noqa: E731
+    want = "finite values >= 0 (one weight per level)"
+    checks.check_values(level_weights, ok, "level_weights", want, ids)
+
+
+def _check_chunk(chunk_size) -> None:
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or chunk_size < 1
+        or chunk_size & (chunk_size - 1)
+    ):
+        fail("chunk_size", "a power of 2 (the levels align with chunks)", repr(chunk_size))
+
+
+# ----------------------------------------------------------------------------
+# Segments
+
+
+class _Segments(NamedTuple):
+    key_real: jax.Array  # [B,T] bool: the token writes
+    log_a: jax.Array  # [B,T,N]: 0 at padding, -inf where a later segment starts
+    q_read: jax.Array  # [B,T] bool: the query reads its segment
+    starts: jax.Array  # [B,T] bool: the first real token of every segment
+    pos: jax.Array  # [B,T] int32: position in the segment (0 at padding)
+
+
+def _segments(q_seg, kv_seg, log_a, N: int) -> _Segments:
+    rules = segments.causal(q_seg, kv_seg, log_a, N)
+    real = rules.key_real
+    T = real.shape[1]
+    last = lax.cummax(jnp.where(real, jnp.arange(T), -1), axis=1)
+    held = jnp.where(last >= 0, jnp.take_along_axis(kv_seg, jnp.maximum(last, 0), 1), PADDING)
+    held_before = jnp.pad(held[:, :-1], ((0, 0), (1, 0)), constant_values=PADDING)
+    starts = real & (kv_seg != held_before)
+    count = jnp.cumsum(real.astype(jnp.int32), axis=1)  # real tokens up to t
+    before = lax.cummax(jnp.where(starts, count - 1, 0), axis=1)  # ... before t's segment
+    pos = jnp.where(real, count - 1 - before, 0)
+    return _Segments(real, rules.log_a, rules.q_read, starts, pos)
+
+
+class _Layout(NamedTuple):
+    src: jax.Array  # [B,M] int32: the token at each buffer slot, T where empty
+    dest: jax.Array  # [B,T] int32: the slot of each real token (M for padding)
+
+
+def _aligned_layout(seg: _Segments) -> _Layout:
+    """Each segment at an offset that is a multiple of its size (its length rounded up to
+    a power of 2): the sizes sorted largest first and laid end to end, in M = 2T - 1 slots
+    (a size is below twice the length, so they fit)."""
+    real, pos = seg.key_real, seg.pos
+    B, T = real.shape
+    M = 2 * T - 1
+    rows = jnp.arange(B)[:, None]
+    index = jnp.maximum(jnp.cumsum(seg.starts.astype(jnp.int32), axis=1) - 1, 0)  # [B,T]
+    counts = jnp.zeros((B, T), jnp.int32).at[rows, index].add(real.astype(jnp.int32))
+    sizes = jnp.where(counts > 0, 1 << forms.bit_length(jnp.maximum(counts - 1, 0)), 0)
+    order = jnp.argsort(-sizes, axis=1, stable=True)
+    placed = jnp.take_along_axis(sizes, order, axis=1)
+    starts_sorted = jnp.cumsum(placed, axis=1) - placed  # exact: whole numbers
+    offsets = jnp.zeros((B, T), jnp.int32).at[rows, order].set(starts_sorted)
+    dest = jnp.where(real, jnp.take_along_axis(offsets, index, axis=1) + pos, M)
+    src = jnp.full((B, M), T, jnp.int32).at[rows, dest].set(jnp.arange(T), mode="drop")
+    return _Layout(src, dest)
+
+
+def _to_slots(x, src):
+    """``x [B,T,...]`` gathered to the buffer ``[B,M,...]`` (zeros at empty slots)."""
+    x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return jnp.take_along_axis(x, src.reshape(*src.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
+def _last_real(real):
+    """``(index [B] of the last real token (0 if none), any real [B])``."""
+    T = real.shape[1]
+    last = jnp.max(jnp.where(real, jnp.arange(T), -1), axis=1)
+    return jnp.maximum(last, 0), last >= 0
+
+
+class _Sequence(NamedTuple):
+    """What segment ids (or their absence) mean to the forms."""
+
+    pos: jax.Array  # [B,T] int32: each token's position in its segment
+    key_real: jax.Array | None  # [B,T] bool, None: all real
+    q_read: jax.Array | None  # [B,T] bool, None: all read
+    log_a: jax.Array  # [B,T,N] float32 with the segment rules applied
+    last: jax.Array  # [B] int32: the last real token
+    length: jax.Array  # [B] int32: the last segment's real tokens
+    seg: _Segments | None
+
+
+def _sequence(q_seg, kv_seg, log_a, B: int, T: int, N: int) -> _Sequence:
+    if q_seg is None:
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        last, length = jnp.full((B,), T - 1, jnp.int32), jnp.full((B,), T, jnp.int32)
+        return _Sequence(pos, None, None, log_a, last, length, None)
+    seg = _segments(q_seg, kv_seg, log_a, N)
+    last, any_real = _last_real(seg.key_real)
+    length = jnp.where(any_real, _take(seg.pos, last) + 1, 0)
+    return _Sequence(seg.pos, seg.key_real, seg.q_read, seg.log_a, last, length, seg)
+
+
+def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: int, T: int):
+    """The form, the chunk size and the segment ids ``([B,T], [B,T])`` or ``(None, None)``."""
+    if form not in forms_:
+        fail("form", f"one of {forms_}", repr(form))
+    _check_chunk(chunk_size)
+    return checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
+
+
+def _finish(out, levels, sequence: _Sequence, dtype, return_state: bool):
+    """``out [B,T,K,G,E]`` to ``[B,T,N,E]`` in ``dtype`` (zero where not read), with the state."""
+    B, T, K, G, E = out.shape
+    out = out.reshape(B, T, K * G, E)
+    if sequence.q_read is not None:
+        out = jnp.where(sequence.q_read[:, :, None, None], out, 0.0)
+    out = out.astype(dtype)
+    if not return_state:
+        return out
+    return out, LogLinearState(levels.reshape(B, K * G, *levels.shape[3:]), sequence.length)
+
+
+def _on_aligned_layout(run, arrays, log_index: int, seg: _Segments, last):
+    """A chunkwise form with segment ids, run over the aligned layout (``_aligned_layout``).
+
+    In the buffer every segment starts at a multiple of its size, so a token's
+    level is a function of its slot; the first slot of each segment gets a log
+    decay of ``-inf`` (``arrays[log_index]``: nothing crosses it) and empty
+    slots hold zeros (they write nothing). ``run(*arrays, filled, last)`` is the
+    form on the buffer; its outputs are read back at each token's slot.
+    """
+    T = seg.pos.shape[1]
+    layout = _aligned_layout(seg)
+    slotted = [_to_slots(x, layout.src) for x in arrays]
+    filled = layout.src < T
+    first = filled & (_to_slots(seg.pos, layout.src) == 0)
+    slotted[log_index] = jnp.where(first[:, :, None, None], -jnp.inf, slotted[log_index])
+    last = None if last is None else jnp.minimum(_take(layout.dest, last), 2 * T - 2)
+    out, levels = run(*slotted, filled, last)
+    return _to_slots_back(out, layout.dest), levels
+
+
+def _take(x, index):
+    """``x[b, index[b]]`` for ``x [B,T]`` and ``index [B]``."""
+    return jnp.take_along_axis(x, index[:, None], axis=1)[:, 0]
+
+
+def _to_slots_back(x, dest):
+    """The buffer ``x [B,M,...]`` read back at each token's slot ``dest [B,T]`` (padding,
+    whose slot is M, reads zeros)."""
+    x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
+    return jnp.take_along_axis(x, dest.reshape(*dest.shape, *(1,) * (x.ndim - 2)), axis=1)
+
+
+def _check_state(state, B: int, N: int, L: int, H: int, E: int) -> None:
+    if not isinstance(state, tuple) or len(state) != 2:
+        fail("state", "a LogLinearState(levels, length) (see init_log_linear_state)", type(state))
+    if np.shape(state[0]) != (B, N, L, H, E) or np.shape(state[1]) != (B,):
+        want = f"levels {(B, N, L, H, E)} = [B,N,L,H,E] and length ({B},)"
+        fail("state", want, f"levels {np.shape(state[0])}, length {np.shape(state[1])}")
+
+
+# ----------------------------------------------------------------------------
+# Public functions
+
+
+def log_linear_attention(
+    q,
+    k,
+    v,
+    log_a,
+    level_weights,
+    *,
+    form: str = "chunkwise",
+    chunk_size: int = 64,
+    scale: float | None = None,
+    return_state: bool = False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+):
+    """Log-linear attention over a causal sequence, in one of ``LOG_LINEAR_FORMS``.
+
+    Args:
+        q: queries ``[B,T,K,H]`` (log-linear Mamba-2: C).
+        k: keys ``[B,T,K,H]`` (B).
+        v: values ``[B,T,N,E]``, N a multiple of K (``dt x``).
+        log_a: log decays ``[B,T,N]``, <= 0 (``dt A``); ``-inf`` erases the states.
+        level_weights: ``[B,T,N,L]`` >= 0, the weight of each level for each
+            query (levels from L - 1 up share the last one).
+        form: ``"quadratic"``, ``"recurrent"`` or ``"chunkwise"`` (default); the
+            same function.
+        chunk_size: C for ``"chunkwise"``, a power of 2; T need not be a multiple.
+        scale: multiplies q; default ``1/sqrt(H)`` (Mamba-2 uses 1).
+        return_state: also return the ``LogLinearState`` after the last
+            segment's last real token, for ``log_linear_attention_step``.
+        q_segment_ids, kv_segment_ids: ``[B,T]`` ints, both or neither, the same
+            ids: packing and padding (id 0); see the module docstring.
+
+    Returns:
+        out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, LogLinearState)``.
+    """
+    q, k, v, log_a, level_weights = as_arrays(q, k, v, log_a, level_weights)
+    B, T, K, N, H, E, L = _dims(q, k, v, {"log_a": log_a}, level_weights, step=False)
+    G = N // K
+    q_seg, kv_seg = _check_common(
+        form, LOG_LINEAR_FORMS, chunk_size, q_segment_ids, kv_segment_ids, B, T
+    )
+    _check_values(log_a, level_weights, kv_seg)
+    root = checks.query_scale(scale, H)
+    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    # Padding holds anything, NaN included: selected away where it enters.
+    q = drop_padding(q, q_seg)
+    k, v, log_a, level_weights = (drop_padding(x, kv_seg) for x in (k, v, log_a, level_weights))
+    sequence = _sequence(q_seg, kv_seg, log_a.astype(jnp.float32), B, T, N)
+    q32 = q.astype(jnp.float32) * root
+    k32 = k.astype(jnp.float32)
+    v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
+    la = sequence.log_a.reshape(B, T, K, G)
+    lam = level_weights.astype(jnp.float32).reshape(B, T, K, G, L)
+    pos, key_real = sequence.pos, sequence.key_real
+    last = sequence.last if return_state else None
+    top = (T - 1).bit_length()  # the highest level over T tokens (or in any segment)
+
+    if form == "quadratic":
+        out, levels = forms.quadratic(q32, k32, v32, la, lam, pos, key_real, last)
+    elif form == "recurrent":
+        out, levels = forms.recurrent(q32, k32, v32, la, lam, pos, key_real)
+    elif sequence.seg is None:
+        out, levels = forms.chunkwise(q32, k32, v32, la, lam, chunk_size, top, None, last)
+    else:
+
+        def run(*xs):
+            return forms.chunkwise(*xs[:5], chunk_size, top, *xs[5:])
+
+        arrays = (q32, k32, v32, la, lam)
+        out, levels = _on_aligned_layout(run, arrays, 3, sequence.seg, last)
+    return _finish(out, levels, sequence, out_dtype, return_state)
+
+
+def log_linear_attention_step(
+    q, k, v, log_a, level_weights, state: LogLinearState, *, scale=None, segment_id=None
+):
+    """Advances log-linear attention by one token (decoding); iterating it is the forward.
+
+    The token's position is ``state.length``: the Fenwick states merge as that
+    count's bits say (the levels below its lowest set bit join the level
+    above), decay, take the token at level 0 and are read with its weights.
+
+    Args:
+        q, k: ``[B,K,H]``; v: ``[B,N,E]``; log_a: ``[B,N]``; level_weights: ``[B,N,L]``.
+        state: a ``LogLinearState`` with levels ``[B,N,L,H,E]`` (from
+            ``init_log_linear_state`` or ``log_linear_attention(..., return_state=True)``).
+        scale: as in ``log_linear_attention``.
+        segment_id: ``[B]`` ints or None: 0 marks a padding step, which leaves
+            the state exactly as it was and outputs 0; any other id continues
+            the state's sequence (start a new one from ``init_log_linear_state``).
+
+    Returns:
+        ``(out [B,N,E] in the inputs' dtype, LogLinearState)``.
+    """
+    q, k, v, log_a, level_weights = as_arrays(q, k, v, log_a, level_weights)
+    B, _, K, N, H, E, L = _dims(q, k, v, {"log_a": log_a}, level_weights, step=True)
+    G = N // K
+    _check_state(state, B, N, L, H, E)
+    seg = checks.segment_ids(segment_id, "segment_id", B)
+    _check_values(log_a, level_weights, seg)
+    real = None if seg is None else seg != PADDING
+    q = drop_padding(q, seg)
+    k, v, log_a, level_weights = (drop_padding(x, seg) for x in (k, v, log_a, level_weights))
+    length = jnp.asarray(state[1], jnp.int32)
+    levels, out = forms.step(
+        jnp.asarray(state[0], jnp.float32).reshape(B, K, G, L, H, E),
+        q.astype(jnp.float32) * checks.query_scale(scale, H),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32).reshape(B, K, G, E),
+        log_a.astype(jnp.float32).reshape(B, K, G),
+        level_weights.astype(jnp.float32).reshape(B, K, G, L),
+        length,
+        real,
+    )
+    length = length + (1 if real is None else real.astype(jnp.int32))
+    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    new = LogLinearState(levels.reshape(B, N, L, H, E), length)
+    return out.reshape(B, N, E).astype(out_dtype), new
+
+
+def log_linear_delta_rule(
+    q,
+    k,
+    v,
+    beta,
+    level_weights,
+    *,
+    log_gates=None,
+    form: str = "chunkwise",
+    chunk_size: int = 64,
+    scale: float | None = None,
+    return_state: bool = False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+):
+    """Log-linear Gated DeltaNet over a causal sequence, in one of ``LOG_LINEAR_DELTA_FORMS``.
+
+    With the transition ``A_r = exp(g_r) (I - beta_r k_r k_r^T)`` of Gated
+    DeltaNet (``attn.delta_rule``) and ``Phi(s -> t) = A_t ... A_{s+1}``:
+
+        o_t = sum_{s <= t} lambda_t^(level(t, s)) (q_t^T Phi(s -> t) k_s) beta_s v_s
+
+    (the paper's ``((Q K^T * decay) (I + tril(diag(beta) K K^T * decay, -1))^-1
+    diag(beta) * M^H) V``): each Fenwick level holds the delta-rule state of its
+    bucket run alone, carried to t by the transitions; the writes go to level
+    0. All weights 1 is ``attn.delta_rule``.
+
+    Args:
+        q, k: ``[B,T,K,H]``, for a bounded state L2-normalized.
+        v: ``[B,T,N,E]``, N a multiple of K (grouped value heads).
+        beta: write strengths ``[B,T,N]``, finite.
+        level_weights: ``[B,T,N,L]`` >= 0, as in ``log_linear_attention``.
+        log_gates: None (DeltaNet) or ``[B,T,N]`` <= 0 (one per head).
+        form: ``"recurrent"`` or ``"chunkwise"`` (default); the same function.
+        chunk_size: a power of 2; T need not be a multiple. The chunk's inverse
+            costs C^2 per token, as the delta rule's.
+        scale: multiplies q; default ``1/sqrt(H)``.
+        return_state, q_segment_ids, kv_segment_ids: as in ``log_linear_attention``.
+
+    Returns:
+        out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, LogLinearState)``.
+    """
+    q, k, v, beta, level_weights, log_gates = as_arrays(q, k, v, beta, level_weights, log_gates)
+    per_head = {"beta": beta, "log_gates": log_gates}
+    B, T, K, N, H, E, L = _dims(q, k, v, per_head, level_weights, step=False)
+    G = N // K
+    q_seg, kv_seg = _check_common(
+        form, LOG_LINEAR_DELTA_FORMS, chunk_size, q_segment_ids, kv_segment_ids, B, T
+    )
+    checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", kv_seg)
+    _check_values(log_gates, level_weights, kv_seg, name="log_gates")
+    root = checks.query_scale(scale, H)
+    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    if log_gates is None:
+        log_gates = jnp.zeros((B, T, N), jnp.float32)
+    q = drop_padding(q, q_seg)
+    k, v, beta, log_gates, level_weights = (
+        drop_padding(x, kv_seg) for x in (k, v, beta, log_gates, level_weights)
+    )
+    sequence = _sequence(q_seg, kv_seg, log_gates.astype(jnp.float32), B, T, N)
+    q32 = q.astype(jnp.float32) * root
+    k32 = k.astype(jnp.float32)
+    v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
+    beta32 = beta.astype(jnp.float32).reshape(B, T, K, G)
+    log_g = sequence.log_a.reshape(B, T, K, G)
+    lam = level_weights.astype(jnp.float32).reshape(B, T, K, G, L)
+    last = sequence.last if return_state else None
+    arrays = (q32, k32, v32, beta32, log_g, lam)
+
+    if form == "recurrent":
+        out, levels = delta_forms.recurrent(*arrays, sequence.pos, sequence.key_real)
+    elif sequence.seg is None:
+        out, levels = delta_forms.chunkwise(*arrays, chunk_size, last)
+    else:
+
+        def run(*xs):  # the empty slots hold beta 0 and k 0: they write nothing
+            return delta_forms.chunkwise(*xs[:6], chunk_size, xs[7])
+
+        out, levels = _on_aligned_layout(run, arrays, 4, sequence.seg, last)
+    return _finish(out, levels, sequence, out_dtype, return_state)
+
+
+def log_linear_delta_rule_step(
+    q,
+    k,
+    v,
+    beta,
+    level_weights,
+    state: LogLinearState,
+    *,
+    log_gates=None,
+    scale=None,
+    segment_id=None,
+):
+    """Advances log-linear Gated DeltaNet by one token; iterating it is the forward.
+
+    Args:
+        q, k: ``[B,K,H]``; v: ``[B,N,E]``; beta: ``[B,N]``; level_weights: ``[B,N,L]``.
+        state: a ``LogLinearState`` (``init_log_linear_state`` or
+            ``log_linear_delta_rule(..., return_state=True)``).
+        log_gates: None or ``[B,N]``; scale, segment_id: as in
+            ``log_linear_attention_step``.
+
+    Returns:
+        ``(out [B,N,E] in the inputs' dtype, LogLinearState)``.
+    """
+    q, k, v, beta, level_weights, log_gates = as_arrays(q, k, v, beta, level_weights, log_gates)
+    per_head = {"beta": beta, "log_gates": log_gates}
+    B, _, K, N, H, E, L = _dims(q, k, v, per_head, level_weights, step=True)
+    G = N // K
+    _check_state(state, B, N, L, H, E)
+    seg = checks.segment_ids(segment_id, "segment_id", B)
+    checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", seg)
+    _check_values(log_gates, level_weights, seg, name="log_gates")
+    if log_gates is None:
+        log_gates = jnp.zeros((B, N), jnp.float32)
+    real = None if seg is None else seg != PADDING
+    q = drop_padding(q, seg)
+    k, v, beta, log_gates, level_weights = (
+        drop_padding(x, seg) for x in (k, v, beta, log_gates, level_weights)
+    )
+    length = jnp.asarray(state[1], jnp.int32)
+    levels, out = delta_forms.step(
+        jnp.asarray(state[0], jnp.float32).reshape(B, K, G, L, H, E),
+        q.astype(jnp.float32) * checks.query_scale(scale, H),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32).reshape(B, K, G, E),
+        beta.astype(jnp.float32).reshape(B, K, G),
+        log_gates.astype(jnp.float32).reshape(B, K, G),
+        level_weights.astype(jnp.float32).reshape(B, K, G, L),
+        length,
+        real,
+    )
+    length = length + (1 if real is None else real.astype(jnp.int32))
+    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    new = LogLinearState(levels.reshape(B, N, L, H, E), length)
+    return out.reshape(B, N, E).astype(out_dtype), new
