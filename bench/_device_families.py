@@ -29,7 +29,13 @@ state float32), each against its peer on the same inputs (drawn on the device by
   one query a row): ``attn.decode_attention`` (split-K, its default splits; dense splits
   and the Pallas kernel) and ``attn.paged_decode_attention`` (pages of 16, shuffled)
   against ``jax.nn.dot_product_attention(key_value_seq_lengths=...)``: time per step and
-  the K/V bytes read per second.
+  the K/V bytes read per second;
+* the newer families, after all of the above (8K, then 2K, then 32K forward + backward):
+  ``dplr`` (``attn.dplr_delta_rule`` with RWKV-7's inputs, N = 32 heads of H = E = 64,
+  scale 1), ``path`` (``attn.path_attention``, blockwise, blocks of 64, FoX's gate; N = 16
+  heads, H = 128; not at 32K: seconds a step) and ``log_linear`` (``attn.log_linear_attention``
+  as log-linear Mamba-2: SSD's sizes, one group, ``bit_length(T - 1) + 1`` levels) against
+  fla's ``chunk_dplr_delta_rule``, ``parallel_path_attn`` and ``chunk_log_linear_attn``.
 
 FLOPs: one count per family and shape, the same for ours and the peer (``flops``), so the
 ratio of TFLOP/s is the inverse ratio of times. Softmax: ``4 B N H`` per visible
@@ -41,7 +47,14 @@ with the values; the query's read of the state and the state's update); the delt
 ``6 C H + 4 C E + 6 H E + C^2 / 3`` (K K^T, W = T (beta K), U' = T (beta V), W S, the
 triangular inverse ``C^3 / 3`` per chunk, and the read and update as above);
 DeltaProduct per step (n per token) the delta rule's writes plus 1/n of its reads;
-x3 with the backward (its matmuls: twice the forward's). Sparse: ``4 B N H`` per
+x3 with the backward (its matmuls: twice the forward's). The DPLR delta rule
+``10 C H + 8 C E + 6 H E + 2 H^2 + 2 H^2 E / C + C^2 / 3`` (the four decayed products a b^T,
+a k^T, q b^T, q k^T; W from the inverse; the reads R' and the output's two intra-chunk
+products; the triangular inverse; the read, the writes k v^T and b r^T; the chunk's
+transition ``M`` and ``M S``), x3; log-linear attention ``2 C (H + E) + 4 H E
+ceil(log2(T / C))`` (the intra-chunk levels as linear attention's; each level above the
+chunk read and built once), x3; PaTH ``8 B N H`` per causal pair (twice softmax's: the
+queries' passes through the blocks' transforms), x3.5. Sparse: ``4 B N H`` per
 query-key pair each query reads (x3.5 with the backward), plus the selection's scoring
 once (no gradient flows through a top-k): MoBA's query-block scores ``2 H`` per past
 block, DSA's indexer ``2 I F`` per visible key; cuDNN's dense causal attention at the
@@ -83,6 +96,8 @@ TARGET = 2.0  # each chunkwise form within 2x of fla at 8K forward + backward
 TARGET_T = 8192
 CHUNKWISE = ("gated_deltanet", "kda", "deltanet", "deltaproduct", "ssd", "linear")
 FAMILIES = (*CHUNKWISE, "softmax", "sparse")  # their 8K rows come first, in this order
+NEWER = ("dplr", "path", "log_linear")  # after everything else: 8K, then 2K, then 32K
+NEWER_LENGTHS = {"dplr": LENGTHS, "path": (2048, 8192), "log_linear": LENGTHS}
 DECODE_CONTEXTS = (8192, 32768)
 BLOCKWISE_MAX_T = 8192  # blockwise softmax: 0.7 s a forward + backward at 8K, B = 4
 BACKWARD_SOFTMAX = 2.5  # flash attention's backward does 5 matmuls to the forward's 2
@@ -113,6 +128,9 @@ SHAPES = {
         index_dim=64,
     ),
     "decode": dict(B=16, N=32, K=8, H=128, page=16),
+    "dplr": dict(N=32, H=64, E=64),  # RWKV-7's heads of 64
+    "path": dict(N=16, H=128),
+    "log_linear": dict(N=32, H=128, E=64),  # Mamba-2's sizes, as ssd
 }
 DRY_SHAPES = {
     **{f: dict(N=2, H=16, E=16) for f in ("linear", "deltanet", "gated_deltanet", "kda")},
@@ -135,6 +153,9 @@ DRY_SHAPES = {
         index_dim=16,
     ),
     "decode": dict(B=2, N=4, K=2, H=16, page=16),
+    "dplr": dict(N=2, H=16, E=16),
+    "path": dict(N=2, H=16),
+    "log_linear": dict(N=2, H=16, E=16),
 }
 DRY_T, DRY_CHUNK, DRY_SPARSE_T, DRY_CONTEXT = 64, 16, 128, 256
 
@@ -168,11 +189,14 @@ def items(dry_run: bool) -> list[dict]:
     if dry_run:  # one of each; the forward path of two
         points = [(f, 0, "fwd+bwd") for f in FAMILIES] + [("decode", DRY_CONTEXT, "step")]
         points += [(f, 0, "fwd") for f in ("gated_deltanet", "softmax")]
+        points += [(f, 0, "fwd+bwd") for f in NEWER]
     else:
         points = [(f, TARGET_T, "fwd+bwd") for f in FAMILIES]
         points += [("decode", S, "step") for S in DECODE_CONTEXTS]
         points += [(f, T, "fwd+bwd") for T in LENGTHS if T != TARGET_T for f in FAMILIES]
         points += [(f, TARGET_T, "fwd") for f in FAMILIES]
+        points += [(f, T, "fwd+bwd") for T in (TARGET_T, 2048, 32768) for f in NEWER
+                   if T in NEWER_LENGTHS[f]]  # fmt: skip
     return [item for p in points for item in _items(*p, dry_run)]
 
 
@@ -194,12 +218,21 @@ def chunkwise_flops_per_token(family: str, item: dict) -> float:
     C, H, E = item["chunk"], item["H"], item["E"]
     if family in ("linear", "ssd"):
         return 2 * C * (H + E) + 4 * H * E
+    if family == "dplr":
+        return 10 * C * H + 8 * C * E + 6 * H * E + 2 * H * H + 2 * H * H * E / C + C * C / 3
+    if family == "log_linear":
+        return 2 * C * (H + E) + 4 * H * E * log_levels(item["T"], C)
     writes = 4 * C * H + 2 * C * E + 4 * H * E + C * C / 3
     reads = 2 * C * H + 2 * C * E + 2 * H * E
     if family == "deltaproduct":
         n = item["n"]
         return n * (writes + reads / n)  # n steps per token, one query
     return writes + reads
+
+
+def log_levels(T: int, C: int) -> int:
+    """The levels above a chunk a log-linear token reads: ``ceil(log2(T / C))``."""
+    return max(0, (-(-T // C) - 1).bit_length())
 
 
 def sparse_reads(item: dict, method: str) -> tuple[float, float]:
@@ -244,6 +277,9 @@ def flops(item: dict, method: str | None = None) -> float | None:
         attention = 4.0 * B * N * H * pairs
         scoring *= B * N if method != "dsa" else B  # DSA's indexer is shared by the heads
         return attention * (1 + BACKWARD_SOFTMAX if mode == "fwd+bwd" else 1) + scoring
+    if family == "path":  # twice softmax's matmuls: the queries' passes through the blocks
+        total = 8.0 * B * N * H * causal_pairs(item["T"])
+        return total * (1 + BACKWARD_SOFTMAX) if mode == "fwd+bwd" else total
     total = B * item["T"] * N * chunkwise_flops_per_token(family, item)
     return total * (1 + BACKWARD_CHUNKWISE) if mode == "fwd+bwd" else total
 
@@ -306,6 +342,8 @@ def setup(item: dict) -> dict:
     r = Inputs(0)
     if family == "decode":
         return _decode_setup(item, r)
+    if family in NEWER:
+        return _newer_setup(item, r)
     B, T, N, H = item["B"], item["T"], item["N"], item["H"]
     chunk = item.get("chunk")
     causal = masks.causal()
@@ -382,6 +420,68 @@ def setup(item: dict) -> dict:
         forms={"chunkwise": form},
         peers={"fla": "fla"},
     )
+
+
+def _newer_setup(item: dict, r: Inputs) -> dict:
+    """The DPLR delta rule (RWKV-7), PaTH (with FoX's gate) and log-linear Mamba-2, each in
+    the meaning of the fla op it is timed against (``bench/_fla_peer.py``)."""
+    import jax
+    import jax.numpy as jnp
+
+    import attn
+
+    family, B, T, N, H = item["family"], item["B"], item["T"], item["N"], item["H"]
+    chunk = item["chunk"]
+    if family == "dplr":  # RWKV-7: a = -kappa, b = kappa * a_in, log_w in (-0.6, 0), scale 1
+        E = item["E"]
+        kappa = r.normal(B, T, N, H, dtype="float32", unit=True)
+        args = {
+            "q": r.normal(B, T, N, H, scale=H**-0.5),
+            "k": r.normal(B, T, N, H, scale=H**-0.5),
+            "v": r.normal(B, T, N, E),
+            "a": (-kappa).astype(jnp.bfloat16),
+            "b": (kappa * r.uniform(B, T, N, H)).astype(jnp.bfloat16),
+            "log_w": -r.uniform(B, T, N, H, low=0.001, high=0.6),
+        }
+
+        def form(q, k, v, a, b, log_w):
+            return attn.dplr_delta_rule(q, k, v, a, b, log_w, scale=1.0, chunk_size=chunk)
+
+        out = (B, T, N, E)
+    elif family == "path":  # w, beta and the gate float32, as fla asks
+        args = {
+            "q": r.normal(B, T, N, H),
+            "k": r.normal(B, T, N, H),
+            "v": r.normal(B, T, N, H),
+            "w": r.normal(B, T, N, H, dtype="float32", unit=True),
+            "beta": r.uniform(B, T, N, low=0.0, high=2.0),
+            "g": -r.uniform(B, T, N, low=0.001, high=0.1),
+        }
+        scale = H**-0.5
+
+        def form(q, k, v, w, beta, g):  # fla scales its gate's sums with the logits
+            return attn.path_attention(
+                q, k, v, w, beta, log_forget=g * scale, scale=scale, block_size=chunk
+            )
+
+        out = (B, T, N, H)
+    else:  # log-linear Mamba-2: q = C, k = B (one group), v = dt x, g = dt A, every level
+        E, L = item["E"], (T - 1).bit_length() + 1
+        dt = jax.nn.softplus(r.normal(B, T, N, dtype="float32") - 3)
+        args = {
+            "q": r.normal(B, T, 1, H, scale=H**-0.5),
+            "k": r.normal(B, T, 1, H, scale=H**-0.5),
+            "v": r.normal(B, T, N, E),
+            "g": dt * -r.uniform(N, low=1.0, high=16.0),
+            "level_scales": r.uniform(B, T, N, L, low=0.5, high=1.5),
+        }
+
+        def form(q, k, v, g, level_scales):
+            return attn.log_linear_attention(q, k, v, g, level_scales, scale=1.0, chunk_size=chunk)
+
+        out = (B, T, N, E)
+    name = "blockwise" if family == "path" else "chunkwise"
+    return dict(args=args, grads=len(args), out=out, forms={name: form}, peers={"fla": "fla"})
 
 
 def _sparse_setup(item: dict, args: dict, r: Inputs) -> dict:
@@ -802,7 +902,7 @@ def markdown(rows: list[dict], info: dict) -> str:
             "means anything.",
         ]
     pairs = points(rows)
-    for family in (*FAMILIES, "decode"):
+    for family in (*FAMILIES, "decode", *NEWER):
         group = [(k, pair) for k, pair in pairs.items() if k[0] == family]
         if not group:
             continue

@@ -2,9 +2,10 @@
 
 Each item runs one form of one family (``attn.attention``'s implementations, the
 linear, delta-rule, DeltaProduct and SSD forms, MoBA, NSA, DSA, split-K and
-paged decoding) in one dtype on the device, as users run it, and compares its
-output, final state and the gradients of its differentiable inputs with a
-reference computed on the same inputs.
+paged decoding, and the newer DPLR delta rule (RWKV-7), PaTH and log-linear
+forms) in one dtype on the device, as users run it, and compares its output,
+final state and the gradients of its differentiable inputs with a reference
+computed on the same inputs.
 
 The reference. The library's forms compute in float32 internally whatever the
 input dtype (``preferred_element_type=float32`` and ``astype(float32)`` in every
@@ -17,7 +18,11 @@ modules' docstrings) and run in float64 under ``jax.enable_x64`` (float32 at
 softmax attention (softmax, decoding, and the sparse methods over the keys
 their selection reads), gated linear attention in its quadratic form (linear
 attention, and SSD, which is that call plus the skip), and the delta rule and
-DeltaProduct as a scan over tokens. What they share with the library: the mask
+DeltaProduct as a scan over tokens, the DPLR delta rule as a scan of ``S <- (diag(w) +
+b a^T) S + k v^T``, log-linear attention as the masked quadratic sum with the Fenwick
+levels ``bit_length(t XOR s)`` (clamped to L - 1), and PaTH and log-linear Gated DeltaNet
+as scans applying each token's transform to every earlier key (the explicit products),
+then a causal softmax or the level-weighted sum. What they share with the library: the mask
 algebra (``Mask.allowed``, tested on its own) and, for MoBA, NSA and DSA, the
 selection, computed by the library's selection functions on the item's own
 inputs and then read as a boolean mask (a discrete choice has no float64
@@ -62,7 +67,7 @@ import numpy as np
 
 TITLE = "Numerics: every family's forms against a float64 reference"
 # About 35 s of the run's 450 s (tune 0.38, families 0.38, train 0.18): the first ~20 items
-# on an H200 at ~1.5 s each (compiles included); all 43 would take ~70 s (WEIGHT ~0.16).
+# on an H200 at ~1.5 s each (compiles included); all 56 would take ~90 s (WEIGHT ~0.2).
 WEIGHT = 0.16
 
 F32_TOL = 1e-5  # float32 outputs and final states at "highest", norm-wise relative
@@ -77,7 +82,7 @@ SIZES = {
         nsa=dict(compress_block=32, compress_stride=16, select_block=64, num_selected=6,
                  window=128, initial_blocks=1, local_blocks=2),
         dsa_top_k=128, index_heads=2, index_dim=32, decode_T=2, lengths=(1000, 613),
-        splits=4, page=8, steps=2,
+        splits=4, page=8, steps=2, levels=8,
     ),
     True: dict(
         B=2, T=40, N=4, K=2, H=8, chunk=16, window=12, sinks=4, softcap=2.0,
@@ -85,15 +90,16 @@ SIZES = {
         nsa=dict(compress_block=8, compress_stride=4, select_block=8, num_selected=3,
                  window=12, initial_blocks=1, local_blocks=1),
         dsa_top_k=12, index_heads=2, index_dim=8, decode_T=2, lengths=(40, 23),
-        splits=3, page=4, steps=2,
+        splits=3, page=4, steps=2, levels=5,
     ),
 }  # fmt: skip
 
 F32, BF16 = "float32", "bfloat16"
 
 # (case, form, dtype, precision), most important first: a budget cut drops the tail, so the
-# first pass covers every family once, the second the other dtype, the third the remaining
-# forms, the last float32 at the default precision (TF32 on a GPU).
+# first pass covers every family once (the newer families' training forms right after it),
+# the second the other dtype, the third the remaining forms (then the newer families'), the
+# last float32 at the default precision (TF32 on a GPU).
 PLAN = [
     ("softmax/causal-gqa", "pallas", BF16, "default"),
     ("softmax/causal-gqa", "cudnn", BF16, "default"),
@@ -109,6 +115,12 @@ PLAN = [
     ("dsa/causal", "gather", F32, "highest"),
     ("decode/causal", "dense", F32, "highest"),
     ("decode/causal", "paged", F32, "highest"),
+    # the newer families' training forms (after the first pass: the older families' kernels
+    # matter more), their other forms and bfloat16 after the third pass
+    ("dplr/rwkv7", "chunkwise", F32, "highest"),
+    ("path/fox", "blockwise", F32, "highest"),
+    ("log-linear/mamba2", "chunkwise", F32, "highest"),
+    ("log-linear/gdn", "chunkwise", F32, "highest"),
     # second pass: the kernels of their own, then the other dtype
     ("softmax/causal-gqa", "pallas", F32, "highest"),
     ("moba/causal", "pallas", BF16, "default"),
@@ -137,6 +149,15 @@ PLAN = [
     ("softmax/segments", "xla", BF16, "default"),
     ("softmax/segments", "blockwise", F32, "highest"),
     ("softmax/causal-gqa", "dense", F32, "highest"),
+    ("dplr/rwkv7", "chunkwise", BF16, "default"),
+    ("path/fox", "blockwise", BF16, "default"),
+    ("log-linear/mamba2", "chunkwise", BF16, "default"),
+    ("log-linear/gdn", "chunkwise", BF16, "default"),
+    ("dplr/rwkv7", "recurrent", F32, "highest"),
+    ("path/fox", "naive", F32, "highest"),
+    ("log-linear/mamba2", "recurrent", F32, "highest"),
+    ("log-linear/mamba2", "quadratic", F32, "highest"),
+    ("log-linear/gdn", "recurrent", F32, "highest"),
     # float32 as a GPU runs it by default: TF32 matmuls
     ("softmax/causal-gqa", "pallas", F32, "default"),
     ("linear/gated", "chunkwise", F32, "default"),
@@ -571,6 +592,141 @@ def delta_oracle(q, k, v, beta, log_gates, *, steps: int = 1):
     return jnp.moveaxis(out, 0, 1), S
 
 
+def dplr_oracle(q, k, v, a, b, log_w, *, scale: float):
+    """The DPLR delta rule as a scan over tokens, from ``attn.linear.dplr``'s equations:
+    ``S <- (diag(w) + b a^T) S + k v^T`` with ``w = exp(log_w)``, then read
+    ``S^T (scale q)``; returns the outputs and the final state ``[B,N,H,E]``.
+
+    q, k ``[B,T,K,H]``; v ``[B,T,N,E]``; a, b ``[B,T,K|N,H]``; log_w ``[B,T,N,H]``; value
+    head n reads and writes with q/k head ``n // G``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    B, _, _, H = q.shape
+    N, E = v.shape[-2:]
+    q, k, a, b = (jnp.repeat(x, N // x.shape[2], axis=2) for x in (q * scale, k, a, b))
+
+    def step(S, x):
+        q_t, k_t, v_t, a_t, b_t, lw_t = x
+        read = jnp.einsum("BNH,BNHE->BNE", a_t, S)  # a^T S
+        S = (jnp.exp(lw_t)[..., None] * S + jnp.einsum("BNH,BNE->BNHE", b_t, read)
+             + jnp.einsum("BNH,BNE->BNHE", k_t, v_t))  # fmt: skip
+        return S, jnp.einsum("BNH,BNHE->BNE", q_t, S)
+
+    xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, a, b, log_w)]
+    S, out = jax.lax.scan(step, jnp.zeros((B, N, H, E), q.dtype), xs)
+    return jnp.moveaxis(out, 0, 1), S
+
+
+def fenwick_levels(T: int, L: int, t=None):
+    """``level(t, s) = bit_length(t XOR s)`` clamped to ``L - 1``: ``[T, T]`` for every query
+    t (or ``[T]`` for the one ``t``); entries with s > t are meaningless (masked)."""
+    s = np.arange(T)
+    t = np.arange(T)[:, None] if t is None else np.asarray(t)
+    x = np.bitwise_xor(t, s)
+    bits = np.where(x > 0, np.floor(np.log2(np.maximum(x, 1))).astype(int) + 1, 0)
+    return np.minimum(bits, L - 1)
+
+
+def log_linear_oracle(q, k, v, log_a, lam, *, scale: float):
+    """Log-linear attention, the masked quadratic sum of ``attn.linear.log_linear``:
+    ``o_t = sum_{s<=t} lam_t^(level(t,s)) exp(sum_{r=s+1..t} log_a_r) (scale q_t . k_s)
+    v_s``, and the final Fenwick states: level l holds ``sum_s k_s v_s^T``, decayed to the
+    last token, over the s with ``level(T-1, s) = l``.
+
+    q, k ``[B,T,K,H]``, v ``[B,T,N,E]``, log_a ``[B,T,N]``, lam ``[B,T,N,L]``.
+    """
+    import jax.numpy as jnp
+
+    T, L = q.shape[1], lam.shape[-1]
+    G = v.shape[2] // q.shape[2]
+    q, k = jnp.repeat(q * scale, G, axis=2), jnp.repeat(k, G, axis=2)
+    cum = jnp.cumsum(log_a, axis=1)
+    causal = np.tril(np.ones((T, T), bool))[None, :, :, None]
+    decay = jnp.exp(jnp.where(causal, cum[:, :, None] - cum[:, None], -jnp.inf))  # [B,T,S,N]
+    onehot = np.eye(L)[fenwick_levels(T, L)]  # [T,S,L]
+    weight = jnp.einsum("BTNL,TSL->BTSN", lam, onehot)
+    out = jnp.einsum("BTSN,BTNH,BSNH,BSNE->BTNE", decay * weight, q, k, v)
+    last = jnp.exp(cum[:, -1:] - cum)  # [B,S,N]
+    top = np.eye(L)[fenwick_levels(T, L, T - 1)]  # [S,L]
+    levels = jnp.einsum("BSN,SL,BSNH,BSNE->BNLHE", last, top, k, v)
+    return out, levels
+
+
+def log_linear_delta_oracle(q, k, v, beta, lam, log_g, *, scale: float):
+    """Log-linear Gated DeltaNet from ``attn.linear.log_linear``'s equation
+    ``o_t = sum_{s<=t} lam_t^(level(t,s)) (q_t^T Phi(s->t) k_s) beta_s v_s`` with
+    ``Phi(s->t) = A_t ... A_{s+1}``, ``A_r = exp(g_r) (I - beta_r k_r k_r^T)``: a scan over
+    tokens applies ``A_t`` to every earlier key, row t of the scores is ``scale q_t`` against
+    them. The final Fenwick states: level l holds ``sum_s Phi(s->T-1) k_s beta_s v_s^T`` over
+    the s with ``level(T-1, s) = l``.
+
+    q, k ``[B,T,K,H]``; v ``[B,T,N,E]``; beta, log_g ``[B,T,N]``; lam ``[B,T,N,L]``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    T, L = q.shape[1], lam.shape[-1]
+    G = v.shape[2] // q.shape[2]
+    q, k = jnp.repeat(q * scale, G, axis=2), jnp.repeat(k, G, axis=2)
+    order = jnp.arange(T)
+
+    def step(keys, x):  # keys [B,S,N,H]: key s carried by A_{s+1} .. A_{t-1}
+        t, q_t, k_t, b_t, g_t = x
+        proj = jnp.einsum("BSNH,BNH->BSN", keys, k_t)
+        moved = jnp.exp(g_t)[:, None, :, None] * (keys - (b_t[:, None] * proj)[..., None]
+                                                  * k_t[:, None])  # fmt: skip
+        keys = jnp.where((order < t)[None, :, None, None], moved, keys)
+        return keys, jnp.einsum("BNH,BSNH->BSN", q_t, keys)
+
+    xs = (order, *(jnp.moveaxis(x, 1, 0) for x in (q, k, beta, log_g)))
+    keys, scores = jax.lax.scan(step, k, xs)  # scores [T,B,S,N]
+    causal = np.tril(np.ones((T, T), bool))[:, None, :, None]
+    onehot = np.eye(L)[fenwick_levels(T, L)]  # [T,S,L]
+    weight = jnp.einsum("BTNL,TSL->TBSN", lam, onehot)
+    scores = jnp.where(causal, scores * weight, 0.0)
+    out = jnp.einsum("TBSN,BSN,BSNE->BTNE", scores, beta, v)
+    top = np.eye(L)[fenwick_levels(T, L, T - 1)]  # [S,L]
+    levels = jnp.einsum("SL,BSNH,BSN,BSNE->BNLHE", top, keys, beta, v)
+    return out, levels
+
+
+def path_oracle(q, k, v, w, beta, log_forget, *, scale: float):
+    """PaTH attention from ``attn.softmax.path``'s equation: the logit of query i on key
+    ``j <= i`` is ``scale q_i^T H_i ... H_{j+1} k_j + sum_{l=j+1..i} log_forget_l`` with
+    ``H_s = I - beta_s w_s w_s^T`` (a scan over tokens applies ``H_t`` to every earlier
+    key), then causal softmax.
+
+    q ``[B,T,N,H]``; k, w ``[B,T,K,H]``; v ``[B,T,K,E]``; beta ``[B,T,K]``; log_forget
+    ``[B,T,N]``.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    T = q.shape[1]
+    G = q.shape[2] // k.shape[2]
+    order = jnp.arange(T)
+
+    def step(keys, x):  # keys [B,S,K,H]: key j carried by H_{j+1} .. H_{t-1}
+        t, w_t, b_t = x
+        proj = jnp.einsum("BSKH,BKH->BSK", keys, w_t)
+        moved = keys - (b_t[:, None] * proj)[..., None] * w_t[:, None]
+        keys = jnp.where((order < t)[None, :, None, None], moved, keys)
+        return keys, keys
+
+    xs = (order, *(jnp.moveaxis(x, 1, 0) for x in (w, beta)))
+    _, keys = jax.lax.scan(step, k, xs)  # [T,B,S,K,H]: the keys as query t reads them
+    keys = jnp.repeat(keys, G, axis=3)
+    s = jnp.einsum("BTNH,TBSNH->BNTS", q, keys) * scale
+    c = jnp.cumsum(log_forget, axis=1)  # [B,T,N]
+    s = s + jnp.moveaxis(c, 1, 2)[..., :, None] - jnp.moveaxis(c, 1, 2)[..., None, :]
+    causal = np.tril(np.ones((T, T), bool))
+    s = jnp.where(causal, s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("BNTS,BSNE->BTNE", p, jnp.repeat(v, G, axis=2))
+
+
 def _elu1(x):
     import jax.numpy as jnp
 
@@ -875,6 +1031,96 @@ def _decode(dry_run: bool) -> Case:
                 reference_only=("ok",))  # fmt: skip
 
 
+def _dplr(dry_run: bool) -> Case:
+    import attn
+
+    z = SIZES[dry_run]
+    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
+    rng = _rng("dplr/rwkv7")
+    # RWKV-7: a = -kappa (unit, per q/k head), b = kappa * a_in (per value head), log_w in
+    # (-0.6, 0), r unscaled (scale 1).
+    kappa = _unit(rng, (B, T, K, H))
+    a_in = rng.uniform(0.0, 1.0, (B, T, N, H))
+    arrays = dict(q=_normal(rng, (B, T, K, H)), k=_bf16(0.5 * rng.standard_normal((B, T, K, H))),
+                  v=_normal(rng, (B, T, N, H)), a=-kappa,
+                  b=_bf16(np.repeat(kappa, N // K, axis=2) * a_in),
+                  log_w=-rng.uniform(0.0, 0.6, (B, T, N, H)).astype(np.float32))  # fmt: skip
+    scale = H**-0.5
+
+    def run(form, a):
+        return attn.dplr_delta_rule(a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"],
+                                    form=form, chunk_size=z["chunk"], scale=scale,
+                                    return_state=True)  # fmt: skip
+
+    def oracle(a):
+        return dplr_oracle(a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"], scale=scale)
+
+    return Case("dplr/rwkv7", arrays, ("q", "k", "v", "a", "b"),
+                ("q", "k", "v", "a", "b", "log_w"), run, oracle)  # fmt: skip
+
+
+def _log_linear(variant: str, dry_run: bool) -> Case:
+    import attn
+
+    z = SIZES[dry_run]
+    B, T, N, K, H, L = z["B"], z["T"], z["N"], z["K"], z["H"], z["levels"]
+    name = f"log-linear/{variant}"
+    rng = _rng(name)
+    delta = variant == "gdn"
+    arrays = dict(q=(_unit if delta else _normal)(rng, (B, T, K, H)),
+                  k=(_unit if delta else _normal)(rng, (B, T, K, H)),
+                  v=_normal(rng, (B, T, N, H)),
+                  log_a=-rng.uniform(0.0, 0.2, (B, T, N)).astype(np.float32),
+                  lam=rng.uniform(0.1, 1.5, (B, T, N, L)).astype(np.float32))  # fmt: skip
+    if delta:
+        arrays["beta"] = rng.uniform(0.05, 0.95, (B, T, N)).astype(np.float32)
+    scale = H**-0.5
+
+    def run(form, a):
+        common = dict(form=form, chunk_size=z["chunk"], scale=scale, return_state=True)
+        if delta:
+            out, state = attn.log_linear_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["lam"],
+                                                    log_gates=a["log_a"], **common)  # fmt: skip
+        else:
+            out, state = attn.log_linear_attention(a["q"], a["k"], a["v"], a["log_a"], a["lam"],
+                                                   **common)  # fmt: skip
+        return out, state.levels
+
+    def oracle(a):
+        if delta:
+            return log_linear_delta_oracle(a["q"], a["k"], a["v"], a["beta"], a["lam"],
+                                           a["log_a"], scale=scale)  # fmt: skip
+        return log_linear_oracle(a["q"], a["k"], a["v"], a["log_a"], a["lam"], scale=scale)
+
+    diff = ("q", "k", "v", "log_a", "lam") + (("beta",) if delta else ())
+    return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
+
+
+def _path(dry_run: bool) -> Case:
+    import attn
+
+    z = SIZES[dry_run]
+    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
+    rng = _rng("path/fox")
+    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, T, K, H)),
+                  v=_normal(rng, (B, T, K, H)), w=_unit(rng, (B, T, K, H)),
+                  beta=rng.uniform(0.05, 1.9, (B, T, K)).astype(np.float32),
+                  log_forget=-rng.uniform(0.0, 0.5, (B, T, N)).astype(np.float32))  # fmt: skip
+    scale = H**-0.5
+
+    def run(form, a):
+        return attn.path_attention(a["q"], a["k"], a["v"], a["w"], a["beta"], form=form,
+                                   block_size=z["chunk"], log_forget=a["log_forget"],
+                                   scale=scale)  # fmt: skip
+
+    def oracle(a):
+        return path_oracle(a["q"], a["k"], a["v"], a["w"], a["beta"], a["log_forget"],
+                           scale=scale)  # fmt: skip
+
+    return Case("path/fox", arrays, ("q", "k", "v", "w"),
+                ("q", "k", "v", "w", "beta", "log_forget"), run, oracle)  # fmt: skip
+
+
 # name -> (family, what the case holds, builder(dry_run))
 CASES = {
     "softmax/causal-gqa": ("softmax", "causal, GQA", functools.partial(_softmax, "causal-gqa")),
@@ -896,6 +1142,12 @@ CASES = {
     "nsa/causal": ("NSA", "causal, GQA", _nsa),
     "dsa/causal": ("DSA", "causal, GQA", _dsa),
     "decode/causal": ("decode", "2 queries, causal, rows of their own lengths", _decode),
+    "dplr/rwkv7": ("DPLR (RWKV-7)", "a = -kappa, b = kappa a_in, grouped values", _dplr),
+    "path/fox": ("PaTH", "FoX gates, causal, GQA", _path),
+    "log-linear/mamba2": ("log-linear Mamba-2", "clamped levels, grouped values",
+                          functools.partial(_log_linear, "mamba2")),
+    "log-linear/gdn": ("log-linear Gated DeltaNet", "clamped levels, head gates",
+                       functools.partial(_log_linear, "gdn")),
 }  # fmt: skip
 
 

@@ -36,6 +36,20 @@ tests give them), with fla's default chunk of 64 (ours is 64):
   (one group) expanded to the heads, as our ``attn.ssd`` repeats them. Where it
   differs: ``dt x`` is rounded to bf16 before the kernel (fla takes v in q's dtype);
   ours keeps it in float32;
+* ``dplr``: ``fla.ops.generalized_delta_rule.chunk_dplr_delta_rule(q, k, v, a, b,
+  gk=log_w, scale=1.0, safe_gate=True)`` (what ``fla.ops.rwkv7.chunk_rwkv7`` calls), our
+  ``attn.dplr_delta_rule`` exactly: fla's ``S (diag(w) + a b^T) + v k^T`` on its ``[V, K]``
+  state is ours transposed, ``a`` reading and ``b`` writing in both. RWKV-7's inputs
+  (``a = -kappa``, ``b = kappa * a_in``, ``log_w`` in (-0.6, 0), the ``[-5, 0)`` that
+  ``safe_gate`` asks, scale 1); fla's chunks are 16 (``safe_gate`` allows no other), ours 64;
+* ``path``: ``fla.ops.path_attn.parallel_path_attn(q, k, v, w, beta, g, scale)`` (w, beta
+  and g float32, as it asserts): PaTH-FoX. fla adds the gate's sums inside the scaled
+  logit (``scale * (q^T P k + c_i - c_j)``), ours beside it, so ours is called with
+  ``log_forget = scale * g``: the same function of the same inputs, gradients included;
+* ``log_linear``: ``fla.ops.log_linear_attn.chunk_log_linear_attn(q, k, v, g,
+  level_scales)``: log-linear Mamba-2 (one group of B and C, fla's only layout; no scale)
+  with ``L = bit_length(T - 1) + 1`` levels, every level its own weight (fla reads that
+  many); ours is ``attn.log_linear_attention(..., scale=1.0)``, chunks of 64 both;
 * ``nsa``: ``fla.ops.nsa.parallel_nsa(q, k, v, g_cmp, g_slc, block_counts,
   block_size, window_size=0)``: NOT our function (its compression is a mean over
   blocks of ``block_size``, ours is given overlapping blocks, and it has no window
@@ -79,6 +93,9 @@ OPS = {
     "deltaproduct": ("fla.ops.gated_delta_product", "chunk_gated_delta_product"),
     "ssd": ("fla.ops.simple_gla", "chunk_simple_gla"),
     "nsa": ("fla.ops.nsa", "parallel_nsa"),
+    "dplr": ("fla.ops.generalized_delta_rule", "chunk_dplr_delta_rule"),
+    "path": ("fla.ops.path_attn", "parallel_path_attn"),
+    "log_linear": ("fla.ops.log_linear_attn", "chunk_log_linear_attn"),
 }
 # Packages whose __init__ is not run (see the module docstring).
 BARE = ("fla", "fla.ops", "fla.modules")
@@ -240,6 +257,14 @@ def call(family: str, item: dict):
             window_size=0,
             scale=scale,
         )
+    if family == "dplr":
+        return lambda t: fn(
+            t["q"], t["k"], t["v"], t["a"], t["b"], t["log_w"], scale=1.0, safe_gate=True
+        )[0]
+    if family == "path":
+        return lambda t: fn(t["q"], t["k"], t["v"], t["w"], t["beta"], g=t["g"], scale=scale)[0]
+    if family == "log_linear":
+        return lambda t: fn(t["q"], t["k"], t["v"], t["g"], t["level_scales"])[0]
     raise KeyError(family)
 
 

@@ -29,10 +29,15 @@ def test_every_familys_8k_forward_backward_comes_first_ours_then_the_peer():
     assert head[0]["family"] == "gated_deltanet"
     assert all(i["T"] == 8192 and i["mode"] == "fwd+bwd" for i in head)
     assert [i["S"] for i in items[n : n + 4 : 2]] == [8192, 32768]  # then decoding
-    assert [i["mode"] for i in items[-n:]] == ["fwd"] * n  # forward only last
+    newer = [i for i in items if i["family"] in fam.NEWER]  # after everything else
+    assert items[-len(newer) :] == newer and [i["family"] for i in newer[:6:2]] == list(fam.NEWER)
+    assert [(i["T"], i["mode"]) for i in newer[:6]] == [(8192, "fwd+bwd")] * 6
+    assert {i["T"] for i in newer if i["family"] == "path"} == {2048, 8192}
+    older = items[: -len(newer)]
+    assert [i["mode"] for i in older[-n:]] == ["fwd"] * n  # then forward only
     assert {i["B"] * i["T"] for i in items if "T" in i} == {fam.TOKENS}
     dry = fam.items(True)
-    assert {i["family"] for i in dry} == {*fam.FAMILIES, "decode"}
+    assert {i["family"] for i in dry} == {*fam.FAMILIES, "decode", *fam.NEWER}
     assert {i["mode"] for i in dry if i["family"] == "kda"} == {"fwd+bwd"}
 
 
@@ -48,6 +53,14 @@ def test_flop_counts():
     assert fam.flops(dict(delta, family="deltaproduct", n=1)) == fam.flops(delta)
     assert fam.flops(dict(delta, family="deltaproduct", n=2)) > 1.5 * fam.flops(delta)
     assert fam.flops(dict(family="decode", mode="step", B=1, S=8, K=1, H=8)) is None
+    dplr = dict(delta, family="dplr")
+    assert fam.flops(dplr) == 2 * (10 * C * H + 8 * C * E + 6 * H * E + 2 * H * H
+                                   + 2 * H * H * E / C + C * C / 3)  # fmt: skip
+    log_linear = dict(linear, family="log_linear", T=8192)
+    assert fam.log_levels(8192, 64) == 7 and fam.log_levels(64, 64) == 0
+    assert fam.flops(log_linear) == 8192 * (2 * C * (H + E) + 4 * H * E * 7)
+    path = dict(softmax, family="path")
+    assert fam.flops(path) == 2 * fam.flops(softmax)
     # A selection that covers every visible key reads what dense causal attention reads.
     sparse = dict(
         family="sparse",
