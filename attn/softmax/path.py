@@ -47,6 +47,8 @@ of the ``H`` matrices on outputs and every gradient:
   C)) per head) for that block only. Memory is linear in T (the tests check
   XLA's temporary bytes double when T does); the compute is the T^2 / 2 tiles
   of causal attention, about twice the matmuls of plain blockwise softmax.
+  jaxlib 0.10.1's CPU runtime deadlocks in this backward after a run or two
+  from T = 128 on (0.11.2 does not: ``tools/repro_jaxlib_0_10_1_path_deadlock.py``).
 
 Grouped-query attention: ``w`` and ``beta`` belong to the K kv heads (they
 transform keys, so a kv head and the G query heads that read it share one
