@@ -112,6 +112,7 @@ from attn.softmax import (
     dot_product_attention,
     path_attention,
     path_transform_keys,
+    path_transform_queries,
     path_update_keys,
 )
 from attn.sparse import indexed_topk_attention, moba_attention, nsa_attention
@@ -172,6 +173,7 @@ __all__ = [
     "pallas",
     "path_attention",
     "path_transform_keys",
+    "path_transform_queries",
     "path_update_keys",
     "register_feature_map",
     "registry",

@@ -57,7 +57,7 @@ WEIGHT = 0.18  # about 80 s of the 450 s budget
 # The most informative first (a budget cut drops the tail): the baseline, the two best
 # in the committed run (both fixed states with their own kernels' work), FoX (softmax
 # with a score modifier: Pallas on a GPU), MLA (H != E: Pallas), MoBA (sparse), the
-# plain linear state, then the rest.
+# plain linear state, then the rest, the 2025 families last.
 VARIANTS = (
     "mha",
     "gated_deltanet",
@@ -71,6 +71,10 @@ VARIANTS = (
     "alibi",
     "based",
     "hybrid",
+    "rwkv7",
+    "path",
+    "log_linear_mamba2",
+    "log_linear_gated_deltanet",
 )
 
 # The sizes: the comparison's model at a GPU size, and a tiny one for the dry run.

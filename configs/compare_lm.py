@@ -46,6 +46,11 @@ bits per byte, mean of the 2 seeds (range), test SE about 0.031 for each:
     hybrid 2.989 (2.910-3.068)    based 3.061 (3.001-3.121)
     mla 3.154 (3.147-3.162)       linear 3.475 (3.447-3.502)
 
+The four 2025 families at the end of ``VARIANTS`` joined after that run; each
+run's size, data and seeds depend on its variant alone, so
+``--variants rwkv7 path log_linear_mamba2 log_linear_gated_deltanet`` gives their
+rows of the same table.
+
 Every curve is still falling at step 160: these are short-training numbers, in
 which the kinds with short convolutions or decays (Mamba-2, Gated DeltaNet,
 FoX) learn the local statistics of bytes fastest. Tested at 8T = 2048 bytes,
@@ -68,7 +73,8 @@ from train.variants import CompareConfig
 # positions enter, GQA and MLA for smaller caches, the window with initial tokens
 # (StreamingLLM's cache), the fixed states (linear, Gated DeltaNet, Based, Mamba-2),
 # the hybrid, and MoBA for trainable sparse attention (NSA, at twice MoBA's step
-# time, is one flag away: --variants ... nsa).
+# time, is one flag away: --variants ... nsa); then the 2025 families: RWKV-7, PaTH,
+# and the log-linear Mamba-2 and Gated DeltaNet.
 VARIANTS = (
     "mha",
     "alibi",
@@ -82,6 +88,10 @@ VARIANTS = (
     "hybrid",
     "mamba2",
     "moba",
+    "rwkv7",
+    "path",
+    "log_linear_mamba2",
+    "log_linear_gated_deltanet",
 )
 
 SEQ_LEN = 256

@@ -75,8 +75,15 @@ from models.functions import FunctionAttention, FunctionConfig, attention_kind
 from models.generate import generate
 from models.latent import LatentAttention, LatentConfig
 from models.linear import LinearAttention, LinearConfig
+from models.log_linear import (
+    LogLinearDeltaAttention,
+    LogLinearDeltaConfig,
+    LogLinearMamba2,
+    LogLinearMamba2Config,
+)
 from models.mamba import Mamba2, Mamba2Config
 from models.masked import MaskedConfig
+from models.path import PathAttention, PathConfig
 from models.patterns import (
     PRESET_REGISTRY,
     Presets,
@@ -86,6 +93,7 @@ from models.patterns import (
     presets,
     register_preset,
 )
+from models.rwkv7 import Rwkv7Attention, Rwkv7Config
 from models.serving import serve
 from models.softmax import CrossAttention, SelfAttention, SoftmaxConfig
 from models.sparse import (
@@ -120,6 +128,10 @@ __all__ = [
     "LayerKind",
     "LinearAttention",
     "LinearConfig",
+    "LogLinearDeltaAttention",
+    "LogLinearDeltaConfig",
+    "LogLinearMamba2",
+    "LogLinearMamba2Config",
     "Mamba2",
     "Mamba2Config",
     "MaskedConfig",
@@ -128,8 +140,12 @@ __all__ = [
     "ModelConfig",
     "NSAAttention",
     "NSAConfig",
+    "PathAttention",
+    "PathConfig",
     "PresetSizes",
     "Presets",
+    "Rwkv7Attention",
+    "Rwkv7Config",
     "SelfAttention",
     "SoftmaxConfig",
     "attention_kind",

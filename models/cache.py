@@ -78,6 +78,8 @@ class SlotCache:
     ring: bool = struct.field(pytree_node=False, default=False, kw_only=True)
 
     PAYLOAD: ClassVar[tuple[str, ...]] = ()
+    # False for a kind whose steps rewrite a row's old entries (PaTH's keys): never paged.
+    PAGEABLE: ClassVar[bool] = True
 
     @property
     def paged(self) -> bool:

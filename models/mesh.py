@@ -88,6 +88,7 @@ _SHARDED = {
     attn.linear_attention: attn.sharded_linear_attention,
     attn.delta_rule: attn.sharded_delta_rule,
     attn.delta_product: attn.sharded_delta_product,
+    attn.dplr_delta_rule: attn.sharded_dplr_delta_rule,
     attn.ssd: attn.sharded_ssd,
     attn.short_conv: attn.sharded_short_conv,
 }

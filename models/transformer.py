@@ -155,10 +155,11 @@ class _LM(nnx.Module):
     @staticmethod
     def _layer_cache(block, batch: int, max_len: int, page_size, num_pages):
         """A block's empty layer cache; with ``page_size``, a full one is paged
-        (built from its shapes, so the contiguous cache is never allocated)."""
+        (built from its shapes, so the contiguous cache is never allocated), unless
+        its kind rewrites old entries (``SlotCache.PAGEABLE``: PaTH's keys)."""
         if page_size is not None:
             shape = jax.eval_shape(lambda: block.attn.init_cache(batch, max_len))
-            if isinstance(shape, SlotCache) and not shape.ring:
+            if isinstance(shape, SlotCache) and not shape.ring and shape.PAGEABLE:
                 return paged_layer(shape, num_pages, page_size)
         return block.attn.init_cache(batch, max_len)
 

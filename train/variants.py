@@ -137,6 +137,19 @@ for _name, _description, _layers in (
     ),
     ("moba", "block-sparse softmax, top-k key blocks per query (MoBA)", "moba"),
     ("nsa", "compressed, selected and window branches (NSA)", "nsa"),
+    ("rwkv7", "RWKV-7: the DPLR delta rule, token shift, LoRA decay", "rwkv7"),
+    ("path", "softmax positioned by Householder-like transforms (PaTH), no RoPE", "path"),
+    ("path_fox", "PaTH with a forget gate (PaTH-FoX)", "path_fox"),
+    (
+        "log_linear_mamba2",
+        "Mamba-2 with a Fenwick tree of states (log-linear)",
+        "log_linear_mamba2",
+    ),
+    (
+        "log_linear_gated_deltanet",
+        "Gated DeltaNet with a Fenwick tree of states (log-linear)",
+        "log_linear_gated_deltanet",
+    ),
 ):
     register_variant(_name, _layers, description=_description)
 
@@ -296,7 +309,8 @@ def matched_mlp_width(config: CompareConfig, variant: str) -> int:
     ``match_params`` the width whose parameter count is nearest the reference's.
 
     Parameters are affine in the MLP width (``3 D`` per unit and layer: up, gate and
-    down), so two counts give the width; it is rounded to the nearest integer.
+    down, bias-free), so one count gives the width; it is rounded to the nearest
+    integer and counted again.
 
     Raises:
       ValueError: naming ``match_params``, when no positive width comes within 2%.
@@ -314,7 +328,7 @@ def matched_mlp_width(config: CompareConfig, variant: str) -> int:
 
     target = count(config.match_params, base.hidden_width)
     at_base = count(variant, base.hidden_width)
-    per_unit = count(variant, base.hidden_width + 1) - at_base
+    per_unit = 3 * base.width * config.num_layers
     width = max(1, base.hidden_width + round((target - at_base) / per_unit))
     got = count(variant, width)
     if abs(got - target) > MATCH_TOLERANCE * target:

@@ -43,13 +43,16 @@ whose runs finished is read back from their ``summary.json``, not retrained.
 Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 
 * ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, one learning
-  rate (1e-2), 1 seed, 9 families x 4 knob values: 72 runs of batch 32, at most
+  rate (1e-2), 1 seed, 14 families x 4 knob values: 112 runs of batch 32, at most
   500 updates at T = 64 and 350 at T = 128, stopping at 0.99. The committed run
-  is in ``docs/results/recall_frontier/`` with its wall time (``runtime_s``).
+  is in ``docs/results/recall_frontier/`` with its wall time (``runtime_s``);
+  the 2025 families (RWKV-7, PaTH, log-linear Mamba-2 and Gated DeltaNet) are
+  added to it by ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
+  --add-to docs/results/recall_frontier``.
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
-  families over wider knobs: 9 x 4 x 4 x 4 = 576 runs.
+  families over wider knobs: 14 x 4 x 4 x 4 = 896 runs.
   ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
   update (forward + backward, not the optimizer) times its updates, and the
   total over the runs; what it printed, and the GPU time it implies, is in

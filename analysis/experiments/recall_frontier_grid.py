@@ -100,6 +100,20 @@ FAMILIES: dict[str, Family] = {
     "hybrid": Family(
         "hybrid (softmax, then linear)", "width", lambda d: _model(d, ("mha_conv", "linear_conv"))
     ),
+    # The 2025 families: RWKV-7 (its own token shift), PaTH (softmax over a full cache, its
+    # transforms for positions), and the log-linear forms of Mamba-2 and Gated DeltaNet.
+    "rwkv7": Family("RWKV-7", "head dim", _heads_of(64, ("rwkv7",) * 2)),
+    "path": Family("PaTH", "width", lambda d: _model(d, ("path_conv",) * 2)),
+    "log_linear_mamba2": Family(
+        "log-linear Mamba-2",
+        "state dim",
+        lambda h: _model(64, ("log_linear_mamba2",) * 2, state_dim=h),
+    ),
+    "log_linear_gated_deltanet": Family(
+        "log-linear Gated DeltaNet",
+        "head dim",
+        _heads_of(64, ("log_linear_gated_deltanet",) * 2),
+    ),
 }
 
 
@@ -169,6 +183,10 @@ SCALES: dict[str, Scale] = {
             ("gated_deltanet", (8, 16, 32, 64)),
             ("hybrid", (16, 32, 48, 64)),
             ("mamba2", (8, 16, 32, 64)),
+            ("rwkv7", (8, 16, 32, 64)),
+            ("path", (16, 32, 48, 64)),
+            ("log_linear_mamba2", (8, 16, 32, 64)),
+            ("log_linear_gated_deltanet", (8, 16, 32, 64)),
         ),
         vocab_size=64,
         lrs=(1e-2,),
@@ -189,6 +207,10 @@ SCALES: dict[str, Scale] = {
             ("gated_deltanet", (8, 16, 32, 64)),
             ("hybrid", (64, 128, 256, 512)),
             ("mamba2", (16, 32, 64, 128)),
+            ("rwkv7", (8, 16, 32, 64)),
+            ("path", (64, 128, 256, 512)),
+            ("log_linear_mamba2", (16, 32, 64, 128)),
+            ("log_linear_gated_deltanet", (8, 16, 32, 64)),
         ),
         vocab_size=8192,
         lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)),

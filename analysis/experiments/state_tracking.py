@@ -22,6 +22,12 @@ The two findings this reproduces, at the lab's scale:
   products of Householders (DeltaProduct, Siems et al. 2025) can express it.
   The second row (``claim_s5``) says which families track S5 at 1x, or that
   none does at this scale.
+- The 2025 families that claim the same reach: RWKV-7 (Peng et al. 2025; a
+  diagonal decay plus a rank-one removal, the DPLR delta rule) and PaTH
+  attention (Yang et al. 2025; softmax attention whose positions are products
+  of Householder-like transforms, beta in (0, 2)), alone and with FoX's gate;
+  beside them log-linear Mamba-2 and Gated DeltaNet (Guo et al. 2025), whose
+  Fenwick tree of states changes the memory and not the transitions.
 
 Writes ``results.json`` (every run's accuracies per length and per position,
 the best rate's, both claims), ``table.md`` and ``state_tracking.png``
@@ -66,6 +72,11 @@ def _variant_layers(name: str, num_layers: int, sizes: dict) -> tuple:
         "gated_deltanet_negative": negative_delta,
         "deltaproduct2": dataclasses.replace(negative_delta, householder_steps=2),
         "deltaproduct3": dataclasses.replace(negative_delta, householder_steps=3),
+        "rwkv7": p["rwkv7"],
+        "path": p["path"],
+        "path_fox": p["path_fox"],
+        "log_linear_mamba2": p["log_linear_mamba2"],
+        "log_linear_gated_deltanet": p["log_linear_gated_deltanet"],
     }
     if name == "hybrid":  # the note's hybrid: Mamba layers, then attention
         return (p["mamba2"],) * (num_layers - 1) + (p["mha"],)
@@ -84,6 +95,11 @@ VARIANTS = (
     "deltaproduct2",
     "deltaproduct3",
     "hybrid",
+    "rwkv7",
+    "path",
+    "path_fox",
+    "log_linear_mamba2",
+    "log_linear_gated_deltanet",
 )
 DESCRIPTIONS = {
     "mha": "softmax MHA with RoPE",
@@ -95,6 +111,11 @@ DESCRIPTIONS = {
     "deltaproduct2": "Gated DeltaProduct n_h = 2, beta in (0, 2)",
     "deltaproduct3": "Gated DeltaProduct n_h = 3, beta in (0, 2)",
     "hybrid": "Mamba-2 layers, then one MHA layer",
+    "rwkv7": "RWKV-7, the DPLR delta rule (a in [0, 1])",
+    "path": "PaTH, softmax with Householder transforms, beta in (0, 2)",
+    "path_fox": "PaTH-FoX, PaTH with a forget gate",
+    "log_linear_mamba2": "log-linear Mamba-2, decay in (0, 1]",
+    "log_linear_gated_deltanet": "log-linear Gated DeltaNet, beta in (0, 1)",
 }
 
 

@@ -71,8 +71,13 @@ over chunks carrying one state per chunk level (``attn.linear.
 log_linear_delta_forms``). Same layout, segments, states and decoding.
 
 The states are float32 whatever the input dtype; the output has the inputs'
-dtype. An initial state for the forward (continuing a sequence) is not
-supported: the chunkwise form's levels need the sequence to start at 0.
+dtype. ``initial_state`` continues a sequence (a chunked prefill) in the
+recurrent form only: the first segment's tokens take positions from the
+state's ``length`` on, so the Fenwick merges are the step function's, and its
+levels start from the state's; a later segment in the call starts a fresh
+tree, and a row without real tokens keeps the state. The quadratic and
+chunkwise forms refuse it (their level tables need the segment to start at
+position 0 of the call).
 """
 
 from __future__ import annotations
@@ -258,15 +263,20 @@ class _Sequence(NamedTuple):
     seg: _Segments | None
 
 
-def _sequence(q_seg, kv_seg, log_a, B: int, T: int, N: int) -> _Sequence:
+def _sequence(q_seg, kv_seg, log_a, B: int, T: int, N: int, start=None) -> _Sequence:
+    """``start [B]`` int32 (an initial state's length) or None: the first segment's
+    positions continue from it (a row without real tokens keeps it as its length)."""
+    start = jnp.zeros((B,), jnp.int32) if start is None else start
     if q_seg is None:
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        last, length = jnp.full((B,), T - 1, jnp.int32), jnp.full((B,), T, jnp.int32)
-        return _Sequence(pos, None, None, log_a, last, length, None)
+        pos = jnp.arange(T, dtype=jnp.int32)[None, :] + start[:, None]
+        last = jnp.full((B,), T - 1, jnp.int32)
+        return _Sequence(pos, None, None, log_a, last, start + T, None)
     seg = _segments(q_seg, kv_seg, log_a, N)
+    first = seg.key_real & (jnp.cumsum(seg.starts.astype(jnp.int32), axis=1) == 1)
+    pos = seg.pos + jnp.where(first, start[:, None], 0)
     last, any_real = _last_real(seg.key_real)
-    length = jnp.where(any_real, _take(seg.pos, last) + 1, 0)
-    return _Sequence(seg.pos, seg.key_real, seg.q_read, seg.log_a, last, length, seg)
+    length = jnp.where(any_real, _take(pos, last) + 1, start)
+    return _Sequence(pos, seg.key_real, seg.q_read, seg.log_a, last, length, seg)
 
 
 def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: int, T: int):
@@ -275,6 +285,19 @@ def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: in
         fail("form", f"one of {forms_}", repr(form))
     _check_chunk(chunk_size)
     return checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
+
+
+def _initial(initial_state, form: str, B: int, K: int, G: int, L: int, H: int, E: int):
+    """``(levels [B,K,G,L,H,E] float32, length [B] int32)`` of ``initial_state``, or
+    ``(None, None)``; only the recurrent form continues a state."""
+    if initial_state is None:
+        return None, None
+    if form != "recurrent":
+        why = "its levels need the sequence to start at position 0"
+        fail("initial_state", f"None for form={form!r} ({why}); use form='recurrent'", "a state")
+    _check_state(initial_state, B, K * G, L, H, E, "initial_state")
+    levels = jnp.asarray(initial_state[0], jnp.float32).reshape(B, K, G, L, H, E)
+    return levels, jnp.asarray(initial_state[1], jnp.int32)
 
 
 def _finish(out, levels, sequence: _Sequence, dtype, return_state: bool):
@@ -321,12 +344,12 @@ def _to_slots_back(x, dest):
     return jnp.take_along_axis(x, dest.reshape(*dest.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
-def _check_state(state, B: int, N: int, L: int, H: int, E: int) -> None:
+def _check_state(state, B: int, N: int, L: int, H: int, E: int, name: str = "state") -> None:
     if not isinstance(state, tuple) or len(state) != 2:
-        fail("state", "a LogLinearState(levels, length) (see init_log_linear_state)", type(state))
+        fail(name, "a LogLinearState(levels, length) (see init_log_linear_state)", type(state))
     if np.shape(state[0]) != (B, N, L, H, E) or np.shape(state[1]) != (B,):
         want = f"levels {(B, N, L, H, E)} = [B,N,L,H,E] and length ({B},)"
-        fail("state", want, f"levels {np.shape(state[0])}, length {np.shape(state[1])}")
+        fail(name, want, f"levels {np.shape(state[0])}, length {np.shape(state[1])}")
 
 
 # ----------------------------------------------------------------------------
@@ -346,6 +369,7 @@ def log_linear_attention(
     return_state: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
+    initial_state: LogLinearState | None = None,
 ):
     """Log-linear attention over a causal sequence, in one of ``LOG_LINEAR_FORMS``.
 
@@ -364,6 +388,11 @@ def log_linear_attention(
             segment's last real token, for ``log_linear_attention_step``.
         q_segment_ids, kv_segment_ids: ``[B,T]`` ints, both or neither, the same
             ids: packing and padding (id 0); see the module docstring.
+        initial_state: None, or a ``LogLinearState`` to continue
+            (``form="recurrent"`` only): the first segment's tokens take
+            positions from its ``length`` on, its levels as the tree so far;
+            later segments start fresh. The same as iterating
+            ``log_linear_attention_step`` from it.
 
     Returns:
         out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, LogLinearState)``.
@@ -375,12 +404,13 @@ def log_linear_attention(
         form, LOG_LINEAR_FORMS, chunk_size, q_segment_ids, kv_segment_ids, B, T
     )
     _check_values(log_a, level_weights, kv_seg)
+    init, start = _initial(initial_state, form, B, K, G, L, H, E)
     root = checks.query_scale(scale, H)
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     # Padding holds anything, NaN included: selected away where it enters.
     q = drop_padding(q, q_seg)
     k, v, log_a, level_weights = (drop_padding(x, kv_seg) for x in (k, v, log_a, level_weights))
-    sequence = _sequence(q_seg, kv_seg, log_a.astype(jnp.float32), B, T, N)
+    sequence = _sequence(q_seg, kv_seg, log_a.astype(jnp.float32), B, T, N, start)
     q32 = q.astype(jnp.float32) * root
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
@@ -393,7 +423,7 @@ def log_linear_attention(
     if form == "quadratic":
         out, levels = forms.quadratic(q32, k32, v32, la, lam, pos, key_real, last)
     elif form == "recurrent":
-        out, levels = forms.recurrent(q32, k32, v32, la, lam, pos, key_real)
+        out, levels = forms.recurrent(q32, k32, v32, la, lam, pos, key_real, init)
     elif sequence.seg is None:
         out, levels = forms.chunkwise(q32, k32, v32, la, lam, chunk_size, top, None, last)
     else:
@@ -467,6 +497,7 @@ def log_linear_delta_rule(
     return_state: bool = False,
     q_segment_ids=None,
     kv_segment_ids=None,
+    initial_state: LogLinearState | None = None,
 ):
     """Log-linear Gated DeltaNet over a causal sequence, in one of ``LOG_LINEAR_DELTA_FORMS``.
 
@@ -490,7 +521,8 @@ def log_linear_delta_rule(
         chunk_size: a power of 2; T need not be a multiple. The chunk's inverse
             costs C^2 per token, as the delta rule's.
         scale: multiplies q; default ``1/sqrt(H)``.
-        return_state, q_segment_ids, kv_segment_ids: as in ``log_linear_attention``.
+        return_state, q_segment_ids, kv_segment_ids, initial_state: as in
+            ``log_linear_attention`` (an initial state: ``form="recurrent"`` only).
 
     Returns:
         out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, LogLinearState)``.
@@ -504,6 +536,7 @@ def log_linear_delta_rule(
     )
     checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", kv_seg)
     _check_values(log_gates, level_weights, kv_seg, name="log_gates")
+    init, start = _initial(initial_state, form, B, K, G, L, H, E)
     root = checks.query_scale(scale, H)
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     if log_gates is None:
@@ -512,7 +545,7 @@ def log_linear_delta_rule(
     k, v, beta, log_gates, level_weights = (
         drop_padding(x, kv_seg) for x in (k, v, beta, log_gates, level_weights)
     )
-    sequence = _sequence(q_seg, kv_seg, log_gates.astype(jnp.float32), B, T, N)
+    sequence = _sequence(q_seg, kv_seg, log_gates.astype(jnp.float32), B, T, N, start)
     q32 = q.astype(jnp.float32) * root
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
@@ -523,7 +556,7 @@ def log_linear_delta_rule(
     arrays = (q32, k32, v32, beta32, log_g, lam)
 
     if form == "recurrent":
-        out, levels = delta_forms.recurrent(*arrays, sequence.pos, sequence.key_real)
+        out, levels = delta_forms.recurrent(*arrays, sequence.pos, sequence.key_real, init)
     elif sequence.seg is None:
         out, levels = delta_forms.chunkwise(*arrays, chunk_size, last)
     else:

@@ -72,8 +72,9 @@ def step(levels, q_t, k_t, v_t, beta_t, log_g_t, lam_t, pos_t, real_t=None):
     return new, out
 
 
-def recurrent(q, k, v, beta, log_g, lam, pos, key_real):
-    """A scan over tokens (``scan_in_pieces``); returns ``(out, levels)``."""
+def recurrent(q, k, v, beta, log_g, lam, pos, key_real, init=None):
+    """A scan over tokens (``scan_in_pieces``) from the levels ``init [B,K,G,L,H,E]`` (or
+    None: zeros); returns ``(out, levels)``."""
     B, T, K, H = q.shape
     G, E = v.shape[3:]
     L = lam.shape[-1]
@@ -83,7 +84,8 @@ def recurrent(q, k, v, beta, log_g, lam, pos, key_real):
     def one_step(levels, x):
         return step(levels, *x)
 
-    init = jnp.zeros((B, K, G, L, H, E), jnp.float32)
+    if init is None:
+        init = jnp.zeros((B, K, G, L, H, E), jnp.float32)
     xs = (q, k, v, beta, log_g, lam, pos, key_real)
     final, out = scan_in_pieces(one_step, init, xs, T)
     return out, final

@@ -129,8 +129,11 @@ def step(levels, q_t, k_t, v_t, log_a_t, lam_t, pos_t, real_t=None):
     return new, out
 
 
-def recurrent(q, k, v, log_a, lam, pos, key_real):
+def recurrent(q, k, v, log_a, lam, pos, key_real, init=None):
     """A scan over tokens (``scan_in_pieces``: O(sqrt(T)) carries kept for the backward).
+
+    ``init [B,K,G,L,H,E]`` (or None: zeros): the levels before the first token,
+    continued where ``pos`` does not restart at 0.
 
     Returns ``(out, levels)``: the levels after the last real token.
     """
@@ -143,7 +146,8 @@ def recurrent(q, k, v, log_a, lam, pos, key_real):
     def one_step(levels, x):
         return step(levels, *x)
 
-    init = jnp.zeros((B, K, G, L, H, E), jnp.float32)
+    if init is None:
+        init = jnp.zeros((B, K, G, L, H, E), jnp.float32)
     final, out = scan_in_pieces(one_step, init, (q, k, v, log_a, lam, pos, key_real), T)
     return out, final
 

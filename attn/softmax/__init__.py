@@ -33,7 +33,13 @@ from attn.softmax.blockwise import (
 )
 from attn.softmax.call import Call, CallArgs, check_call
 from attn.softmax.dense import dot_product_attention, logits
-from attn.softmax.path import PATH_FORMS, path_attention, path_transform_keys, path_update_keys
+from attn.softmax.path import (
+    PATH_FORMS,
+    path_attention,
+    path_transform_keys,
+    path_transform_queries,
+    path_update_keys,
+)
 
 __all__ = [
     "DEFAULT_BLOCK_K",
@@ -49,5 +55,6 @@ __all__ = [
     "logits",
     "path_attention",
     "path_transform_keys",
+    "path_transform_queries",
     "path_update_keys",
 ]

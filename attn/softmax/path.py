@@ -76,7 +76,10 @@ Decoding keeps the cache's keys transformed as tokens arrive
 t applies ``H_t`` to every cached key and is stored as it is, and plain
 softmax attention of ``q_t`` over the cache (``attn.attention``,
 ``attn.decode_attention``) is PaTH's row t. ``path_transform_keys`` gives the
-cache after a prefill.
+cache after a prefill. A chunk of tokens over such a cache: its queries
+carried back to the chunk's start (``path_transform_queries``) attend to the
+cache with plain softmax, ``path_attention`` gives the chunk's own part, and
+``attn.merge_attention`` joins the two (``models.path``).
 
 Everything is float32 inside whatever the input dtype (the transforms too);
 the output has q's dtype.
@@ -96,7 +99,13 @@ from attn.masks import PADDING, And, Band, Causal, Mask, Or, SlidingWindow, drop
 from attn.merge import merge_unnormalized
 from attn.softmax.call import MASKED, check_call, visible
 
-__all__ = ["PATH_FORMS", "path_attention", "path_transform_keys", "path_update_keys"]
+__all__ = [
+    "PATH_FORMS",
+    "path_attention",
+    "path_transform_keys",
+    "path_transform_queries",
+    "path_update_keys",
+]
 
 PATH_FORMS = ("blockwise", "naive")
 
@@ -501,3 +510,43 @@ def path_transform_keys(k, w, beta, *, block_size: int = 64, segment_ids=None):
     eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, K, H, H))
     out = lax.scan(block, eye, (k_end, wb, xb), reverse=True)[1]  # [n,B,K,C,H]
     return _unblock(out, 3)[:, :T].astype(k.dtype)
+
+
+def path_transform_queries(q, w, beta, *, segment_ids=None):
+    """Each query of a chunk carried back to the chunk's start: ``(H_i ... H_0)^T q_i``.
+
+    Query i of a chunk of tokens ``0 .. C-1`` (in order, following a cache whose
+    keys are carried up to the token before the chunk, ``path_update_keys``)
+    reaches a cached key through its chunk's transforms up to its own,
+    ``q_i^T H_i ... H_0 k~_j``: the returned ``q'_i = H_0 ... H_i q_i`` (each
+    ``H`` is symmetric) against the cached keys gives PaTH's logits. The compact
+    form: ``H_i ... H_0 = I - sum_{s<=i} w_s x_s^T`` (one C x C triangular solve).
+
+    Args:
+      q: queries ``[B,C,N,H]``, N a multiple of K.
+      w, beta: the chunk's ``[B,C,K,H]``, ``[B,C,K]`` (beta in [0, 2]).
+      segment_ids: None, or ``[B,C]`` ints: id 0 marks a padding token, whose
+        transform is the identity (its w and beta may hold anything).
+
+    Returns:
+      ``[B,C,N,H]`` in q's dtype (computed in float32).
+    """
+    q, w, beta, segment_ids = as_arrays(q, w, beta, segment_ids)
+    if getattr(q, "ndim", None) != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
+        got = f"{getattr(q, 'dtype', type(q).__name__)} {np.shape(q)}"
+        fail("q", "a floating-point array [B,C,N,H]", got)
+    B, C, N, H = q.shape
+    K = np.shape(w)[2] if getattr(w, "ndim", None) == 4 else 0
+    if not K or N % K:
+        fail("w", f"shape [B,C,K,H] = ({B}, {C}, K, {H}) with K dividing N={N}", np.shape(w))
+    _check_float(w, "w", (B, C, K, H), "[B,C,K,H]")
+    _check_float(beta, "beta", (B, C, K), "[B,C,K]")
+    ids = checks.segment_ids(segment_ids, "segment_ids", B, C)
+    _check_beta(beta, ids)
+    w32, b32 = (jnp.moveaxis(drop_padding(x, ids).astype(jnp.float32), 1, 2) for x in (w, beta))
+    x, _ = _ut(w32, b32)  # [B,K,C,H]
+    q32 = q.astype(jnp.float32).reshape(B, C, K, N // K, H)
+    incl = np.tril(np.ones((C, C), bool))
+    qw = jnp.where(incl, jnp.einsum("bikgh,bkth->bkgit", q32, w32), 0)  # q_i . w_t, t <= i
+    out = q32 - jnp.einsum("bkgit,bkth->bikgh", qw, x)
+    return out.reshape(B, C, N, H).astype(q.dtype)

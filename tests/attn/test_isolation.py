@@ -22,6 +22,9 @@ DSA indexer loss              padding of q, k, index_q, index_k, index_w
 SSD (Mamba-2), every form     padding of x, dt, B, C
 DeltaProduct, every form      padding of q, k, v, beta, log_gates
 delta rule, linear attention  padding of every per-token input
+RWKV-7's DPLR rule, log-      padding of every per-token input
+linear attention and Gated
+DeltaNet, PaTH-FoX
 function kinds                padding of q, k, v (sigmoid, softpick)
 ============================  ==================================================
 """
@@ -207,6 +210,38 @@ def test_delta_rule_and_linear_attention():
         return delta + linear
 
     assert_isolated(fn, (q, k, v, beta, log_gates), (PAD,) * 5)
+
+
+def test_newest_families():
+    """RWKV-7's DPLR rule, log-linear attention and Gated DeltaNet, and PaTH-FoX, each in its
+    fast form, summed: one program."""
+    unit = functools.partial(jax.nn.standardize, axis=-1)  # then scaled to norm 1 below
+    q, k = normal(40, (B, T, K, H)), unit(normal(41, (B, T, K, H))) / np.sqrt(H)
+    v = normal(42, (B, T, N, H))
+    kappa = unit(normal(43, (B, T, K, H))) / np.sqrt(H)
+    a, b = -kappa, kappa * jax.nn.sigmoid(normal(44, (B, T, K, H)))
+    log_w = -np.exp(-0.5) * jax.nn.sigmoid(normal(45, (B, T, N, H)))
+    beta, log_a = jax.nn.sigmoid(normal(46, (B, T, N))), -jnp.abs(normal(47, (B, T, N)))
+    levels = jax.nn.softplus(normal(48, (B, T, N, 5)))
+    q_n, v_k = normal(49, (B, T, N, H)), normal(50, (B, T, K, H))
+    w, w_beta = (
+        unit(normal(51, (B, T, K, H))) / np.sqrt(H),
+        2 * jax.nn.sigmoid(normal(52, (B, T, K))),
+    )
+    log_f = -jnp.abs(normal(53, (B, T, N)))
+    seg = dict(q_segment_ids=ROWS["q_segment_ids"], kv_segment_ids=ROWS["kv_segment_ids"])
+
+    def fn(q, k, v, a, b, log_w, beta, log_a, levels, q_n, v_k, w, w_beta, log_f):
+        dplr = attn.dplr_delta_rule(q, k, v, a, b, log_w, chunk_size=4, **seg)
+        log_linear = attn.log_linear_attention(q, k, v, log_a, levels, chunk_size=4, **seg)
+        log_delta = attn.log_linear_delta_rule(
+            q, k, v, beta, levels, log_gates=log_a, chunk_size=4, **seg
+        )
+        path = attn.path_attention(q_n, k, v_k, w, w_beta, log_forget=log_f, block_size=4, **seg)
+        return dplr + log_linear + log_delta + path
+
+    inputs = (q, k, v, a, b, log_w, beta, log_a, levels, q_n, v_k, w, w_beta, log_f)
+    assert_isolated(fn, inputs, (PAD,) * len(inputs))
 
 
 def test_value_checks_read_real_tokens_only():

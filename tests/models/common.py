@@ -88,6 +88,21 @@ REGISTRY["dsa_small"] = dataclasses.replace(
     REGISTRY["dsa"], top_k=4, index_heads=2, index_dim=8, score="alibi", softcap=20.0
 )
 
+# The newest families at sizes where their pieces matter within MAX_LEN = 16 tokens: RWKV-7
+# in chunks of 4, PaTH-FoX with GQA, blocks of 4 and a rank-8 projection to w.
+REGISTRY["rwkv7_chunks"] = dataclasses.replace(REGISTRY["rwkv7"], chunk_size=4)
+# The log-linear kinds in chunks of 4 with 4 levels (the top one shared past 8 tokens), Mamba-2's
+# B and C in 2 groups, Gated DeltaNet's 8 value heads in the recurrent form.
+REGISTRY["log_linear_mamba2_small"] = dataclasses.replace(
+    REGISTRY["log_linear_mamba2"], chunk_size=4, num_levels=4, groups=2
+)
+REGISTRY["log_linear_gdn_grouped"] = dataclasses.replace(
+    REGISTRY["log_linear_gated_deltanet"], num_levels=4, value_heads=8, form="recurrent"
+)
+REGISTRY["path_fox_small"] = dataclasses.replace(
+    REGISTRY["path_fox"], num_kv_heads=2, block_size=4, w_rank=8
+)
+
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
     "mha": ("mha", "mha"),
@@ -115,6 +130,12 @@ KINDS = {
         "mha",
     ),
     "sparse": ("moba_small", "nsa_small", "dsa_small"),
+    "families2025": (
+        "rwkv7_chunks",
+        "path_fox_small",
+        "log_linear_mamba2_small",
+        "log_linear_gdn_grouped",
+    ),
 }
 
 

@@ -195,6 +195,7 @@ PACKED = [
     ("diff", KINDS["diff"]),
     ("ssm_hybrid", KINDS["ssm_hybrid"]),  # Mamba-2, DeltaProduct
     ("sparse", KINDS["sparse"]),  # MoBA, NSA, DSA: blocks restart with each sequence
+    ("families2025", KINDS["families2025"]),  # PaTH, RWKV-7, log-linear: restart per segment
 ]
 
 

@@ -379,10 +379,14 @@ def test_bad_input_is_named():
         (dict(q_segment_ids=np.ones((2, 4), np.int32), kv_segment_ids=np.ones((2, 4), np.int32)),
          "q_segment_ids"),
     ]  # fmt: skip
+    state = init_log_linear_state(Bt, N, H, E, 3)
+    for form in ("quadratic", "chunkwise"):
+        cases.append((dict(initial_state=state, form=form), "initial_state"))
+    wrong = init_log_linear_state(Bt, N, H, E, 4)
+    cases.append((dict(initial_state=wrong, form="recurrent"), "initial_state"))
     for change, arg in cases:
         with pytest.raises(ValueError, match=f"^{arg}: expected"):
             log_linear_attention(**{**good, **change})
-    state = init_log_linear_state(Bt, N, H, E, 3)
     assert state.levels.shape == (Bt, N, 3, H, E) and state.levels.dtype == jnp.float32
     step_args = [x[:, 0] for x in (q, k, v, log_a, lam)]
     with pytest.raises(ValueError, match=r"^state: expected"):
@@ -585,6 +589,7 @@ def test_delta_bad_input_is_named():
         (dict(form="quadratic"), "form"),
         (dict(chunk_size=48), "chunk_size"),
         (dict(v=v[:, :, :3]), "v"),
+        (dict(initial_state=init_log_linear_state(Bt, N, H, E, 3)), "initial_state"),
     ]
     for change, arg in cases:
         with pytest.raises(ValueError, match=f"^{arg}: expected"):
@@ -592,3 +597,44 @@ def test_delta_bad_input_is_named():
     state = init_log_linear_state(Bt, N, H, E, 2)
     with pytest.raises(ValueError, match=r"^state: expected"):
         log_linear_delta_rule_step(*(x[:, 0] for x in (q, k, v, beta, lam)), state)
+
+
+def test_initial_state_continues_the_sequence():
+    """A chunked prefill in the recurrent form: from the empty state and then from the
+    first call's returned state it equals the float64 oracle over the concatenation, and
+    steps from that state, for log-linear attention and the delta rule. Row 0's second
+    chunk is all padding (NaN; state and length kept); row 1 continues its segment, starts
+    a fresh one and ends in padding."""
+    half = 6
+    ids = np.array([[1] * half + [0] * half, [1] * half + [1, 1, 2, 2, 2, 0]], np.int32)
+    cases = (
+        (log_linear_attention, STEP, make_inputs(16, 2 * half, levels=4), np_log_linear),
+        (log_linear_delta_rule, DELTA_STEP, make_delta_inputs(17, 2 * half, levels=4), np_delta),
+    )
+    for fn, step, args, oracle in cases:
+        pad = ids == 0
+        args = [np.where(pad.reshape(*pad.shape, *(1,) * (x.ndim - 2)), np.nan, x) for x in args]
+        want, want_state = oracle(*args, H**-0.5, ids)
+        gated = fn is log_linear_delta_rule  # the log gates, last, as a keyword
+        run = jax.jit(partial(fn, form="recurrent", return_state=True))
+        state = init_log_linear_state(Bt, N, H, E, 4)
+        outs = []
+        for part in (slice(0, half), slice(half, None)):
+            xs = [x[:, part] for x in args]
+            keywords = dict(log_gates=xs.pop()) if gated else {}
+            out, end = run(
+                *xs, **keywords, initial_state=state,
+                q_segment_ids=ids[:, part], kv_segment_ids=ids[:, part],
+            )  # fmt: skip
+            outs.append(out)
+            state, start = end, state
+        assert rel_err(np.concatenate(outs, axis=1), want) <= RTOL
+        np.testing.assert_array_equal(np.asarray(outs[1])[ids[:, half:] == 0], 0.0)
+        assert rel_err(state.levels, want_state) <= RTOL
+        np.testing.assert_array_equal(state.levels[0], start.levels[0])
+        np.testing.assert_array_equal(state.length, [half, 3])
+        for t in range(half, half + 2):  # steps: row 0 padding, row 1 continuing
+            xs = [x[:, t] for x in args]
+            keywords = dict(log_gates=xs.pop()) if gated else {}
+            out_t, start = step(*xs, start, **keywords, segment_id=ids[:, t])
+            assert rel_err(out_t, outs[1][:, t - half]) <= RTOL, t

@@ -22,7 +22,12 @@ import pytest
 
 import attn
 from attn import masks, scores
-from attn.softmax import path_attention, path_transform_keys, path_update_keys
+from attn.softmax import (
+    path_attention,
+    path_transform_keys,
+    path_transform_queries,
+    path_update_keys,
+)
 from tests.util import rel_err
 
 RTOL = 1e-5  # outputs, float32 against float64
@@ -301,8 +306,9 @@ def test_beta_zero_is_softmax_attention_without_position_encoding():
 
 def test_decode_equals_forward():
     """Prefill 11 tokens (path_transform_keys), then decode token by token
-    (path_update_keys, then plain softmax over the cache with FoX's running sums):
-    the forward pass's outputs (the float64 oracle's, which both forms equal)."""
+    (path_update_keys, then plain softmax over the cache with FoX's running sums),
+    or 6 tokens as one chunk (path_transform_queries): the forward pass's outputs
+    (the float64 oracle's, which both forms equal)."""
     T, P = 24, 11
     args = make_inputs(5, T)
     want, _ = np_path(*args, seen(T))
@@ -334,10 +340,19 @@ def test_decode_equals_forward():
         padded = [jnp.where(ids[..., None, None] > 0, x[:, : P + 6], jnp.nan) for x in (k, w)]
         beta_nan = jnp.where(ids[..., None] > 0, beta[:, : P + 6], jnp.nan)
         padded = path_transform_keys(*padded, beta_nan, block_size=4, segment_ids=ids)
-        return jnp.moveaxis(outs, 0, 1), chunk, longer[:, :P], prefill, frozen, padded
+        # The same 6 tokens as one chunk over the prefill's cache: queries carried back to
+        # the chunk's start read the cache, path_attention the chunk, merged by their lse.
+        part = [x[:, P : P + 6] for x in (q, k, v, w, beta, g)]
+        q_back = path_transform_queries(part[0], part[3], part[4])
+        fox = scores.Forgetting(c[:, P : P + 6], c[:, :P])
+        old = attn.dot_product_attention(q_back, prefill, v[:, :P], score_mod=fox, return_lse=True)
+        own = path_attention(*part[:5], log_forget=part[5], block_size=4, return_lse=True)
+        merged = attn.merge_attention(*old, *own)[0]
+        return jnp.moveaxis(outs, 0, 1), merged, chunk, longer[:, :P], prefill, frozen, padded
 
-    outs, chunk, longer, prefill, frozen, padded = decode(*args)
+    outs, merged, chunk, longer, prefill, frozen, padded = decode(*args)
     assert rel_err(outs, want[:, P:]) < RTOL
+    assert rel_err(merged, want[:, P : P + 6]) < RTOL
     assert rel_err(chunk, longer) < RTOL
     np.testing.assert_array_equal(frozen, prefill)
     np.testing.assert_array_equal(padded[:, P:], 0)
@@ -370,6 +385,10 @@ def test_bad_input_is_named():
         path_update_keys(k, w[:, 0, :, :3], beta[:, 0])
     with pytest.raises(ValueError, match=r"^beta: expected"):
         path_transform_keys(k, w, -beta)
+    with pytest.raises(ValueError, match=r"^w: expected"):
+        path_transform_queries(q, w[:, :, :1].repeat(3, 2), beta)  # K = 3 does not divide N
+    with pytest.raises(ValueError, match=r"^segment_ids: expected"):
+        path_transform_queries(q, w, beta, segment_ids=IDS[:, :5])
 
 
 @pytest.mark.integration

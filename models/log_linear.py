@@ -1,0 +1,451 @@
+"""The log-linear layers (Guo et al. 2025): Mamba-2 and Gated DeltaNet over a Fenwick tree.
+
+Two layer kinds, each its parent's layer (``models.mamba.Mamba2``,
+``models.delta.DeltaAttention`` with ``gate="head"``) with the one state
+replaced by ``attn.log_linear_attention``'s (``attn.log_linear_delta_rule``'s)
+Fenwick levels, read with per-token level weights:
+
+- ``"log_linear_mamba2"`` (``LogLinearMamba2Config``, ``LogLinearMamba2``):
+  q = C, k = B, v = dt x, log decay dt A, ``scale=1``, plus Mamba-2's ``D x``.
+- ``"log_linear_gated_deltanet"`` (``LogLinearDeltaConfig``,
+  ``LogLinearDeltaAttention``): the delta rule's q, k, v, beta and log gates
+  (``gate="none"``: log-linear DeltaNet).
+
+Level weights, as the paper's and fla's log-linear Mamba-2 parametrize them
+(fla's ``LogLinearMamba2``: its ``dl`` channels of the input projection and its
+``L`` parameter): ``lambda [B,T,N,L] = softplus(level_scale * (x W_level))``,
+``W_level [D, N*L]`` a bias-free projection of the layer input (in float32, as
+the delta layer's gate projection) and ``level_scale [N,L]`` a learned scale
+initialized to ones; so every weight is positive and input-dependent, and at
+initialization near ``softplus(0) = log 2``. Levels at or above ``L - 1``
+share the top weight; ``num_levels`` defaults to 12, every level its own
+weight up to ``2^11 = 2048`` tokens (fla takes 15, for 16384).
+
+The presets ``log_linear_mamba2`` and ``log_linear_gated_deltanet`` are
+registered here. Neither kind runs sequence-parallel: there is no sharded
+log-linear form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+import attn
+from attn import masks
+from attn.checks import fail
+from attn.linear.log_linear import (
+    LOG_LINEAR_DELTA_FORMS,
+    LOG_LINEAR_FORMS,
+    LogLinearState,
+    init_log_linear_state,
+    log_linear_attention,
+    log_linear_attention_step,
+    log_linear_delta_rule,
+    log_linear_delta_rule_step,
+)
+from models.config import check_bool, check_positive_int, is_int, register_kind
+from models.delta import DeltaAttention, DeltaConfig
+from models.heads import dense
+from models.mamba import Mamba2, Mamba2Config
+from models.patterns import PresetSizes, register_preset
+
+NUM_LEVELS = 12  # every level its own weight up to 2^(12 - 1) = 2048 tokens
+NOT_SHARDED = "no sharded log-linear form (its Fenwick levels span the sequence)"
+
+
+def _check_log_linear(cfg, kind: str, forms: tuple[str, ...]) -> None:
+    """The fields both log-linear kinds check: levels, form, chunk size, rope, kv heads."""
+    check_positive_int(cfg.num_levels, "num_levels")
+    if cfg.form not in forms:
+        fail("form", f"one of {forms} for kind={kind!r}", repr(cfg.form))
+    c = cfg.chunk_size
+    if not is_int(c) or c < 1 or c & (c - 1):
+        why = "the levels align with chunks"
+        fail("chunk_size", f"a power of 2 for kind={kind!r} ({why})", repr(c))
+    if cfg.rope:
+        fail("rope", f"False for kind={kind!r} (the recurrence orders the tokens)", "True")
+
+
+def _refuse_encoder(causal: bool, kind: str) -> None:
+    if not causal:
+        fail("cfg.kind", f"a causal layer for {kind!r} (a recurrence needs an order)", "an encoder")
+
+
+class LevelWeights:
+    """The level weights of a log-linear layer (mixed into its module class)."""
+
+    def _init_levels(self, width: int, heads: int, num_levels: int, *, param_dtype, rngs):
+        """``level_proj [D, N*L]`` (float32, bias-free) and ``level_scale [N,L]`` ones."""
+        self.level_proj = dense(
+            width, heads * num_levels, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs
+        )
+        self.level_scale = nnx.Param(jnp.ones((heads, num_levels), param_dtype))
+
+    def _level_weights(self, x):
+        """``x [B,T,D] -> lambda [B,T,N,L]`` float32: ``softplus(level_scale * (x W_level))``."""
+        B, T, _ = x.shape
+        N, L = self.level_scale.shape
+        raw = self.level_proj(x.astype(jnp.float32)).reshape(B, T, N, L)
+        return jax.nn.softplus(self.level_scale[...].astype(jnp.float32) * raw)
+
+
+# ----------------------------------------------------------------------------
+# Log-linear Mamba-2
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLinearMamba2Config(Mamba2Config):
+    """A log-linear Mamba-2 layer (kind ``"log_linear_mamba2"``): ``Mamba2Config``'s
+    fields (``form`` one of ``attn.LOG_LINEAR_FORMS``, ``chunk_size`` a power of 2,
+    ``negative_eigenvalues`` False) and:
+
+    Attributes:
+      num_levels: L, the Fenwick levels with weights of their own (levels from
+        L - 1 up share the last); ``L >= bit_length(T - 1) + 1`` separates all
+        of T tokens.
+    """
+
+    kind: str = "log_linear_mamba2"
+    num_levels: int = NUM_LEVELS
+
+    def check_fields(self) -> None:
+        _check_log_linear(self, "log_linear_mamba2", LOG_LINEAR_FORMS)
+        check_bool(self.negative_eigenvalues, "negative_eigenvalues")
+        if self.negative_eigenvalues:
+            why = "the log-linear forms take decays in [0, 1]"
+            fail("negative_eigenvalues", f"False for kind='log_linear_mamba2' ({why})", "True")
+        if self.num_kv_heads is not None:
+            why = "B and C are shared by groups of heads; set groups"
+            fail("num_kv_heads", f"None for kind='log_linear_mamba2' ({why})", self.num_kv_heads)
+        super().check_fields()
+
+
+@struct.dataclass
+class LogLinearMamba2Cache:
+    """Decode cache: the Fenwick states (``LogLinearState``: levels ``[B,N,L,H,E]``
+    float32, the length so far ``[B]``) and the convolution's last W-1 inputs
+    ``[B,W-1,NE+2RH]`` (x, B and C before the convolution), as ``Mamba2Cache``."""
+
+    state: LogLinearState
+    conv: jax.Array
+
+
+@register_kind(
+    "log_linear_mamba2",
+    config=LogLinearMamba2Config,
+    family="linear",
+    sequence_parallel=NOT_SHARDED,
+    in_order=True,
+)
+class LogLinearMamba2(LevelWeights, Mamba2):
+    """Mamba-2's block (``Mamba2``: projection, convolution, dt, A, the gated RMSNorm)
+    with log-linear attention in place of the SSD.
+
+    ``y = log_linear_attention(C, B, dt x, dt A, lambda, scale=1) + D x`` with
+    ``lambda = softplus(level_scale * (x W_level))`` from the layer input (see
+    the module docstring). With all weights 1 it is ``Mamba2``.
+
+    The decode cache (``LogLinearMamba2Cache``) is the Fenwick states and the
+    convolution's last W-1 inputs; a chunk (prefill) runs the recurrent form
+    from them. Captured weights (``sow_weights``) are M with ``y = M x`` before
+    the norm (D on its diagonal), found as the outputs for one-hot x.
+    """
+
+    def __init__(
+        self, cfg: LogLinearMamba2Config, width: int, *, causal: bool, dtype, param_dtype, rngs
+    ):
+        _refuse_encoder(causal, "log_linear_mamba2")
+        super().__init__(cfg, width, causal=causal, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_levels(width, cfg.num_heads, cfg.num_levels, param_dtype=param_dtype, rngs=rngs)
+
+    def _mix(self, xs, *, dt, b, c, lam, segment_ids=None, **options):
+        """``y [B,T,N,E]`` (xs' dtype) from x ``[B,T,N,E]``, dt ``[B,T,N]``, B and C
+        ``[B,T,R,H]``, lambda ``[B,T,N,L]``: log-linear attention plus ``D x``; ``options``
+        go to ``log_linear_attention`` (with ``return_state``, also the state)."""
+        params = self._params()
+        out = log_linear_attention(
+            c,
+            b,
+            xs.astype(jnp.float32) * dt[..., None],
+            dt * params["A"],
+            lam,
+            scale=1.0,
+            q_segment_ids=segment_ids,
+            kv_segment_ids=segment_ids,
+            **options,
+        )
+        y, state = out if isinstance(out, tuple) else (out, None)
+        skip = masks.drop_padding(xs, segment_ids).astype(jnp.float32)
+        y = (y + params["D"][:, None] * skip).astype(xs.dtype)
+        return y if state is None else (y, state)
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
+        del positions  # the recurrence orders the tokens
+        z, xbc, dt = self._split(x)
+        conv = attn.short_conv(
+            xbc, self.conv_weight[...], self.conv_bias[...], segment_ids=segment_ids
+        )[0]
+        xs, b, c = self._ssd_inputs(conv)
+        call = functools.partial(
+            self._mix,
+            dt=dt,
+            b=b,
+            c=c,
+            lam=self._level_weights(x),
+            segment_ids=segment_ids,
+            form=self.cfg.form,
+            chunk_size=self.cfg.chunk_size,
+        )
+        if self.sow_weights:
+            self._sow(self._weights(call, xs))
+        return self._finish(call(xs), z)
+
+    def init_cache(self, batch: int, max_len: int) -> LogLinearMamba2Cache:
+        """Empty Fenwick states ``[B,N,L,H,E]`` and zero convolution inputs ``[B,W-1,NE+2RH]``."""
+        del max_len
+        cfg = self.cfg
+        state = init_log_linear_state(
+            batch, cfg.num_heads, cfg.state_dim, cfg.head_dim, cfg.num_levels
+        )
+        conv = jnp.zeros((batch, cfg.conv - 1, self.channels), self.dtype)
+        return LogLinearMamba2Cache(state=state, conv=conv)
+
+    def extend(self, x, cache: LogLinearMamba2Cache, start, lengths=None):
+        """Continues over T new tokens (T = 1 without lengths: one step; else the recurrent
+        form from the cache). Arguments as ``SelfAttention.extend``."""
+        del start
+        T = x.shape[1]
+        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
+        z, xbc, dt = self._split(x)
+        lam = self._level_weights(x)
+        weight, bias = self.conv_weight[...], self.conv_bias[...]
+        if T == 1 and lengths is None:
+            conv, conv_state = attn.short_conv_step(cache.conv, xbc[:, 0], weight, bias)
+            xs, b, c = self._ssd_inputs(conv[:, None])
+            params = self._params()
+            y, state = log_linear_attention_step(
+                c[:, 0],
+                b[:, 0],
+                xs[:, 0].astype(jnp.float32) * dt[:, 0, :, None],
+                dt[:, 0] * params["A"],
+                lam[:, 0],
+                cache.state,
+                scale=1.0,
+            )
+            y = (y + params["D"][:, None] * xs[:, 0].astype(jnp.float32)).astype(xs.dtype)
+            y = y[:, None]
+        else:
+            conv, conv_state = attn.short_conv(
+                xbc, weight, bias, state=cache.conv, segment_ids=segment_ids
+            )
+            xs, b, c = self._ssd_inputs(conv)
+            y, state = self._mix(
+                xs,
+                dt=dt,
+                b=b,
+                c=c,
+                lam=lam,
+                segment_ids=segment_ids,
+                form="recurrent",
+                initial_state=cache.state,
+                return_state=True,
+            )
+        return self._finish(y, z), LogLinearMamba2Cache(state=state, conv=conv_state)
+
+
+# ----------------------------------------------------------------------------
+# Log-linear Gated DeltaNet
+
+LOG_LINEAR_GATES = ("none", "head")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogLinearDeltaConfig(DeltaConfig):
+    """A log-linear Gated DeltaNet layer (kind ``"log_linear_gated_deltanet"``):
+    ``DeltaConfig``'s fields (``form`` one of ``attn.LOG_LINEAR_DELTA_FORMS``,
+    ``chunk_size`` a power of 2, ``gate`` ``"head"`` or ``"none"`` (log-linear
+    DeltaNet), ``householder_steps`` 1) and:
+
+    Attributes:
+      num_levels: L, as ``LogLinearMamba2Config.num_levels``.
+    """
+
+    kind: str = "log_linear_gated_deltanet"
+    num_levels: int = NUM_LEVELS
+
+    def check_fields(self) -> None:
+        kind = "log_linear_gated_deltanet"
+        _check_log_linear(self, kind, LOG_LINEAR_DELTA_FORMS)
+        if self.gate not in LOG_LINEAR_GATES:
+            why = "attn.log_linear_delta_rule takes one gate per head, or none"
+            fail("gate", f"one of {LOG_LINEAR_GATES} for kind={kind!r} ({why})", repr(self.gate))
+        if self.householder_steps != 1:
+            why = "attn.log_linear_delta_rule writes one key per token"
+            fail("householder_steps", f"1 for kind={kind!r} ({why})", repr(self.householder_steps))
+        if self.num_kv_heads is not None:
+            why = "q and k share heads; set value_heads for more value heads"
+            fail("num_kv_heads", f"None for kind={kind!r} ({why})", repr(self.num_kv_heads))
+        super().check_fields()
+
+
+@struct.dataclass
+class LogLinearDeltaCache:
+    """Decode cache: the Fenwick states (``LogLinearState``: levels ``[B,N,L,H,H]``
+    float32, the length so far ``[B]``) and the last W-1 inputs of the q/k/v
+    convolution ``[B,W-1,2KH+NH]`` (None without one), as ``DeltaCache``."""
+
+    state: LogLinearState
+    conv: jax.Array | None
+
+
+@register_kind(
+    "log_linear_gated_deltanet",
+    config=LogLinearDeltaConfig,
+    family="linear",
+    sequence_parallel=NOT_SHARDED,
+    in_order=True,
+)
+class LogLinearDeltaAttention(LevelWeights, DeltaAttention):
+    """Gated DeltaNet's layer (``DeltaAttention``: q/k/v convolution, L2-normalized q
+    and k, beta, the head decays, the output norm and gate) with
+    ``attn.log_linear_delta_rule`` in place of the delta rule.
+
+    Level weights ``lambda [B,T,N,L] = softplus(level_scale * (x W_level))`` per
+    value head (see the module docstring); with all weights 1 it is
+    ``DeltaAttention``. The decode cache (``LogLinearDeltaCache``) is the
+    Fenwick states and the convolution's last W-1 inputs; a chunk (prefill)
+    runs the recurrent form from them. Captured weights (``sow_weights``) are M
+    with ``out = M V`` before the output norm, found as the outputs for one-hot
+    values.
+    """
+
+    def __init__(
+        self, cfg: LogLinearDeltaConfig, width: int, *, causal: bool, dtype, param_dtype, rngs
+    ):
+        _refuse_encoder(causal, "log_linear_gated_deltanet")
+        super().__init__(cfg, width, causal=causal, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_levels(
+            width, cfg.num_value_heads, cfg.num_levels, param_dtype=param_dtype, rngs=rngs
+        )
+
+    def __call__(self, x, *, positions=None, segment_ids=None):
+        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
+        del positions  # the recurrence orders the tokens
+        mixed = self.qkv_proj(x)
+        if self.conv is not None:
+            mixed = attn.short_conv(mixed, self.conv[...], segment_ids=segment_ids)[0]
+        q, k, v = self._split(mixed)
+        beta, log_g = self._beta_and_gates(x)
+        lam = self._level_weights(x)
+
+        def call(q, k, v, beta):
+            return log_linear_delta_rule(
+                q,
+                k,
+                v,
+                beta,
+                lam,
+                log_gates=log_g,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+                **self._options(),
+            )
+
+        if self.sow_weights:
+            self._sow(self._weights(call, q, k, beta))
+        return self._finish(call(q, k, v, beta), x)
+
+    def init_cache(self, batch: int, max_len: int) -> LogLinearDeltaCache:
+        """Empty Fenwick states ``[B,N,L,H,H]`` and zero convolution inputs ``[B,W-1,2KH+NH]``."""
+        del max_len
+        cfg = self.cfg
+        N, H = cfg.num_value_heads, cfg.head_dim
+        state = init_log_linear_state(batch, N, H, H, cfg.num_levels)
+        conv = None
+        if self.conv is not None:
+            conv = jnp.zeros((batch, cfg.qkv_conv - 1, self.channels), self.dtype)
+        return LogLinearDeltaCache(state=state, conv=conv)
+
+    def extend(self, x, cache: LogLinearDeltaCache, start, lengths=None):
+        """Continues over T new tokens (T = 1 without lengths: one step; else the recurrent
+        form from the cache). Arguments as ``SelfAttention.extend``."""
+        del start
+        T = x.shape[1]
+        step = T == 1 and lengths is None
+        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
+        mixed, conv = self.qkv_proj(x), cache.conv
+        if self.conv is not None and step:
+            mixed, conv = attn.short_conv_step(conv, mixed[:, 0], self.conv[...])
+            mixed = mixed[:, None]
+        elif self.conv is not None:
+            mixed, conv = attn.short_conv(
+                mixed, self.conv[...], state=conv, segment_ids=segment_ids
+            )
+        q, k, v = self._split(mixed)
+        beta, log_g = self._beta_and_gates(x)
+        lam = self._level_weights(x)
+        if step:
+            out, state = log_linear_delta_rule_step(
+                q[:, 0],
+                k[:, 0],
+                v[:, 0],
+                beta[:, 0],
+                lam[:, 0],
+                cache.state,
+                log_gates=None if log_g is None else log_g[:, 0],
+            )
+            out = out[:, None]
+        else:
+            out, state = log_linear_delta_rule(
+                q,
+                k,
+                v,
+                beta,
+                lam,
+                log_gates=log_g,
+                form="recurrent",
+                chunk_size=self.cfg.chunk_size,
+                initial_state=cache.state,
+                return_state=True,
+                q_segment_ids=segment_ids,
+                kv_segment_ids=segment_ids,
+            )
+        return self._finish(out, x), LogLinearDeltaCache(state=state, conv=conv)
+
+
+# ----------------------------------------------------------------------------
+# Presets
+
+
+def _mamba2(sizes: PresetSizes) -> LogLinearMamba2Config:
+    return LogLinearMamba2Config(
+        num_heads=sizes.num_heads,
+        head_dim=sizes.head_dim,
+        state_dim=sizes.state_dim,
+        chunk_size=sizes.chunk_size,
+        conv=sizes.short_conv,
+    )
+
+
+def _gated_deltanet(sizes: PresetSizes) -> LogLinearDeltaConfig:
+    return LogLinearDeltaConfig(
+        num_heads=sizes.num_heads, head_dim=sizes.head_dim, chunk_size=sizes.chunk_size
+    )
+
+
+register_preset(
+    "log_linear_mamba2",
+    _mamba2,
+    description="Log-linear Mamba-2: the SSD over a Fenwick tree of states (Guo et al. 2025)",
+)
+register_preset(
+    "log_linear_gated_deltanet",
+    _gated_deltanet,
+    description="Log-linear Gated DeltaNet: the delta rule over a Fenwick tree of states",
+)
