@@ -15,10 +15,8 @@ respect to every input), each family beside its relative:
 - PaTH (``attn.path_attention(form="blockwise")``) against causal blockwise
   softmax (``attn.blockwise_attention``, its default tiles, no RoPE counted):
   within 3x. PaTH's block size is the fastest forward + backward among
-  ``path_blocks`` at ``path_block_at`` (4K), measured first. PaTH's forward +
-  backward runs only with ``--path-fwd-bwd``: jax 0.10.1's CPU runtime deadlocks
-  in it after a few runs, so by default the block is the fastest forward and
-  its forward + backward row says why it is empty.
+  ``path_blocks`` at ``path_block_at`` (4K), measured first
+  (``--no-path-fwd-bwd``: the fastest forward, and no forward + backward row).
 
 The log-linear forms get ``T.bit_length()`` levels (every Fenwick level of T
 tokens has a weight of its own). A target is met when the family's ratio to its
@@ -96,9 +94,7 @@ class Config:
     path_blocks: tuple[int, ...] = (32, 64, 128)  # PaTH block sizes tried at path_block_at
     path_block_at: int = 4096  # (at most the longest length measured)
     repeats: int = 3
-    # PaTH's forward + backward: off by default, jaxlib 0.10.1's CPU runtime deadlocks in it
-    # after a run or two (tools/repro_jaxlib_0_10_1_path_deadlock.py; 0.11.2 runs it).
-    path_fwd_bwd: bool = False
+    path_fwd_bwd: bool = True  # PaTH's forward + backward (False: its forward only)
     max_seconds: float = 12.0  # skip a method whose one run is projected to take longer
     out_dir: str = "bench/results"
     name: str = "families2025-cpu"
@@ -237,7 +233,7 @@ def vs_length(cfg: Config, lengths, path_block: int) -> dict:
                 done = out[kind][name]
                 why = projected_skip(done, T, cfg.max_seconds, EXPONENT.get(name, 1))
                 if name == "path blockwise" and kind != "forward" and not cfg.path_fwd_bwd:
-                    why = "not run: the CPU runtime deadlocks in it (--path-fwd-bwd runs it)"
+                    why = "not run: --no-path-fwd-bwd"
                 if why:
                     out["skipped"][name][f"{kind} {T}"] = why
                     done[T] = None

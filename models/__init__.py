@@ -23,7 +23,8 @@ Files, one per layer kind: ``heads.py`` (what every attention module shares:
 projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 ``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
 (``LinearAttention``), ``delta.py`` (the delta rule, DeltaProduct), ``mamba.py``
-(``Mamba2``), ``sparse.py`` (MoBA, NSA, DSA), ``block.py`` (``MLP``, ``ShortConv``,
+(``Mamba2``), ``sparse.py`` (MoBA, NSA, DSA), ``rwkv7.py`` (RWKV-7), ``path.py`` (PaTH),
+``log_linear.py`` (log-linear Mamba-2 and Gated DeltaNet), ``block.py`` (``MLP``, ``ShortConv``,
 ``Block``), ``transformer.py`` (the three models), ``taps.py`` (weights, gates,
 importance), ``cache.py``, ``config.py`` / ``patterns.py`` (presets), ``generate.py``
 and ``serving.py`` (continuous batching over a paged cache: ``serve``).

@@ -1,19 +1,22 @@
-"""PaTH's blockwise backward deadlocks jaxlib 0.10.1's CPU runtime after a run or two.
+"""LAPACK's triangular solve deadlocks jaxlib 0.10.1's CPU runtime in PaTH's blockwise backward.
 
     python tools/repro_jaxlib_0_10_1_path_deadlock.py
 
 What it shows: the compiled gradient of ``attn.path_attention(form="blockwise")``
-at T = 256, blocks of 64 (8 heads of 64), run again and again on the same inputs.
-On jaxlib 0.10.1 the first run takes 0.1 s and a later one never returns: every
+at T = 256, blocks of 64 (8 heads of 64), run again and again on the same inputs,
+with the block's UT form computed as ``path._ut`` first did: one
+``jax.scipy.linalg.solve_triangular`` (LAPACK's trsm on the CPU) per block. On
+jaxlib 0.10.1 the first run takes 0.1 s and a later one never returns: every
 thread waits on a futex, the process at 0% CPU. Neither ``jax.checkpoint`` on the
 query-block body nor the ``lax.cond`` that skips later key blocks is the cause
-(the hang stays without either), nor XLA's thunk runtime or multi-threaded Eigen
-(flags off: it stays). At T = 64 (two blocks) it does not hang.
+(the hang stays without either), nor XLA's thunk runtime, async dispatch or
+multi-threaded Eigen (flags off: it stays). At T = 64 (two blocks) it does not
+hang. The library's ``path._ut`` now inverts with matmuls
+(``attn.linear.delta_forms.unit_lower_inverse``, written for the same hang in
+the delta rule's backward): without this script's patch all 8 runs finish.
 
 Seen on: jaxlib 0.10.1 (hangs; the CPU of the suite's pin), 0.11.2 (all runs
-finish, also at T = 1024 with blocks of 32 and 128), x86_64 Linux, 2 cores. The
-tests run PaTH at T <= 40, where it does not hang; ``bench/families2025.py`` leaves
-PaTH's forward + backward out unless ``--path-fwd-bwd`` is given.
+finish, also at T = 1024 with blocks of 32 and 128), x86_64 Linux, 2 cores.
 
 The program runs in a child process so that this script reports the hang instead
 of hanging; it exits 1 when the child did not finish in 60 s, 0 when it did.
@@ -26,7 +29,22 @@ import sys
 
 CHILD = """
 import jax, jax.numpy as jnp, numpy as np
+from jax.scipy.linalg import solve_triangular
 import attn
+from attn.softmax import path
+
+def lapack_ut(w, beta, k=None):  # path._ut as it was: LAPACK's triangular solve
+    C, H = w.shape[-2:]
+    strict = np.tril(np.ones((C, C), bool), -1)
+    bw = beta[..., None] * w
+    a = jnp.eye(C, dtype=w.dtype) + jnp.where(strict, jnp.einsum("...th,...sh->...ts", bw, w), 0)
+    rhs = [bw]
+    if k is not None:
+        rhs.append(jnp.where(strict, jnp.einsum("...th,...jh->...tj", bw, k), 0))
+    y = solve_triangular(a, jnp.concatenate(rhs, -1), lower=True, unit_diagonal=True)
+    return y[..., :H], (y[..., H:] if k is not None else None)
+
+path._ut = lapack_ut
 B, T, N, H = 1, 256, 8, 64
 rng = np.random.default_rng(0)
 q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32) for _ in range(3))

@@ -309,8 +309,8 @@ def matched_mlp_width(config: CompareConfig, variant: str) -> int:
     ``match_params`` the width whose parameter count is nearest the reference's.
 
     Parameters are affine in the MLP width (``3 D`` per unit and layer: up, gate and
-    down, bias-free), so one count gives the width; it is rounded to the nearest
-    integer and counted again.
+    down, bias-free), so one count gives the width (rounded to the nearest
+    integer) and the count at it.
 
     Raises:
       ValueError: naming ``match_params``, when no positive width comes within 2%.
@@ -330,7 +330,7 @@ def matched_mlp_width(config: CompareConfig, variant: str) -> int:
     at_base = count(variant, base.hidden_width)
     per_unit = 3 * base.width * config.num_layers
     width = max(1, base.hidden_width + round((target - at_base) / per_unit))
-    got = count(variant, width)
+    got = at_base + per_unit * (width - base.hidden_width)
     if abs(got - target) > MATCH_TOLERANCE * target:
         fail(
             "match_params",

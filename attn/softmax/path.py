@@ -47,8 +47,9 @@ of the ``H`` matrices on outputs and every gradient:
   C)) per head) for that block only. Memory is linear in T (the tests check
   XLA's temporary bytes double when T does); the compute is the T^2 / 2 tiles
   of causal attention, about twice the matmuls of plain blockwise softmax.
-  jaxlib 0.10.1's CPU runtime deadlocks in this backward after a run or two
-  from T = 128 on (0.11.2 does not: ``tools/repro_jaxlib_0_10_1_path_deadlock.py``).
+  The blocks' triangular inverses are matmuls (``attn.linear.delta_forms.
+  unit_lower_inverse``): LAPACK's triangular solve deadlocks jaxlib 0.10.1's
+  CPU runtime in this backward (``tools/repro_jaxlib_0_10_1_path_deadlock.py``).
 
 Grouped-query attention: ``w`` and ``beta`` belong to the K kv heads (they
 transform keys, so a kv head and the G query heads that read it share one
@@ -91,10 +92,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 from attn import checks, masks, scores
 from attn.checks import as_arrays, fail
+from attn.linear.delta_forms import unit_lower_inverse
 from attn.masks import PADDING, And, Band, Causal, Mask, Or, SlidingWindow, drop_padding
 from attn.merge import merge_unnormalized
 from attn.softmax.call import MASKED, check_call, visible
@@ -175,11 +176,13 @@ def _ut(w, beta, k=None):
     C, H = w.shape[-2:]
     strict = np.tril(np.ones((C, C), bool), -1)
     bw = beta[..., None] * w
-    a = jnp.eye(C, dtype=w.dtype) + jnp.where(strict, jnp.einsum("...th,...sh->...ts", bw, w), 0)
+    # The inverse as matmuls, not LAPACK's triangular solve: under jaxlib 0.10.1 that kernel
+    # deadlocks the CPU runtime in this backward (tools/repro_jaxlib_0_10_1_path_deadlock.py).
+    inverse = unit_lower_inverse(jnp.where(strict, jnp.einsum("...th,...sh->...ts", bw, w), 0))
     rhs = [bw]
     if k is not None:
         rhs.append(jnp.where(strict, jnp.einsum("...th,...jh->...tj", bw, k), 0))
-    y = solve_triangular(a, jnp.concatenate(rhs, -1), lower=True, unit_diagonal=True)
+    y = jnp.einsum("...ts,...sr->...tr", inverse, jnp.concatenate(rhs, -1))
     return y[..., :H], (y[..., H:] if k is not None else None)
 
 

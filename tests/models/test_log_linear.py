@@ -209,3 +209,22 @@ def test_chunked_prefill_with_lengths_and_steps_equal_the_forward(build):
             got[r].append(np.asarray(out)[r, 0])
     for r in range(B):
         assert rel_err(np.stack(got[r]), want[r, : totals[r]]) <= 1e-5, r
+
+
+def test_captured_weights_give_the_mixer_output():
+    """The weights tap is M of ``y = M x`` (before the norm): log-linear attention's masked
+    matrix with D on its diagonal, causal."""
+    m, x = mamba(), inputs(3)
+
+    @nnx.jit
+    def run(m, x):
+        _, xbc, dt = m._split(x)
+        xs, b, c = m._ssd_inputs(attn.short_conv(xbc, m.conv_weight[...], m.conv_bias[...])[0])
+        lam = m._level_weights(x)
+        y = m._mix(xs, dt=dt, b=b, c=c, lam=lam, form="chunkwise", chunk_size=2)
+        return y, xs, models.capture_weights(m, x)
+
+    y, xs, (_, (weights,)) = run(m, x)
+    assert weights.shape == (B, 4, T, T)
+    assert rel_err(jnp.einsum("bnts,bsne->btne", weights, xs), y) <= 1e-5
+    np.testing.assert_array_equal(weights * np.triu(np.ones((T, T)), 1), 0.0)
