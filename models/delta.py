@@ -223,10 +223,20 @@ class DeltaAttention(Heads):
     def _options(self) -> dict:
         return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size)
 
-    @property
-    def _rule(self):
-        """``attn.delta_rule``, or ``attn.delta_product`` for several steps per token."""
+    def _extend_options(self) -> dict:
+        """The options of a prefill's call from a cached state (a subclass's form may differ)."""
+        return self._options()
+
+    def _rule_for(self, x):
+        """``rule(q, k, v, beta, **options)`` over a sequence with input ``x``: ``attn.delta_rule``,
+        or ``attn.delta_product`` for several steps per token (a subclass's reads more of x)."""
+        del x
         return attn.delta_rule if self.cfg.householder_steps == 1 else attn.delta_product
+
+    def _step_for(self, x):
+        """``step(q, k, v, beta, state, *, log_gates)`` for one token with input ``x [B,1,D]``."""
+        del x
+        return attn.delta_rule_step if self.cfg.householder_steps == 1 else attn.delta_product_step
 
     # Surface -----------------------------------------------------------------
 
@@ -239,7 +249,7 @@ class DeltaAttention(Heads):
         q, k, v = self._split(mixed)
         beta, log_g = self._beta_and_gates(x)
         call = functools.partial(
-            in_sequence(self._rule),
+            in_sequence(self._rule_for(x)),
             log_gates=log_g,
             q_segment_ids=segment_ids,
             kv_segment_ids=segment_ids,
@@ -286,8 +296,7 @@ class DeltaAttention(Heads):
         q, k, v = self._split(mixed)
         beta, log_g = self._beta_and_gates(x)
         if step:
-            rule_step = attn.delta_rule_step if k.ndim == 4 else attn.delta_product_step
-            out, state = rule_step(
+            out, state = self._step_for(x)(
                 q[:, 0],
                 k[:, 0],
                 v[:, 0],
@@ -297,7 +306,7 @@ class DeltaAttention(Heads):
             )
             out = out[:, None]
         else:
-            out, state = self._rule(
+            out, state = self._rule_for(x)(
                 q,
                 k,
                 v,
@@ -307,9 +316,9 @@ class DeltaAttention(Heads):
                 return_state=True,
                 q_segment_ids=segment_ids,
                 kv_segment_ids=segment_ids,
-                **self._options(),
+                **self._extend_options(),
             )
-        return self._finish(out, x), DeltaCache(state=state, conv=conv)
+        return self._finish(out, x), cache.replace(state=state, conv=conv)
 
 
 def _l2_normalize(x, eps: float):

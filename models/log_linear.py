@@ -334,32 +334,28 @@ class LogLinearDeltaAttention(LevelWeights, DeltaAttention):
             width, cfg.num_value_heads, cfg.num_levels, param_dtype=param_dtype, rngs=rngs
         )
 
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
-        del positions  # the recurrence orders the tokens
-        mixed = self.qkv_proj(x)
-        if self.conv is not None:
-            mixed = attn.short_conv(mixed, self.conv[...], segment_ids=segment_ids)[0]
-        q, k, v = self._split(mixed)
-        beta, log_g = self._beta_and_gates(x)
+    def _rule_for(self, x):
+        """``log_linear_delta_rule`` with the level weights of x, in the delta rule's signature."""
         lam = self._level_weights(x)
 
-        def call(q, k, v, beta):
-            return log_linear_delta_rule(
-                q,
-                k,
-                v,
-                beta,
-                lam,
-                log_gates=log_g,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-                **self._options(),
-            )
+        def rule(q, k, v, beta, **options):
+            return log_linear_delta_rule(q, k, v, beta, lam, **options)
 
-        if self.sow_weights:
-            self._sow(self._weights(call, q, k, beta))
-        return self._finish(call(q, k, v, beta), x)
+        return rule
+
+    def _step_for(self, x):
+        """``log_linear_delta_rule_step`` with the level weights of the token ``x [B,1,D]``."""
+        lam = self._level_weights(x)[:, 0]
+
+        def step(q, k, v, beta, state, **options):
+            return log_linear_delta_rule_step(q, k, v, beta, lam, state, **options)
+
+        return step
+
+    def _extend_options(self) -> dict:
+        """A prefill continues the cached levels in the recurrent form (the chunkwise form's
+        levels need the sequence to start at position 0)."""
+        return dict(form="recurrent", chunk_size=self.cfg.chunk_size)
 
     def init_cache(self, batch: int, max_len: int) -> LogLinearDeltaCache:
         """Empty Fenwick states ``[B,N,L,H,H]`` and zero convolution inputs ``[B,W-1,2KH+NH]``."""
@@ -371,52 +367,6 @@ class LogLinearDeltaAttention(LevelWeights, DeltaAttention):
         if self.conv is not None:
             conv = jnp.zeros((batch, cfg.qkv_conv - 1, self.channels), self.dtype)
         return LogLinearDeltaCache(state=state, conv=conv)
-
-    def extend(self, x, cache: LogLinearDeltaCache, start, lengths=None):
-        """Continues over T new tokens (T = 1 without lengths: one step; else the recurrent
-        form from the cache). Arguments as ``SelfAttention.extend``."""
-        del start
-        T = x.shape[1]
-        step = T == 1 and lengths is None
-        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-        mixed, conv = self.qkv_proj(x), cache.conv
-        if self.conv is not None and step:
-            mixed, conv = attn.short_conv_step(conv, mixed[:, 0], self.conv[...])
-            mixed = mixed[:, None]
-        elif self.conv is not None:
-            mixed, conv = attn.short_conv(
-                mixed, self.conv[...], state=conv, segment_ids=segment_ids
-            )
-        q, k, v = self._split(mixed)
-        beta, log_g = self._beta_and_gates(x)
-        lam = self._level_weights(x)
-        if step:
-            out, state = log_linear_delta_rule_step(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                beta[:, 0],
-                lam[:, 0],
-                cache.state,
-                log_gates=None if log_g is None else log_g[:, 0],
-            )
-            out = out[:, None]
-        else:
-            out, state = log_linear_delta_rule(
-                q,
-                k,
-                v,
-                beta,
-                lam,
-                log_gates=log_g,
-                form="recurrent",
-                chunk_size=self.cfg.chunk_size,
-                initial_state=cache.state,
-                return_state=True,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-            )
-        return self._finish(out, x), LogLinearDeltaCache(state=state, conv=conv)
 
 
 # ----------------------------------------------------------------------------

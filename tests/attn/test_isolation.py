@@ -254,9 +254,13 @@ def test_value_checks_read_real_tokens_only():
     q, k = normal(33, (B, T, K, H)), normal(34, (B, T, K, H))
     beta = _fill(jax.nn.sigmoid(normal(35, (B, T, N))), PAD, _junk((B, T, N)))
     gates = _fill(-jnp.abs(normal(36, (B, T, N))), PAD, _junk((B, T, N)))
-    assert np.isfinite(attn.ssd(x, dt, A, Bm, Bm, segment_ids=seg)).all()
-    assert np.isfinite(attn.delta_rule(q, k, x, beta, log_gates=gates, **ids)).all()
-    assert np.isfinite(attn.linear_attention(x, x, x, log_gates=gates, **ids)).all()
+    assert np.isfinite(attn.ssd(x, dt, A, Bm, Bm, segment_ids=seg, form="recurrent")).all()
+    assert np.isfinite(
+        attn.delta_rule(q, k, x, beta, log_gates=gates, form="recurrent", **ids)
+    ).all()
+    assert np.isfinite(
+        attn.linear_attention(x, x, x, log_gates=gates, form="recurrent", **ids)
+    ).all()
     real = (0, 0, 1)  # a real token's entry
     with pytest.raises(ValueError, match=r"^dt: expected finite values >= 0 .*got 1 non-finite"):
         attn.ssd(x, dt.at[real].set(jnp.inf), A, Bm, Bm, segment_ids=seg)
