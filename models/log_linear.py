@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-import attn
 from attn import masks
 from attn.checks import fail
 from attn.linear.log_linear import (
@@ -77,7 +76,8 @@ def _refuse_encoder(causal: bool, kind: str) -> None:
 
 
 class LevelWeights:
-    """The level weights of a log-linear layer (mixed into its module class)."""
+    """The level weights of a log-linear layer, and its prefill's form (mixed into its module
+    class)."""
 
     def _init_levels(self, width: int, heads: int, num_levels: int, *, param_dtype, rngs):
         """``level_proj [D, N*L]`` (float32, bias-free) and ``level_scale [N,L]`` ones."""
@@ -85,6 +85,11 @@ class LevelWeights:
             width, heads * num_levels, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs
         )
         self.level_scale = nnx.Param(jnp.ones((heads, num_levels), param_dtype))
+
+    def _extend_options(self) -> dict:
+        """A prefill continues the cached levels in the recurrent form (the chunkwise form's
+        levels need the sequence to start at position 0)."""
+        return dict(form="recurrent", chunk_size=self.cfg.chunk_size)
 
     def _level_weights(self, x):
         """``x [B,T,D] -> lambda [B,T,N,L]`` float32: ``softplus(level_scale * (x W_level))``."""
@@ -184,27 +189,27 @@ class LogLinearMamba2(LevelWeights, Mamba2):
         y = (y + params["D"][:, None] * skip).astype(xs.dtype)
         return y if state is None else (y, state)
 
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
-        del positions  # the recurrence orders the tokens
-        z, xbc, dt = self._split(x)
-        conv = attn.short_conv(
-            xbc, self.conv_weight[...], self.conv_bias[...], segment_ids=segment_ids
-        )[0]
-        xs, b, c = self._ssd_inputs(conv)
-        call = functools.partial(
-            self._mix,
-            dt=dt,
-            b=b,
-            c=c,
-            lam=self._level_weights(x),
-            segment_ids=segment_ids,
-            form=self.cfg.form,
-            chunk_size=self.cfg.chunk_size,
+    def _sequence(self, x, *, dt, b, c, segment_ids=None, sharded=False, **options):
+        """``_mix`` with the level weights of x (no sharded form: ``sharded`` is unused)."""
+        del sharded
+        lam = self._level_weights(x)
+        return functools.partial(
+            self._mix, dt=dt, b=b, c=c, lam=lam, segment_ids=segment_ids, **options
         )
-        if self.sow_weights:
-            self._sow(self._weights(call, xs))
-        return self._finish(call(xs), z)
+
+    def _step(self, x, state, xs, *, dt, b, c):
+        """``log_linear_attention_step`` plus ``D x`` for the token ``x [B,1,D]``."""
+        params = self._params()
+        y, state = log_linear_attention_step(
+            c,
+            b,
+            xs.astype(jnp.float32) * dt[..., None],
+            dt * params["A"],
+            self._level_weights(x)[:, 0],
+            state,
+            scale=1.0,
+        )
+        return (y + params["D"][:, None] * xs.astype(jnp.float32)).astype(xs.dtype), state
 
     def init_cache(self, batch: int, max_len: int) -> LogLinearMamba2Cache:
         """Empty Fenwick states ``[B,N,L,H,E]`` and zero convolution inputs ``[B,W-1,NE+2RH]``."""
@@ -215,48 +220,6 @@ class LogLinearMamba2(LevelWeights, Mamba2):
         )
         conv = jnp.zeros((batch, cfg.conv - 1, self.channels), self.dtype)
         return LogLinearMamba2Cache(state=state, conv=conv)
-
-    def extend(self, x, cache: LogLinearMamba2Cache, start, lengths=None):
-        """Continues over T new tokens (T = 1 without lengths: one step; else the recurrent
-        form from the cache). Arguments as ``SelfAttention.extend``."""
-        del start
-        T = x.shape[1]
-        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-        z, xbc, dt = self._split(x)
-        lam = self._level_weights(x)
-        weight, bias = self.conv_weight[...], self.conv_bias[...]
-        if T == 1 and lengths is None:
-            conv, conv_state = attn.short_conv_step(cache.conv, xbc[:, 0], weight, bias)
-            xs, b, c = self._ssd_inputs(conv[:, None])
-            params = self._params()
-            y, state = log_linear_attention_step(
-                c[:, 0],
-                b[:, 0],
-                xs[:, 0].astype(jnp.float32) * dt[:, 0, :, None],
-                dt[:, 0] * params["A"],
-                lam[:, 0],
-                cache.state,
-                scale=1.0,
-            )
-            y = (y + params["D"][:, None] * xs[:, 0].astype(jnp.float32)).astype(xs.dtype)
-            y = y[:, None]
-        else:
-            conv, conv_state = attn.short_conv(
-                xbc, weight, bias, state=cache.conv, segment_ids=segment_ids
-            )
-            xs, b, c = self._ssd_inputs(conv)
-            y, state = self._mix(
-                xs,
-                dt=dt,
-                b=b,
-                c=c,
-                lam=lam,
-                segment_ids=segment_ids,
-                form="recurrent",
-                initial_state=cache.state,
-                return_state=True,
-            )
-        return self._finish(y, z), LogLinearMamba2Cache(state=state, conv=conv_state)
 
 
 # ----------------------------------------------------------------------------
@@ -351,11 +314,6 @@ class LogLinearDeltaAttention(LevelWeights, DeltaAttention):
             return log_linear_delta_rule_step(q, k, v, beta, lam, state, **options)
 
         return step
-
-    def _extend_options(self) -> dict:
-        """A prefill continues the cached levels in the recurrent form (the chunkwise form's
-        levels need the sequence to start at position 0)."""
-        return dict(form="recurrent", chunk_size=self.cfg.chunk_size)
 
     def init_cache(self, batch: int, max_len: int) -> LogLinearDeltaCache:
         """Empty Fenwick states ``[B,N,L,H,H]`` and zero convolution inputs ``[B,W-1,2KH+NH]``."""

@@ -157,6 +157,25 @@ class Mamba2(Heads):
             negative_eigenvalues=cfg.negative_eigenvalues,
         )
 
+    def _sequence(self, x, *, dt, b, c, segment_ids=None, sharded=False, **options):
+        """``f(xs) -> y [B,T,N,E]`` (``(y, state)`` with ``return_state``): the mixer over a
+        sequence with layer input ``x``, ``attn.ssd`` here (its sharded form with
+        ``sharded``, under a mesh); ``options`` are the form's. Subclasses read more of x."""
+        del x
+        ssd = in_sequence(attn.ssd) if sharded else attn.ssd
+        return functools.partial(
+            ssd, dt=dt, B=b, C=c, segment_ids=segment_ids, **self._params(), **options
+        )
+
+    def _step(self, x, state, xs, *, dt, b, c):
+        """``(y [B,N,E], state)``: the mixer advanced by one token with input ``x [B,1,D]``."""
+        del x
+        return attn.ssd_step(state, xs, dt, B=b, C=c, **self._params())
+
+    def _extend_options(self) -> dict:
+        """The form of a prefill's call from a cached state (a subclass's may differ)."""
+        return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size)
+
     def _finish(self, y, z):
         """``norm(y * silu(z))`` per group of channels, the head gates and ``o_proj``."""
         cfg = self.cfg
@@ -177,16 +196,10 @@ class Mamba2(Heads):
             xbc, self.conv_weight[...], self.conv_bias[...], segment_ids=segment_ids
         )[0]
         xs, b, c = self._ssd_inputs(conv)
-        call = functools.partial(
-            in_sequence(attn.ssd),
-            dt=dt,
-            B=b,
-            C=c,
-            form=self.cfg.form,
-            chunk_size=self.cfg.chunk_size,
-            segment_ids=segment_ids,
-            **self._params(),
-        )
+        call = self._sequence(
+            x, dt=dt, b=b, c=c, segment_ids=segment_ids, sharded=True,
+            form=self.cfg.form, chunk_size=self.cfg.chunk_size,
+        )  # fmt: skip
         if self.sow_weights:
             self._sow(self._weights(call, xs))
         return self._finish(call(xs), z)
@@ -216,28 +229,19 @@ class Mamba2(Heads):
         if step:
             conv, conv_state = attn.short_conv_step(cache.conv, xbc[:, 0], weight, bias)
             xs, b, c = self._ssd_inputs(conv[:, None])
-            y, state = attn.ssd_step(
-                cache.state, xs[:, 0], dt[:, 0], B=b[:, 0], C=c[:, 0], **self._params()
-            )
+            y, state = self._step(x, cache.state, xs[:, 0], dt=dt[:, 0], b=b[:, 0], c=c[:, 0])
             y = y[:, None]
         else:
             conv, conv_state = attn.short_conv(
                 xbc, weight, bias, state=cache.conv, segment_ids=segment_ids
             )
             xs, b, c = self._ssd_inputs(conv)
-            y, state = attn.ssd(
-                xs,
-                dt,
-                B=b,
-                C=c,
-                form=self.cfg.form,
-                chunk_size=self.cfg.chunk_size,
-                initial_state=cache.state,
-                return_state=True,
-                segment_ids=segment_ids,
-                **self._params(),
-            )
-        return self._finish(y, z), Mamba2Cache(state=state, conv=conv_state)
+            call = self._sequence(
+                x, dt=dt, b=b, c=c, segment_ids=segment_ids, initial_state=cache.state,
+                return_state=True, **self._extend_options(),
+            )  # fmt: skip
+            y, state = call(xs)
+        return self._finish(y, z), cache.replace(state=state, conv=conv_state)
 
 
 def _sized(negative: bool):
