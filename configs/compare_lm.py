@@ -46,10 +46,12 @@ bits per byte, mean of the 2 seeds (range), test SE about 0.031 for each:
     hybrid 2.989 (2.910-3.068)    based 3.061 (3.001-3.121)
     mla 3.154 (3.147-3.162)       linear 3.475 (3.447-3.502)
 
-The four 2025 families at the end of ``VARIANTS`` joined after that run; each
-run's size, data and seeds depend on its variant alone, so
-``--variants rwkv7 path log_linear_mamba2 log_linear_gated_deltanet`` gives their
-rows of the same table.
+The four 2025 families at the end of ``VARIANTS`` joined after that run;
+``--variants rwkv7 path log_linear_mamba2 log_linear_gated_deltanet --name
+compare_lm_2025`` ran them on the same sizes, data, seeds and matching
+(``docs/results/compare_lm_2025/``, 25 minutes): log-linear Mamba-2 2.268,
+log-linear Gated DeltaNet 2.478, RWKV-7 2.543, PaTH 2.940 (2.860 at 8T, where
+MHA's RoPE reaches 3.630).
 
 Every curve is still falling at step 160: these are short-training numbers, in
 which the kinds with short convolutions or decays (Mamba-2, Gated DeltaNet,
