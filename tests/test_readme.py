@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -33,6 +34,7 @@ def test_readme_example_runs_and_a_decode_step_is_the_last_row(capsys):
     assert capsys.readouterr().out.strip() == "131072"
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_readme_decoding_example_serves_what_generate_gives():
     (example,) = [b for b in python_blocks(README.read_text()) if "models.serve(" in b]
     scope: dict = {}

@@ -381,6 +381,7 @@ def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
         recall_frontier.add_to(tmp_path / "none", new)
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
     result = recall_frontier_grid.dry_run(recall_frontier_grid.SCALES["zoology"])
     scale = recall_frontier_grid.SCALES["zoology"]

@@ -212,6 +212,7 @@ def test_delta_rule_and_linear_attention():
     assert_isolated(fn, (q, k, v, beta, log_gates), (PAD,) * 5)
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_newest_families():
     """RWKV-7's DPLR rule, log-linear attention and Gated DeltaNet, and PaTH-FoX, each in its
     fast form, summed: one program."""

@@ -90,6 +90,7 @@ def test_options_are_checked():
         sampling(1.0, None, None, None, None, None, V)
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_generate_and_serve_draw_the_same_tokens_and_logprobs():
     """Row b of ``generate`` and request b of ``serve`` use the same keys; the log-probs are
     the model's own, and one key per row given explicitly is the same as their default."""

@@ -19,6 +19,7 @@ from train.compare_report import write_results
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_task_bytes_is_the_language_modelling_config():
     # One build of the full config (matching 12 variants' sizes costs seconds); the quick
     # one is compared with the file's in test_bytes_reports_bits_per_byte.

@@ -58,6 +58,7 @@ def test_a_few_steps_lower_the_loss(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 40
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_resume_is_exact_in_process(tmp_path):
     config = get_config()  # 40 steps, checkpoints every 10, eval every 20
     train(config, tmp_path / "straight", progress=False)
@@ -122,6 +123,7 @@ def test_a_run_resumes_and_reloads_only_on_its_own_data(tmp_path):
     assert train(config, tmp_path / "run", progress=False)["step"] == 4
 
 
+@pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_more_steps_extend_a_finished_run_with_its_schedule(tmp_path):
     short = dataclasses.replace(get_config(), steps=20)
     train(short, tmp_path / "extended", progress=False)
