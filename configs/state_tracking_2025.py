@@ -1,4 +1,4 @@
-"""State tracking for the 2025 families: ``configs/state_tracking.py``'s grid and sizes, five variants.
+"""State tracking for the 2025 families: ``configs/state_tracking.py``'s grid, seven variants.
 
     python -m analysis.experiments.state_tracking --config configs/state_tracking_2025.py \
         --out results/state_tracking_2025
