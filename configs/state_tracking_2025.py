@@ -13,7 +13,7 @@ does not give that grid's numbers everywhere: run on the code of 2026-12-04
 eigenvalues 0.532 on addition mod 5, here 0.504 and 0.901 (parity and S3/S5
 agree within 0.01). These runs sit at the edge of learning the task, where the
 numerics changed since (the SSD's forms, the train step) flip the outcome: one
-seed at 2 layers x 32 cannot tell these families apart on modular sums (issue 57).
+seed at 2 layers x 32 cannot tell these families apart on modular sums.
 """
 
 import dataclasses

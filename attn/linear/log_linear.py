@@ -458,29 +458,11 @@ def log_linear_attention_step(
         ``(out [B,N,E] in the inputs' dtype, LogLinearState)``.
     """
     q, k, v, log_a, level_weights = as_arrays(q, k, v, log_a, level_weights)
-    B, _, K, N, H, E, L = _dims(q, k, v, {"log_a": log_a}, level_weights, step=True)
-    G = N // K
+    B, _, _, N, H, E, L = _dims(q, k, v, {"log_a": log_a}, level_weights, step=True)
     _check_state(state, B, N, L, H, E)
     seg = checks.segment_ids(segment_id, "segment_id", B)
     _check_values(log_a, level_weights, seg)
-    real = None if seg is None else seg != PADDING
-    q = drop_padding(q, seg)
-    k, v, log_a, level_weights = (drop_padding(x, seg) for x in (k, v, log_a, level_weights))
-    length = jnp.asarray(state[1], jnp.int32)
-    levels, out = forms.step(
-        jnp.asarray(state[0], jnp.float32).reshape(B, K, G, L, H, E),
-        q.astype(jnp.float32) * checks.query_scale(scale, H),
-        k.astype(jnp.float32),
-        v.astype(jnp.float32).reshape(B, K, G, E),
-        log_a.astype(jnp.float32).reshape(B, K, G),
-        level_weights.astype(jnp.float32).reshape(B, K, G, L),
-        length,
-        real,
-    )
-    length = length + (1 if real is None else real.astype(jnp.int32))
-    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-    new = LogLinearState(levels.reshape(B, N, L, H, E), length)
-    return out.reshape(B, N, E).astype(out_dtype), new
+    return _advance(forms.step, state, q, k, v, (log_a,), level_weights, seg, scale)
 
 
 def log_linear_delta_rule(
@@ -594,27 +576,34 @@ def log_linear_delta_rule_step(
     """
     q, k, v, beta, level_weights, log_gates = as_arrays(q, k, v, beta, level_weights, log_gates)
     per_head = {"beta": beta, "log_gates": log_gates}
-    B, _, K, N, H, E, L = _dims(q, k, v, per_head, level_weights, step=True)
-    G = N // K
+    B, _, _, N, H, E, L = _dims(q, k, v, per_head, level_weights, step=True)
     _check_state(state, B, N, L, H, E)
     seg = checks.segment_ids(segment_id, "segment_id", B)
     checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", seg)
     _check_values(log_gates, level_weights, seg, name="log_gates")
     if log_gates is None:
         log_gates = jnp.zeros((B, N), jnp.float32)
+    return _advance(delta_forms.step, state, q, k, v, (beta, log_gates), level_weights, seg, scale)
+
+
+def _advance(step, state, q, k, v, per_head: tuple, level_weights, seg, scale):
+    """One token through a form's ``step`` (both step functions' shared part): padding
+    dropped, the inputs float32 in ``[B,K,G,...]`` (``per_head`` ``[B,N]`` arrays in the
+    order ``step`` takes them), the length advanced by the real tokens."""
+    B, K, H = q.shape
+    N, E = v.shape[1:]
+    G, L = N // K, level_weights.shape[-1]
     real = None if seg is None else seg != PADDING
     q = drop_padding(q, seg)
-    k, v, beta, log_gates, level_weights = (
-        drop_padding(x, seg) for x in (k, v, beta, log_gates, level_weights)
-    )
+    k, v, level_weights = (drop_padding(x, seg) for x in (k, v, level_weights))
+    per_head = [drop_padding(x, seg).astype(jnp.float32).reshape(B, K, G) for x in per_head]
     length = jnp.asarray(state[1], jnp.int32)
-    levels, out = delta_forms.step(
+    levels, out = step(
         jnp.asarray(state[0], jnp.float32).reshape(B, K, G, L, H, E),
         q.astype(jnp.float32) * checks.query_scale(scale, H),
         k.astype(jnp.float32),
         v.astype(jnp.float32).reshape(B, K, G, E),
-        beta.astype(jnp.float32).reshape(B, K, G),
-        log_gates.astype(jnp.float32).reshape(B, K, G),
+        *per_head,
         level_weights.astype(jnp.float32).reshape(B, K, G, L),
         length,
         real,

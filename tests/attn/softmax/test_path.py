@@ -359,6 +359,46 @@ def test_decode_equals_forward():
     assert rel_err(padded[:, :P], prefill) < RTOL
 
 
+def test_queries_carried_back_and_their_gradients_are_the_products_of_householders():
+    """``path_transform_queries`` (the compact form) against its definition, ``q'_i = H_0 ...
+    H_i q_i`` with every ``[H,H]`` matrix multiplied out in float64 (a ``lax.scan``, whose
+    ``jax.grad`` is the gradient oracle): outputs and the gradients of q, w and beta, with a
+    padding token (the identity) inside the chunk and at its end."""
+    C, ids = 7, np.array([[1, 1, 1, 0, 1, 1, 0]], np.int32)  # padding: the identity
+    q, _, _, w, beta, _ = make_inputs(11, C, b=1)
+    q, w, beta = (x.astype(np.float64) for x in (q, w, beta))
+
+    def products(q, w, beta):  # the definition: q'_i = H_0 ... H_i q_i, H_s = I - b w w^T
+        real = jnp.asarray(ids[0] > 0)
+        eye = jnp.eye(H, dtype=q.dtype)
+
+        def step(m, x):  # m [K,H,H]: H_0 ... H_{t-1}
+            w_t, b_t, r = x
+            h = eye - jnp.where(r, b_t, 0.0)[:, None, None] * w_t[:, :, None] * w_t[:, None, :]
+            m = jnp.einsum("kij,kjl->kil", m, h)
+            return m, m
+
+        m = jax.lax.scan(step, jnp.broadcast_to(eye, (K, H, H)), (w[0], beta[0], real))[1]
+        return jnp.einsum("tkij,tkgj->tkgi", m, q[0].reshape(C, K, G, H)).reshape(1, C, N, H)
+
+    cot = np.random.default_rng(12).standard_normal((1, C, N, H))
+    with jax.enable_x64():
+        want_grads = jax.grad(lambda *a: jnp.sum(products(*a) * cot), argnums=(0, 1, 2))(
+            jnp.asarray(q), jnp.asarray(w), jnp.asarray(beta)
+        )
+        want_out = products(jnp.asarray(q), jnp.asarray(w), jnp.asarray(beta))
+
+    def ours(q, w, beta):
+        return path_transform_queries(q, w, beta, segment_ids=ids)
+
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, w, beta)]
+    out = jax.jit(ours)(*f32)
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * cot), argnums=(0, 1, 2)))(*f32)
+    assert rel_err(out, want_out) < RTOL
+    for name, g, g64 in zip(("q", "w", "beta"), grads, want_grads, strict=True):
+        assert rel_err(g, g64) < GRAD_RTOL, name
+
+
 def test_bad_input_is_named():
     q, k, v, w, beta, g = make_inputs(6, 12)
     ok = dict(block_size=C)
