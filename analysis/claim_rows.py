@@ -28,6 +28,7 @@ __all__ = [
     "COMPARE_QUICK",
     "DELTA_VARIANTS",
     "EXPERIMENTS",
+    "EXPERIMENT_MODULES",
     "NOT_RUN",
     "RECALL_GAP",
     "REPO",
@@ -75,9 +76,10 @@ CLAIMS: dict[int, str] = {
     "window reading as many keys per query does not",
 }
 
-# Claims 11-18: the experiment (module analysis.experiments.<name>, config
-# configs/<name>.py) whose results.json holds the row, in its entry "claim"
-# unless CLAIM_KEYS names another (one experiment may hold two rows).
+# Claims 11-18: the experiment (config configs/<name>.py, results <name>/, module
+# analysis.experiments.<name> unless EXPERIMENT_MODULES names another) whose
+# results.json holds the row, in its entry "claim" unless CLAIM_KEYS names another
+# (one experiment may hold two rows).
 EXPERIMENTS: dict[int, str] = {
     11: "induction_heads",
     12: "sinks_streaming",
@@ -85,9 +87,11 @@ EXPERIMENTS: dict[int, str] = {
     14: "windows_global",
     15: "recall_frontier",
     16: "state_tracking",
-    17: "state_tracking",
+    17: "state_tracking_groups",
     18: "sparse",
 }
+# Experiments run by another's module with a config of their own.
+EXPERIMENT_MODULES: dict[str, str] = {"state_tracking_groups": "state_tracking"}
 CLAIM_KEYS: dict[int, str] = {17: "claim_s5"}
 COMPARE = "compare_mqar"  # the main job's results folder (python -m train.compare)
 COMPARE_QUICK = "compare_mqar_quick"  # what --run trains (python -m train.compare --quick)
@@ -272,7 +276,8 @@ def experiment_row(number: int, path: Path) -> Row:
     key = CLAIM_KEYS.get(number, "claim")
     source = shown_path(path)
     if not path.is_file():
-        return _row(number, NOT_RUN, f"set by analysis.experiments.{name}", None, source)
+        module = EXPERIMENT_MODULES.get(name, name)
+        return _row(number, NOT_RUN, f"set by analysis.experiments.{module}", None, source)
     t0 = time.perf_counter()
     try:
         results = json.loads(path.read_text())

@@ -53,6 +53,7 @@ from analysis.claim_rows import (
     CLAIMS,
     COMPARE,
     COMPARE_QUICK,
+    EXPERIMENT_MODULES,
     EXPERIMENTS,
     RECALL_GAP,
     REPO,
@@ -136,10 +137,12 @@ def _load_config(name: str):
 
 
 def run_experiment(name: str, out: Path) -> Path:
-    """Runs ``analysis.experiments.<name>`` with its full config into ``out/<name>``."""
+    """Runs experiment ``name`` (``analysis.experiments.<name>``, or the module
+    ``EXPERIMENT_MODULES`` names) with its full config (``configs/<name>.py``) into
+    ``out/<name>``."""
     import train.cli  # only --run trains: the fast checks import no train
 
-    module = importlib.import_module(f"analysis.experiments.{name}")
+    module = importlib.import_module(f"analysis.experiments.{EXPERIMENT_MODULES.get(name, name)}")
     # What the experiments' own command line does: a later experiment, or a
     # rerun, finds the programs it shares with an earlier one compiled.
     train.cli.enable_compilation_cache()
@@ -188,7 +191,8 @@ def collect(
                         ran[name] = run_experiment(name, Path(out))
                     path = ran[name]
                 except Exception as e:
-                    rows.append(error_row(number, f"analysis.experiments.{name}", e))
+                    module = EXPERIMENT_MODULES.get(name, name)
+                    rows.append(error_row(number, f"analysis.experiments.{module}", e))
                     continue
             rows.append(experiment_row(number, path))
     return rows

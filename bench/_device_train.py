@@ -1,15 +1,17 @@
 """The device run's training phase: one training step of the language-model comparison's models.
 
-Each item is one variant of ``configs/compare_lm.py`` at a GPU size (``GPU``:
-width 512, 8 heads of 64, 4 layers, T = 1024 bytes, batch 32 sequences: 32,768
-tokens a step), computing in bfloat16 with float32 parameters
+Each item is one variant of ``configs/compare_lm.py`` at its GPU scale
+(``compare_lm.GPU``, what ``--scale gpu`` trains: width 512, 8 heads of 64, 8
+layers, T = 1024 bytes, batch 32 sequences: 32,768 tokens a step; the step
+times measured here are what that scale's predicted time should be checked
+against), computing in bfloat16 with float32 parameters
 (``ModelConfig(dtype="bfloat16")``), trained by the comparison's own optimizer
 (AdamW with clipping, ``train.optimizer``). The comparison's other sizes scale
 with the width: the window stays T/4, MLA's latent rank width/2 and its RoPE
 key half a head; the kv heads of GQA (2), the initial tokens (4), the chunk (64)
 and every preset's own sizes stay the config's. The SwiGLU width is matched to
 MHA's parameter count at MLP width 4 D (``match_params="mha"``, as the
-comparison does it; every variant within 0.1%: about 16.9M parameters).
+comparison does it; every variant within 0.1%: about 33.7M parameters).
 
 What is timed is the project's own step, ``train.steps.make_train_step`` (the
 jitted update ``train.loop.train`` runs), traced, compiled ahead of time, then
@@ -50,6 +52,8 @@ import math
 import time
 
 from bench._device_common import best_seconds, program_bytes
+from configs import compare_lm
+from train.budget import attention_flops, model_flops, visible_keys  # noqa: F401 (the tests')
 
 TITLE = "Training steps of the language-model comparison's models"
 WEIGHT = 0.18  # about 80 s of the 450 s budget
@@ -78,8 +82,7 @@ VARIANTS = (
 )
 
 # The sizes: the comparison's model at a GPU size, and a tiny one for the dry run.
-GPU = dict(width=512, num_heads=8, num_layers=4, seq_len=1024, batch=32, window=256,
-           kv_rank=256, rope_head_dim=32, chunk_size=64)  # fmt: skip
+GPU = compare_lm.GPU  # the comparison's own GPU scale (--scale gpu)
 DRY = dict(width=32, num_heads=4, num_layers=2, seq_len=32, batch=2, window=8,
            kv_rank=16, rope_head_dim=4, chunk_size=16)  # fmt: skip
 DTYPE = "bfloat16"
@@ -134,51 +137,6 @@ def run_config(variant: str, size: dict):
     )
     config = variants.run_config(compare, variant, compare.lrs[0], 0)
     return config.with_task_vocab()
-
-
-def visible_keys(layer, seq_len: int) -> list[int]:
-    """Per query position t, the keys a causal softmax-family layer reads: those its own mask
-    (``layer.mask(causal=True)``) allows; MoBA's, its own block's and ``top_k - 1`` earlier."""
-    import numpy as np
-
-    if layer.kind == "moba":
-        bs, k = layer.block_size, layer.top_k - 1
-        return [t % bs + 1 + min(k, t // bs) * bs for t in range(seq_len)]
-    positions = np.arange(seq_len)
-    allowed = layer.mask(True).allowed(positions, positions)
-    return [int(n) for n in np.asarray(allowed).sum(axis=-1)]
-
-
-def attention_flops(layer, seq_len: int) -> int:
-    """A softmax-family layer's own FLOPs for one sequence, forward + backward (0 for others)."""
-    from models import KINDS
-
-    if KINDS[layer.kind].family not in ("softmax", "sparse"):
-        return 0
-    N = layer.num_heads
-    # MLA (naive form) scores over its no-RoPE and RoPE dims, and reads values of E.
-    qk = layer.qk_nope_dim + layer.rope_head_dim if layer.kind == "mla" else layer.head_dim
-    v = layer.value_dim
-    pairs = sum(visible_keys(layer, seq_len))
-    flops = 3 * 2 * N * (qk + v) * pairs
-    if layer.kind == "moba":  # the gate: each query against the means of its earlier blocks
-        flops += 2 * N * qk * sum(t // layer.block_size for t in range(seq_len))
-    return flops
-
-
-def model_flops(model_config, params: int, seq_len: int, batch: int) -> dict:
-    """Model FLOPs of one training step (forward + backward) on ``batch x seq_len`` tokens.
-
-    ``6 x dense x tokens`` with ``dense`` every parameter but the embedding table's
-    lookup, plus the output head's ``D x V`` (tied: ``params`` itself), and the
-    softmax-family layers' own products (``attention_flops``).
-    """
-    table = model_config.vocab_size * model_config.width
-    dense = params if model_config.tied_embeddings else params - table
-    tokens = seq_len * batch
-    attention = batch * sum(attention_flops(layer, seq_len) for layer in model_config.layers)
-    return {"dense_params": dense, "flops": 6 * dense * tokens + attention,
-            "attention_flops": attention}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------

@@ -100,8 +100,29 @@ SEQ_LEN = 256
 STEPS = 160
 LRS = (3e-3, 1e-2)
 
+# The GPU scale (``--scale gpu``): 8 layers of width 512 (8 heads of 64), SwiGLU matched
+# to MHA's at 4 x 512 (about 33.7M parameters), T = 1024 bytes, batch 32 (32,768 tokens
+# an update), bf16 compute with float32 parameters, softmax statistics and states. The
+# comparison's other sizes scale with it: the window T / 4, MLA's latent width / 2 and
+# its RoPE key half a head. The device run's training phase (bench/_device_train.py)
+# times one update of each variant at these sizes.
+GPU = dict(width=512, num_heads=8, num_layers=8, seq_len=1024, batch=32, window=256,
+           kv_rank=256, rope_head_dim=32, chunk_size=64)  # fmt: skip
+# Sized to 8 minutes on one H200 by ``python -m train.compare --task bytes --scale gpu
+# --dry-run`` (model FLOPs over an assumed quarter of its measured matmul rate, and 37 s
+# to compile an 8-layer program: ``train.budget.H200``): 473 s. Compiling is 60% of it:
+# 4 variants (the baseline and the CPU run's three best kinds) x 2 rates, 450 updates
+# each (14.7M bytes: 1.5 passes over the Python corpus, 3 over Shakespeare), tested at
+# 1x only (each longer length is one more program to compile).
+GPU_VARIANTS = ("mha", "fox", "gated_deltanet", "mamba2")
+GPU_STEPS = 450
+GPU_LRS = (1e-3, 3e-3)
 
-def get_config(quick: bool = False, task: str = "bytes") -> CompareConfig:
+
+def get_config(quick: bool = False, task: str = "bytes", scale: str = "cpu") -> CompareConfig:
+    """The comparison at ``scale``: ``cpu`` (the committed run's) or ``gpu`` (``GPU``)."""
+    if scale not in ("cpu", "gpu"):
+        raise ValueError(f"scale: expected 'cpu' or 'gpu', got {scale!r}")
     if task != "bytes":
         raise ValueError(
             f"task: expected 'bytes' (configs/compare_mqar.py has the synthetic tasks), "
@@ -137,6 +158,8 @@ def get_config(quick: bool = False, task: str = "bytes") -> CompareConfig:
         match_params="mha",
         name="compare_lm",
     )
+    if scale == "gpu":
+        config = _gpu(config)
     if quick:
         train = dataclasses.replace(
             train,
@@ -163,3 +186,37 @@ def get_config(quick: bool = False, task: str = "bytes") -> CompareConfig:
             name="compare_lm_quick",
         )
     return config
+
+
+def _gpu(config: CompareConfig) -> CompareConfig:
+    """``config`` at the GPU scale (``GPU``)."""
+    g = GPU
+    train = dataclasses.replace(
+        config.train,
+        task=dataclasses.replace(config.train.task, seq_len=g["seq_len"]),
+        model=ModelConfig(
+            width=g["width"], mlp_width=4 * g["width"], dtype="bfloat16", param_dtype="float32"
+        ),
+        steps=GPU_STEPS,
+        batch_size=g["batch"],
+        eval_every=GPU_STEPS // 2,
+        eval_batches=8,
+        final_eval_batches=32,
+        ckpt_every=GPU_STEPS,
+        log_every=20,
+    )
+    return dataclasses.replace(
+        config,
+        train=train,
+        variants=GPU_VARIANTS,
+        lrs=GPU_LRS,
+        best_lr_seeds=(),
+        num_layers=g["num_layers"],
+        num_heads=g["num_heads"],
+        window=g["window"],
+        kv_rank=g["kv_rank"],
+        rope_head_dim=g["rope_head_dim"],
+        chunk_size=g["chunk_size"],
+        test_lengths=(1,),
+        name=config.name + "_gpu",
+    )

@@ -1,10 +1,11 @@
 """The recall frontier: every family's MQAR accuracy against its decode state.
 
     python -m analysis.experiments.recall_frontier                  # the cpu scale (this file)
+    python -m analysis.experiments.recall_frontier --scale gpu      # 8 minutes on an H200
     python -m analysis.experiments.recall_frontier --scale zoology  # Zoology's grid
     python -m analysis.experiments.recall_frontier --quick          # two points, seconds
 
-Three scales (``analysis.experiments.recall_frontier_grid.Scale``; the families
+Four scales (``analysis.experiments.recall_frontier_grid.Scale``; the families
 and their knobs are defined there):
 
 * ``cpu`` (the default): what fits in 45 minutes on a 2-core CPU with 2 jobs.
@@ -21,6 +22,11 @@ and their knobs are defined there):
   (checked every 50 updates). The committed run took 33 minutes; an earlier
   one with 400 updates at T = 128 and Gated DeltaNet in chunks of 64 took 59
   (``recall_frontier_grid._gated_deltanet`` says why its form changed).
+* ``gpu``: Zoology's task (V = 8192, batch 256) at (T, pairs) = (128, 8) for claim
+  15's families (softmax MHA, linear, Based, Gated DeltaNet) at 3 knob values each,
+  2,000 updates at its two middle learning rates, bf16 compute: sized to 8 minutes
+  on one H200 by ``--dry-run``'s prediction (454 s; ``train.budget.H200`` says what
+  it assumes), not yet run on one.
 * ``zoology``: Zoology's grid (Arora et al. 2023, the Based paper's Figure 2
   configs): V = 8192, (T, pairs) in (64, 4), (128, 8), (256, 16), (512, 64),
   learning rates ``logspace(-3, -1.5, 4)``, batch 256 and the step counts of

@@ -36,10 +36,11 @@ def load_config(path: str | Path, **kwargs):
     """Imports a ``configs/*.py`` file by path and returns its ``get_config(**kwargs)``.
 
     Keyword arguments the file's ``get_config`` does not declare are dropped
-    (e.g. ``quick`` for a config without quick settings).
+    (e.g. ``quick`` for a config without quick settings), except ``scale``.
 
     Raises:
-      ValueError: the file does not exist or defines no ``get_config``.
+      ValueError: the file does not exist or defines no ``get_config``, or it takes
+        no ``scale`` and one was given.
     """
     path = Path(path)
     if not path.is_file():
@@ -50,6 +51,8 @@ def load_config(path: str | Path, **kwargs):
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"--config: {str(path)!r} defines no get_config()")
     accepted = inspect.signature(module.get_config).parameters
+    if "scale" in kwargs and "scale" not in accepted:  # dropping it would train another size
+        raise ValueError(f"--scale: {str(path)!r} has one scale (its get_config takes no scale)")
     return module.get_config(**{k: v for k, v in kwargs.items() if k in accepted})
 
 

@@ -27,7 +27,8 @@ sizes) are in ``train.variants``.
   model also tested on windows of that many times the training length
   (``train.lengths``), and a "Train short, test long" table in ``table.md``.
 
-``lrs`` x ``seeds`` is the sweep; ``best_lr_seeds`` train afterwards at each
+``lrs`` x ``seeds`` is the sweep; ``edge_lrs`` widens it per variant while the
+best rate is at its edge; ``best_lr_seeds`` train afterwards at each
 variant's best rate only, and ``match_params`` gives every variant the
 parameter count of one of them through its MLP width (``train.variants``).
 
@@ -191,9 +192,20 @@ def stop_workers(signum=None, frame=None) -> None:
     raise ComparisonInterrupted("the workers were stopped; every run keeps its checkpoints")
 
 
-def _per_lr(config: CompareConfig, variant: str, runs: list[dict]) -> dict[float, list[dict]]:
-    """The variant's run records by learning rate."""
-    return {lr: [r for r in runs if (r["variant"], r["lr"]) == (variant, lr)] for lr in config.lrs}
+def _per_lr(variant: str, runs: list[dict]) -> dict[float, list[dict]]:
+    """The variant's run records by learning rate, in increasing order of rate."""
+    rates = sorted({r["lr"] for r in runs if r["variant"] == variant})
+    return {lr: [r for r in runs if (r["variant"], r["lr"]) == (variant, lr)] for lr in rates}
+
+
+def _beyond_edge(config: CompareConfig, variant: str, runs: list[dict]) -> float | None:
+    """The next rate out when the variant's best so far is its highest or lowest, else None."""
+    per_lr = _per_lr(variant, runs)
+    best, rates = best_lr(config, per_lr), list(per_lr)
+    ratio = config.edge_ratio or (max(config.lrs) / min(config.lrs)) ** (1 / (len(config.lrs) - 1))
+    if best not in (rates[0], rates[-1]):
+        return None
+    return float(f"{best * ratio if best == rates[-1] else best / ratio:.2g}")
 
 
 def _done_line(desc: str, summary: dict, bits: bool) -> str:
@@ -208,10 +220,11 @@ def _done_line(desc: str, summary: dict, bits: bool) -> str:
 
 
 @contextlib.contextmanager
-def _runner(config: CompareConfig, total: int):
+def _runner(config: CompareConfig, planned: list[int]):
     """``run(specs) -> records``: trains ``(variant, lr, seed)`` specs in order of the list
-    (numbered ``[i/total]`` across calls), in this process or in a pool of ``config.jobs``
-    workers kept for every call."""
+    (numbered ``[i/n]`` across calls, ``n = planned[0]``, which the caller may raise
+    between calls), in this process or in a pool of ``config.jobs`` workers kept for
+    every call."""
     count = [0]
     bits = metric(config.train.task) == "bits_per_byte"
 
@@ -219,7 +232,7 @@ def _runner(config: CompareConfig, total: int):
         first = count[0]
         count[0] += len(specs)
         return [
-            f"[{first + i + 1}/{total}] {v} lr={lr:g} seed={s}"
+            f"[{first + i + 1}/{planned[0]}] {v} lr={lr:g} seed={s}"
             for i, (v, lr, s) in enumerate(specs)
         ]
 
@@ -243,11 +256,12 @@ def _runner(config: CompareConfig, total: int):
             initializer=worker_init,
             initargs=(context.Value("i", 0), plugins.loaded()),
         ) as pool,
-        tqdm(total=total, desc=config.name, disable=not config.progress) as bar,
+        tqdm(total=planned[0], desc=config.name, disable=not config.progress) as bar,
     ):
 
         def run(specs):
             labels = descs(specs)
+            bar.total = planned[0]
             futures = {
                 pool.submit(_train_one, config, *spec, desc, False): i
                 for i, (spec, desc) in enumerate(zip(specs, labels, strict=True))
@@ -291,13 +305,18 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
         for seed in config.seeds
         for variant in config.variants
     ]
-    total = len(sweep) + len(config.variants) * len(config.best_lr_seeds)
-    with _runner(config, total) as run:
+    planned = [len(sweep) + len(config.variants) * len(config.best_lr_seeds)]
+    with _runner(config, planned) as run:
         runs = run(sweep)
+        for _ in range(config.edge_lrs):  # the sweep widened where a best rate is at its edge
+            edges = {v: _beyond_edge(config, v, runs) for v in config.variants}
+            wider = [(v, lr, s) for s in config.seeds for v, lr in edges.items() if lr]
+            planned[0] += len(wider)
+            runs += run(wider)
         if config.best_lr_seeds:  # a second wave: more seeds at each variant's best rate
-            best = {v: best_lr(config, _per_lr(config, v, runs)) for v in config.variants}
+            best = {v: best_lr(config, _per_lr(v, runs)) for v in config.variants}
             runs += run([(v, best[v], s) for s in config.best_lr_seeds for v in config.variants])
-    variants = {v: summarize_variant(config, v, _per_lr(config, v, runs)) for v in config.variants}
+    variants = {v: summarize_variant(config, v, _per_lr(v, runs)) for v in config.variants}
     task = config.train.task
     return {
         "config": to_json(config),
@@ -311,12 +330,20 @@ def run_comparison(config: CompareConfig) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    """``python -m train.compare [--plugin M] [--config FILE] [--quick] [--task T] [overrides]``."""
+    """``python -m train.compare [--plugin M] [--config FILE] [--quick] [--task T]
+    [--scale S] [--dry-run] [overrides]``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = "--dry-run" in argv
     try:
-        config = _parse(list(sys.argv[1:] if argv is None else argv))
+        config = _parse([a for a in argv if a != "--dry-run"])
     except ValueError as e:  # a bad plugin, config file or override: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if dry_run:  # every variant built (shapes only) and its GPU time predicted; nothing trains
+        from train.budget import predict_comparison, prediction_text
+
+        print(prediction_text(predict_comparison(config), config.name))
+        return 0
     enable_compilation_cache()
     try:
         results = run_comparison(config)
@@ -346,6 +373,12 @@ def _parse(argv: list[str]) -> CompareConfig:
             raise ValueError(f"--task: expected one of {', '.join(TASKS)}, got {got}")
         config_kwargs["task"] = argv[i + 1]
         del argv[i : i + 2]
+    if "--scale" in argv:  # a config file's sizes (configs/compare_lm.py: cpu, gpu)
+        i = argv.index("--scale")
+        if i + 1 >= len(argv):
+            raise ValueError("--scale: expected a scale name, got nothing")
+        config_kwargs["scale"] = argv[i + 1]
+        del argv[i : i + 2]
     default = "compare_lm.py" if config_kwargs.get("task") == "bytes" else "compare_mqar.py"
     listed = "; ".join(f"{name} ({v.description})" for name, v in VARIANTS.items())
     config, _ = parse(
@@ -353,8 +386,10 @@ def _parse(argv: list[str]) -> CompareConfig:
         "Train every attention variant on the same task to its target accuracy or step cap; "
         "write results/<name>/. Flags of this command: --config FILE (default "
         "configs/compare_mqar.py; configs/compare_lm.py with --task bytes), --quick (the "
-        f"config's quick settings), --task {'|'.join(TASKS)} (default mqar); every field "
-        "below overrides the config. "
+        f"config's quick settings), --task {'|'.join(TASKS)} (default mqar), --scale cpu|gpu "
+        "(a config's sizes: configs/compare_lm.py and compare_lm_english.py have both), "
+        "--dry-run (build every variant and print its predicted time on a GPU; nothing "
+        "trains); every field below overrides the config. "
         f"Variants (--variants NAME ...): {listed}.",
         argv,
         default_config=str(Path(__file__).resolve().parent.parent / "configs" / default),

@@ -232,7 +232,9 @@ def _task_line(config: CompareConfig) -> str:
     return (
         f"{what}; width {tr.model.width}, {config.num_layers} layers, {config.num_heads} heads; "
         f"at most {tr.steps} steps of batch {tr.batch_size}{stop}; "
-        f"lr sweep {', '.join(f'{x:g}' for x in config.lrs)}; "
+        f"lr sweep {', '.join(f'{x:g}' for x in config.lrs)}"
+        + (f" (and up to {config.edge_lrs} beyond its edge)" if config.edge_lrs else "")
+        + "; "
         f"seeds {', '.join(map(str, config.seeds))}"
         + (
             f" (the sweep), {', '.join(map(str, config.best_lr_seeds))} (at the best rate)"
@@ -307,7 +309,8 @@ def format_table(results: dict[str, Any], config: CompareConfig) -> str:
             if bpb
             else "Final test accuracy: the fraction of labelled positions predicted exactly on "
         )
-        + f"{config.train.eval_batches} fixed test batches at the run's last evaluation"
+        + f"{config.train.final_eval_batches or config.train.eval_batches} fixed test "
+        + "batches at the run's last evaluation"
         + (
             " (the same windows for every seed); test SE: the standard error of that "
             "estimate over its batches (the test sample's error; mean over seeds), beside "

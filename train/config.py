@@ -106,6 +106,10 @@ class TrainConfig:
       eval_every: evaluate on the test split every this many steps (and at the end).
       eval_batches: test batches per evaluation; always the same ones, so the
         curve measures the model, not the sample.
+      final_eval_batches: None, or the test batches of the run's last evaluation
+        (at ``steps``), at least ``eval_batches``: batches 0 to ``eval_batches - 1``
+        are the curve's, the rest a larger sample where the result is read (its
+        standard error shrinks as one over the root of the batches).
       ckpt_every: save a checkpoint every this many steps (and at the end).
       keep_checkpoints: how many recent checkpoints to keep.
       log_every: write a train record to ``metrics.jsonl`` every this many steps.
@@ -132,6 +136,7 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 200
     eval_batches: int = 4
+    final_eval_batches: int | None = None
     ckpt_every: int = 200
     keep_checkpoints: int = 2
     log_every: int = 10
@@ -144,6 +149,12 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+        f = self.final_eval_batches
+        if f is not None and (type(f) is not int or f < self.eval_batches):
+            raise ValueError(
+                f"final_eval_batches: expected None or an int >= eval_batches "
+                f"({self.eval_batches}), got {f!r}"
+            )
         for name in ("keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
@@ -173,8 +184,9 @@ class TrainConfig:
 # device layout: ``mesh`` may change on resume).
 RESULT_FIELDS = ("task", "model", "optim", "steps", "batch_size", "seed")
 # Fields of the result added after runs were recorded without them, whose
-# default means "not recorded" (older records still read).
-ADDED_FIELDS = ("task.fingerprint",)
+# default means "not recorded" or is what the older runs did (older records still
+# read): ``task.hops`` is read only by ``variable_tracking``, which came with it.
+ADDED_FIELDS = ("task.fingerprint", "task.hops")
 
 
 def to_json(config) -> dict:

@@ -46,6 +46,16 @@ def _batch(tokens, labels) -> dict[str, np.ndarray]:
     }
 
 
+def _pair_starts(rng, batch: int, length: int, n: int) -> np.ndarray:
+    """``[batch, n]`` sorted starts of ``n`` non-overlapping 2-token pairs in ``[0, length)``.
+
+    Uniform over placements: choose n of the ``length - n`` slots that remain when
+    each pair counts as one token, then spread them out again.
+    """
+    slots = np.sort(_sample_without_replacement(rng, batch, length - n, n), axis=1)
+    return slots + np.arange(n)  # the i-th pair starts after i earlier pairs' 2 tokens
+
+
 def mqar_batch(
     rng: np.random.Generator,
     batch: int,
@@ -130,16 +140,77 @@ def needle_batch(
     keys = 1 + _sample_without_replacement(rng, batch, quarter - 1, n)
     values = quarter + rng.integers(0, half - quarter, size=(batch, n))
     tokens = rng.integers(half, vocab_size, size=(batch, T))
-    # n pairs of two tokens among T - n haystack tokens: choose n of the T - 2n slots
-    # that remain when each pair counts as one, then spread them out again.
-    slots = np.sort(_sample_without_replacement(rng, batch, T - 2 * n, n), axis=1)
-    starts = slots + np.arange(n)  # the i-th pair starts after i earlier pairs' 2 tokens
+    starts = _pair_starts(rng, batch, T - n, n)
     rows = np.arange(batch)[:, None]
     tokens[rows, starts], tokens[rows, starts + 1] = keys, values
     order = np.argsort(rng.random((batch, n)), axis=1)
     tokens[:, T - n :] = np.take_along_axis(keys, order, axis=1)
     labels = np.full((batch, T), IGNORE, np.int64)
     labels[:, T - n :] = np.take_along_axis(values, order, axis=1)
+    return _batch(tokens, labels)
+
+
+def multikey_needle_batch(
+    rng: np.random.Generator, batch: int, *, seq_len: int, vocab_size: int, num_pairs: int
+) -> dict[str, np.ndarray]:
+    """RULER's multi-key needle in a haystack: ``n`` needles, one of them queried at the end.
+
+    The haystack (the first ``T - 1`` tokens) is built as ``needle_batch``'s: filler
+    from ``[V/2, V)`` holding the pairs ``k v`` (keys distinct from ``[1, V/4)``,
+    values from ``[V/4, V/2)``) at uniformly random non-overlapping places. The
+    last token is one of the keys, chosen uniformly, labelled with its value; the
+    other needles are distractors. It is ``variable_tracking_batch`` with one hop.
+
+    Returns:
+      ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)`` with
+      one labelled position per example, the last.
+    """
+    return variable_tracking_batch(
+        rng, batch, seq_len=seq_len, vocab_size=vocab_size, num_pairs=num_pairs, hops=1
+    )
+
+
+def variable_tracking_batch(
+    rng: np.random.Generator,
+    batch: int,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    num_pairs: int,
+    hops: int,
+) -> dict[str, np.ndarray]:
+    """RULER's variable tracking: ``n`` chains of ``h`` assignments, one chain's end queried.
+
+    Chain c assigns ``x1 v`` (the variable x1 takes the value v), then ``x2 x1``,
+    ..., ``x_h x_(h-1)`` (each copies the one before). Variables are distinct
+    across all chains, from ``[1, V/4)``; values from ``[V/4, V/2)``. The ``n h``
+    two-token assignments lie at uniformly random non-overlapping places in the
+    haystack (the first ``T - 1`` tokens, filler from ``[V/2, V)``), the chains
+    interleaved at random, each chain's in order. The last token is ``x_h`` of
+    a chain chosen uniformly, labelled with that chain's value ``v``: answering
+    takes ``h`` lookups back through the haystack.
+
+    Returns:
+      ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)`` with
+      one labelled position per example, the last.
+    """
+    n, h, T = num_pairs, hops, seq_len
+    quarter, half = vocab_size // 4, vocab_size // 2
+    rows = np.arange(batch)[:, None]
+    names = 1 + _sample_without_replacement(rng, batch, quarter - 1, n * h).reshape(batch, n, h)
+    values = quarter + rng.integers(0, half - quarter, size=(batch, n))
+    copied = np.concatenate([values[:, :, None], names[:, :, :-1]], axis=2)  # [B, n, h]
+    tokens = rng.integers(half, vocab_size, size=(batch, T))
+    starts = _pair_starts(rng, batch, T - 1, n * h)  # [B, n h], in order of position
+    # Each assignment takes a random slot; sorting a chain's slots keeps its order.
+    slot = np.sort(np.argsort(rng.random((batch, n * h)), axis=1).reshape(batch, n, h), axis=2)
+    where = np.take_along_axis(starts, slot.reshape(batch, n * h), axis=1)  # [B, n h]
+    tokens[rows, where] = names.reshape(batch, n * h)
+    tokens[rows, where + 1] = copied.reshape(batch, n * h)
+    chain = rng.integers(0, n, size=batch)
+    tokens[:, T - 1] = names[np.arange(batch), chain, h - 1]
+    labels = np.full((batch, T), IGNORE, np.int64)
+    labels[:, T - 1] = values[np.arange(batch), chain]
     return _batch(tokens, labels)
 
 

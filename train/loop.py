@@ -388,11 +388,10 @@ class Session:
         }
 
     def eval_record(self, done: int) -> dict[str, Any]:
-        return {
-            "step": done,
-            "kind": "eval",
-            **evaluate(self.model, self.task, self.config, step_fn=self.steps.eval),
-        }
+        c = self.config
+        batches = c.final_eval_batches if done == c.steps else None
+        result = evaluate(self.model, self.task, c, step_fn=self.steps.eval, batches=batches)
+        return {"step": done, "kind": "eval", **result}
 
 
 def _run_steps(run: Session, start: int, end: int, log, stop, bar) -> tuple[int, int, bool]:

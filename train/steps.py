@@ -232,7 +232,9 @@ def place(mesh, model: nnx.Module, optimizer: nnx.Optimizer) -> None:
         nnx.update(obj, sharding.place(mesh, nnx.state(obj)))
 
 
-def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None) -> dict:
+def evaluate(
+    model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None, batches: int | None = None
+) -> dict:
     """Loss and accuracy on the test split's first ``eval_batches`` batches (a fixed set).
 
     Args:
@@ -240,6 +242,7 @@ def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None
       task: its task.
       config: the run config (seed, batch size, eval_batches).
       step_fn: ``batch -> [loss sum, correct, count]``; default a jitted step on ``model``.
+      batches: how many test batches instead of ``config.eval_batches`` (the first ones).
 
     Returns:
       ``dict(test_loss, test_accuracy, test_loss_se)``, weighted by labelled positions.
@@ -249,7 +252,7 @@ def evaluate(model: nnx.Module, task: Task, config: TrainConfig, *, step_fn=None
       batch loss sums ``L_b`` over ``c_b`` positions); None with one batch.
     """
     step_fn = step_fn or nnx.cached_partial(_jit_eval_step, model)
-    n = config.eval_batches
+    n = batches or config.eval_batches
     sums = np.stack(
         [
             np.asarray(step_fn(task.batch(config.seed, "test", i, config.batch_size)))

@@ -14,6 +14,11 @@ count only labelled positions.
 Tasks:
 
 - ``mqar``: multi-query associative recall (Zoology, Arora et al. 2023).
+- ``needle``: key-value pairs anywhere in filler, every key queried at the end.
+- ``multikey_needle``: the same haystack, one of its keys queried at the end, the
+  other needles distractors (RULER's multi-key needle, Hsieh et al. 2024).
+- ``variable_tracking``: chains of assignments ``x1 v``, ``x2 x1``, ... in filler,
+  the last variable of one chain queried at the end (RULER's variable tracking).
 - ``induction``: ``[BOS] r r``, predict the second copy of random tokens ``r``.
 - ``selective_copy``: a few data tokens scattered among blanks, reproduced in
   order after a separator (Gu and Dao 2023).
@@ -51,9 +56,11 @@ from train.generators import (  # noqa: F401  (the generators are this module's 
     group_table,
     induction_batch,
     mqar_batch,
+    multikey_needle_batch,
     needle_batch,
     selective_copy_batch,
     state_batch,
+    variable_tracking_batch,
     with_bos,
 )
 
@@ -67,16 +74,19 @@ __all__ = [
     "load_corpus",
     "make_task",
     "mqar_batch",
+    "multikey_needle_batch",
     "needle_batch",
     "selective_copy_batch",
     "state_batch",
     "stdlib_corpus_path",
+    "variable_tracking_batch",
 ]
 
 SPLITS = {"train": 0, "test": 1}  # folded into the seed: train and test never share a stream
 
 STATE_TASKS = ("parity", "modular", "s3", "s5")
-TASK_NAMES = ("mqar", "needle", "induction", "selective_copy", "bytes", *STATE_TASKS)
+RULER_TASKS = ("multikey_needle", "variable_tracking")  # one query at the end
+TASK_NAMES = ("mqar", "needle", *RULER_TASKS, "induction", "selective_copy", "bytes", *STATE_TASKS)
 BYTE_VOCAB = 256
 
 
@@ -85,8 +95,9 @@ class TaskConfig:
     """Which task to train on and its sizes.
 
     Attributes:
-      name: one of ``mqar``, ``needle``, ``induction``, ``selective_copy``, ``bytes``, or
-        the state-tracking tasks ``parity``, ``modular``, ``s3``, ``s5``.
+      name: one of ``mqar``, ``needle``, ``multikey_needle``, ``variable_tracking``,
+        ``induction``, ``selective_copy``, ``bytes``, or the state-tracking tasks
+        ``parity``, ``modular``, ``s3``, ``s5``.
       seq_len: T, tokens per example.
       vocab_size: V for the recall tasks (``bytes`` always uses 256, the
         state-tracking tasks their group's order).
@@ -94,7 +105,11 @@ class TaskConfig:
       num_pairs: MQAR key-value pairs per example (Zoology requires
         ``4 * num_pairs <= seq_len``: the context takes ``2n`` tokens and the
         queries need room for ``n`` gaps of two); the needles of ``needle``
-        (``3 * num_pairs <= seq_len``).
+        (``3 * num_pairs <= seq_len``) and of ``multikey_needle``
+        (``2 * num_pairs + 1 <= seq_len``); the chains of ``variable_tracking``
+        (``2 * num_pairs * hops + 1 <= seq_len``, and ``num_pairs * hops``
+        distinct variables in ``[1, V/4)``).
+      hops: ``variable_tracking``: assignments per chain (1: the multi-key needle).
       min_pairs: MQAR: training examples hold between ``min_pairs`` and
         ``num_pairs`` pairs (uniformly), a curriculum that lets the recall
         circuit form on easy examples; test examples always hold ``num_pairs``.
@@ -103,8 +118,9 @@ class TaskConfig:
       random_fill: MQAR: fill the blanks between queries with random tokens
         (Zoology's default) instead of zeros.
       num_copy: selective copying: data tokens to reproduce.
-      data: ``bytes``: a text file or a folder of text files; None for the
-        standard library's source files.
+      data: ``bytes``: a text file, a folder of text files, or a named corpus
+        (``train.corpus.CORPORA``: ``python``, ``shakespeare``); None for ``python``,
+        the standard library's source files.
       val_percent: ``bytes``: percent of the corpus pieces held out for test.
       bos: ``bytes``: every window starts with ``BOS`` (byte 0, which no corpus
         file holds) followed by T - 1 bytes, all T of which are predicted; a
@@ -118,12 +134,23 @@ class TaskConfig:
     """
 
     name: Literal[
-        "mqar", "needle", "induction", "selective_copy", "bytes", "parity", "modular", "s3", "s5"
+        "mqar",
+        "needle",
+        "multikey_needle",
+        "variable_tracking",
+        "induction",
+        "selective_copy",
+        "bytes",
+        "parity",
+        "modular",
+        "s3",
+        "s5",
     ] = "mqar"
     seq_len: int = 64
     vocab_size: int = 256
     modulus: int = 5
     num_pairs: int = 8
+    hops: int = 2
     min_pairs: int | None = None
     power_a: float = 0.01
     random_fill: bool = True
@@ -167,6 +194,8 @@ class TaskConfig:
                 f"task.num_pairs: expected 1 <= num_pairs <= min(seq_len / 3, vocab_size / 4 - 1) "
                 f"= {min(self.seq_len // 3, self.vocab_size // 4 - 1)}, got {self.num_pairs}"
             )
+        if self.name in RULER_TASKS:
+            self._check_ruler()
         if self.name == "induction" and self.seq_len % 2:
             raise ValueError(f"task.seq_len: induction expects an even length, got {self.seq_len}")
         if self.name == "selective_copy" and not 1 <= self.num_copy <= (self.seq_len - 1) // 2:
@@ -183,6 +212,25 @@ class TaskConfig:
             raise ValueError(f"task.modulus: expected an int >= 2, got {m!r}")
         if self.fingerprint is not None and not isinstance(self.fingerprint, str):
             raise ValueError(f"task.fingerprint: expected None or a str, got {self.fingerprint!r}")
+
+    def _check_ruler(self):
+        """``multikey_needle`` and ``variable_tracking``: hops, and room for the pairs."""
+        h, n, what = 1, self.num_pairs, "needles"
+        if self.name == "variable_tracking":
+            h, what = self.hops, "chains"
+            if isinstance(h, bool) or not isinstance(h, int) or h < 1:
+                raise ValueError(f"task.hops: expected an int >= 1, got {h!r}")
+        most = (self.seq_len - 1) // (2 * h)
+        if not 1 <= n <= most:
+            raise ValueError(
+                f"task.num_pairs: expected 1 <= num_pairs <= (seq_len - 1) / {2 * h} = {most} "
+                f"({what} of {2 * h} tokens before the query), got {n}"
+            )
+        if self.vocab_size // 4 - 1 < n * h:
+            raise ValueError(
+                f"task.vocab_size: expected at least {4 * (n * h + 1)} so that {n * h} distinct "
+                f"{'variables' if h > 1 else 'keys'} fit in [1, V/4), got {self.vocab_size}"
+            )
 
     @property
     def vocab(self) -> int:
@@ -260,6 +308,19 @@ class Task:
             return needle_batch(
                 rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_pairs=c.num_pairs
             )
+        if c.name == "multikey_needle":
+            return multikey_needle_batch(
+                rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size, num_pairs=c.num_pairs
+            )
+        if c.name == "variable_tracking":
+            return variable_tracking_batch(
+                rng,
+                batch_size,
+                seq_len=c.seq_len,
+                vocab_size=c.vocab_size,
+                num_pairs=c.num_pairs,
+                hops=c.hops,
+            )
         if c.name == "induction":
             return induction_batch(rng, batch_size, seq_len=c.seq_len, vocab_size=c.vocab_size)
         if c.name in STATE_TASKS:
@@ -300,8 +361,17 @@ def data_fingerprint(config: TaskConfig) -> str:
     return make_task(dataclasses.replace(config, fingerprint=None)).fingerprint
 
 
+# Fields added after fingerprints were recorded: left out of the hash at these
+# defaults, so every config recorded before them keeps its fingerprint.
+_ADDED_DEFAULTS = {"hops": 2}
+
+
 def _fingerprint(config: TaskConfig, corpus: Corpus | None) -> str:
     if corpus is not None:
         return corpus.fingerprint
-    fields = {k: v for k, v in dataclasses.asdict(config).items() if k != "fingerprint"}
+    fields = {
+        k: v
+        for k, v in dataclasses.asdict(config).items()
+        if k != "fingerprint" and not (k in _ADDED_DEFAULTS and v == _ADDED_DEFAULTS[k])
+    }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()

@@ -166,6 +166,12 @@ class CompareConfig:
         deltanet, gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, moba,
         nsa, and any added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
+      edge_lrs: up to this many more rates per variant, beyond the sweep's edge: while
+        a variant's best rate (on ``seeds``) is its highest or lowest, the next one
+        out (``edge_ratio`` times it, or divided by it; 2 significant digits)
+        trains on ``seeds``. Needs 2 or more ``lrs``.
+      edge_ratio: the step beyond the edge; None: the sweep's geometric ratio
+        (``lrs``' largest over smallest, to the ``1 / (len(lrs) - 1)``).
       seeds: every (variant, lr) trains once per seed; accuracies are averaged.
       best_lr_seeds: seeds trained after the sweep, at each variant's best learning
         rate only (picked on ``seeds``); the variant's numbers are then over
@@ -203,6 +209,8 @@ class CompareConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     variants: tuple[str, ...] = ("mha", "linear")
     lrs: tuple[float, ...] = (1e-3,)
+    edge_lrs: int = 0
+    edge_ratio: float | None = None
     seeds: tuple[int, ...] = (0,)
     best_lr_seeds: tuple[int, ...] = ()
     num_layers: int = 2
@@ -234,6 +242,13 @@ class CompareConfig:
             raise ValueError(f"variants: expected distinct names, got {self.variants}")
         if not self.lrs or any(not lr > 0 for lr in self.lrs):
             raise ValueError(f"lrs: expected positive learning rates, got {self.lrs}")
+        if self.edge_lrs < 0 or (self.edge_lrs and len(set(self.lrs)) < 2):
+            raise ValueError(
+                f"edge_lrs: expected 0, or an int >= 1 with 2 or more distinct lrs "
+                f"(got lrs={self.lrs}), got {self.edge_lrs}"
+            )
+        if self.edge_ratio is not None and not self.edge_ratio > 1:
+            raise ValueError(f"edge_ratio: expected None or a float > 1, got {self.edge_ratio}")
         if not self.seeds:
             raise ValueError(f"seeds: expected at least one seed, got {self.seeds}")
         every = self.seeds + self.best_lr_seeds

@@ -1,6 +1,6 @@
 """The recall frontier: MQAR accuracy against decode-state size, one line per family.
 
-    python -m analysis.experiments.recall_frontier [--scale cpu|zoology] [--only FAMILY,...]
+    python -m analysis.experiments.recall_frontier [--scale cpu|gpu|zoology] [--only F,...]
         [--jobs N] [--out DIR] [--quick] [--dry-run]
 
 Zoology's recall-memory trade-off (Arora et al. 2023, "Zoology: measuring and
@@ -57,11 +57,14 @@ Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
   update (forward + backward, not the optimizer) times its updates, and the
   total over the runs; what it printed, and the GPU time it implies, is in
   ``docs/results/recall_frontier/zoology-scale.md``.
+* ``gpu``: claim 15's four families at (128, 8) with Zoology's V and batch, 2
+  learning rates, 2,000 updates, bf16: 24 runs sized to 8 minutes on one H200.
 * ``quick``: two runs of a few updates (the tests).
 
 ``--dry-run`` builds every run's config and model (shapes only) and prints
-each point's parameters and state without training; with ``--scale zoology``
-it also counts the FLOPs (``--flops``).
+each point's parameters and state without training, and the grid's predicted
+time on one H200 (``recall_frontier_grid.predicted_seconds``); with
+``--flops`` it also counts XLA's FLOPs of each point's update.
 
 The code is in four modules: ``recall_frontier_grid`` (the families, scales
 and runs, and the dry run), ``recall_frontier_train`` (training the grid),
@@ -178,6 +181,12 @@ def _print_dry_run(result: dict) -> None:
         )
     if result["total_flops"] is not None:
         print(f"total {result['total_flops']:.3g} FLOP (forward + backward, every run to its cap)")
+    from train.budget import H200
+
+    print(
+        f"predicted on one {H200.name}: {result['gpu_seconds']:.0f} s, every run to its cap "
+        f"({H200.assumptions()})"
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -189,7 +198,8 @@ class Args:
     """The recall frontier: MQAR accuracy against decode state, one line per family.
 
     Attributes:
-      scale: ``cpu`` (45 minutes on 2 cores) or ``zoology`` (Zoology's grid, an accelerator).
+      scale: ``cpu`` (45 minutes on 2 cores), ``gpu`` (8 minutes on one H200, predicted)
+        or ``zoology`` (Zoology's grid, hours on an accelerator).
       only: a comma-separated subset of the families.
       jobs: trainings at once, each on its own core.
       out: the output folder; default ``results/recall_frontier`` (``-quick`` with --quick).
@@ -201,7 +211,7 @@ class Args:
         e.g. ``--only mamba2 --add-to docs/results/recall_frontier``.
     """
 
-    scale: Literal["cpu", "zoology"] = "cpu"
+    scale: Literal["cpu", "gpu", "zoology"] = "cpu"
     only: str | None = None
     jobs: int = 2
     out: Path | None = None

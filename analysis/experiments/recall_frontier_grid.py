@@ -134,6 +134,8 @@ class Scale:
       eval_batches: test batches of ``batch_size`` per evaluation.
       target: stop a run once its test accuracy reaches this.
       min_pairs: training examples hold ``min_pairs`` to ``pairs`` pairs.
+      dtype: the models' compute dtype (parameters, softmax statistics and states stay
+        float32; state sizes are counted at float32 whatever it is).
     """
 
     name: str
@@ -148,6 +150,7 @@ class Scale:
     eval_batches: int = 4
     target: float = 0.99
     min_pairs: int | None = 1
+    dtype: str = "float32"
 
     def __post_init__(self):
         if len(self.steps) != len(self.settings):
@@ -219,6 +222,30 @@ SCALES: dict[str, Scale] = {
         eval_batches=4,
         min_pairs=None,
     ),
+    # Zoology's task and training at the size one H200 does in 8 minutes (``--dry-run``
+    # predicts it: ``train.budget.H200``): claim 15's families (softmax, linear, Based and
+    # Gated DeltaNet) at 3 knob values each, at (T, pairs) = (128, 8) with Zoology's V and
+    # batch, 2,000 updates (Zoology's 2,500 predicted 490 s; stopping at 0.99), its two
+    # middle learning rates, bf16. Compiling is two thirds of the time: every point
+    # compiles its own programs.
+    "gpu": Scale(
+        name="gpu",
+        settings=((128, 8),),
+        steps=(2000,),
+        knobs=(
+            ("mha", (64, 128, 256)),
+            ("linear", (16, 32, 64)),
+            ("based", (8, 16, 32)),
+            ("gated_deltanet", (16, 32, 64)),
+        ),
+        vocab_size=8192,
+        lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)[1:3]),
+        batch_size=256,
+        eval_every=250,
+        eval_batches=4,
+        min_pairs=None,
+        dtype="bfloat16",
+    ),
     "quick": Scale(
         name="quick",
         settings=((16, 2),),
@@ -271,7 +298,7 @@ def train_config(scale: Scale, run: Run):
             name="mqar", seq_len=T, vocab_size=scale.vocab_size, num_pairs=pairs,
             min_pairs=min_pairs,
         ),
-        model=FAMILIES[run.family].model(run.knob),
+        model=dataclasses.replace(FAMILIES[run.family].model(run.knob), dtype=scale.dtype),
         optim=OptimConfig(lr=run.lr, warmup_fraction=0.02),
         steps=steps,
         batch_size=scale.batch_size,
@@ -303,6 +330,7 @@ def sizes(scale: Scale, point) -> dict[str, int]:
 
     setting, family, knob = point
     config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="float32"))
     nbytes = state_bytes(config.model, setting[0])
     itemsize = np.dtype(config.model.dtype).itemsize
     return {
@@ -342,8 +370,27 @@ def step_flops(scale: Scale, point) -> float:
     return float(jax.jit(jax.grad(loss)).lower(params, batch).cost_analysis()["flops"])
 
 
+def predicted_seconds(scale: Scale, point, params: int, device=None) -> dict[str, float]:
+    """A point's predicted time on a GPU (``train.budget.H200``): every run to its cap
+    (its updates and evaluations), and its two programs' compiles (update, evaluation;
+    its other rates and seeds reuse them)."""
+    from train.budget import H200, model_flops
+
+    device = device or H200
+    setting, family, knob = point
+    config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
+    flops = model_flops(config.model, params, setting[0], scale.batch_size)["flops"]
+    steps = scale.steps[scale.settings.index(setting)]
+    evals = -(-steps // scale.eval_every) * scale.eval_batches
+    run_s = steps * device.step_seconds(flops) + evals * device.forward_seconds(flops)
+    compile_s = 2 * device.compile_seconds(len(config.model.layers))
+    return {"run_s": run_s, "compile_s": compile_s,
+            "seconds": len(scale.lrs) * len(scale.seeds) * run_s + compile_s}  # fmt: skip
+
+
 def dry_run(scale: Scale, *, flops: bool = False) -> dict[str, Any]:
-    """Every run's config and every point's model, counted; nothing trained."""
+    """Every run's config and every point's model, counted, and the grid's predicted time on
+    a GPU (``predicted_seconds``); nothing trained."""
     grid = runs(scale)
     for r in grid:
         train_config(scale, r)  # every run's config builds (and checks itself)
@@ -355,6 +402,7 @@ def dry_run(scale: Scale, *, flops: bool = False) -> dict[str, Any]:
             "knob": point[2],
             **sizes(scale, point),
         }
+        row["gpu"] = predicted_seconds(scale, point, row["params"])
         if flops:
             steps = scale.steps[scale.settings.index(point[0])]
             row["flops_per_step"] = step_flops(scale, point)
@@ -364,4 +412,10 @@ def dry_run(scale: Scale, *, flops: bool = False) -> dict[str, Any]:
     if flops:
         per_point_runs = len(scale.lrs) * len(scale.seeds)
         total = sum(r["flops_per_run"] for r in rows) * per_point_runs
-    return {"scale": scale.name, "runs": len(grid), "points": rows, "total_flops": total}
+    return {
+        "scale": scale.name,
+        "runs": len(grid),
+        "points": rows,
+        "total_flops": total,
+        "gpu_seconds": sum(r["gpu"]["seconds"] for r in rows),
+    }

@@ -2,11 +2,18 @@
 
     python -m analysis.experiments.sparse            # configs/sparse.py
     python -m analysis.experiments.sparse --quick    # two tiny runs (the tests)
+    python -m analysis.experiments.sparse --config configs/sparse_ruler.py \
+        --out docs/results/sparse_ruler              # the RULER tasks beside the needles
 
 Every variant (``VARIANTS``, all at one width and depth, each layer with a
 short convolution) trains on MQAR with uniformly spread query gaps and on the
 needle task (``train.tasks``: pairs anywhere in filler, queried at the end) at
 one length, 256 by default, and is tested at 1x to 16x it (256 to 4096).
+Two tasks of RULER (Hsieh et al. 2024) can join them: ``multikey_needle``
+(the needle task's haystack, one of its keys queried at the end, the other
+needles distractors) and ``variable_tracking`` (chains ``x1 v``, ``x2 x1``, ...
+of ``hops`` assignments in filler, the last variable of one chain queried, so
+the answer takes ``hops`` lookups); ``configs/sparse_ruler.py`` runs them.
 Beside each accuracy the table gives the keys a query at the last position
 reads (``keys_read``): all of them for MHA, the window's for the window,
 ``top_k`` blocks or tokens for MoBA and DSA, NSA's three branches (its
@@ -37,7 +44,8 @@ from analysis.experiments import _common
 from attn.checks import fail
 
 NAME = "sparse"
-TASKS = ("needle", "mqar")
+TASKS = ("needle", "mqar", "multikey_needle", "variable_tracking")
+ONE_QUERY = ("multikey_needle", "variable_tracking")  # one labelled position per example
 VARIANTS = ("mha", "window", "moba", "nsa", "dsa", "gated_deltanet")
 SPARSE = ("moba", "nsa", "dsa")
 DESCRIPTIONS = {
@@ -62,7 +70,10 @@ class Config:
         of ``reads / 4``, plus its compressed tokens.
       block: MoBA's and NSA's block (MoBA reads ``reads / block`` of them).
       train_len: T of training; tested at ``train_len * f`` for f in ``factors``.
-      num_pairs: MQAR's pairs and the needle task's needles; vocab_size: V of both.
+      num_pairs: MQAR's pairs, the needles of ``needle`` and ``multikey_needle``, and the
+        assignments of ``variable_tracking``: its haystack holds ``num_pairs // hops``
+        chains of ``hops``, as many pairs as the needles (so V = 64 holds their variables).
+      hops: ``variable_tracking``'s assignments per chain. vocab_size: V of every task.
       lr, steps, batch_size: training (one rate for every variant).
       eval_batches: test batches per length (of ``batch_size`` examples).
       width, num_layers, num_heads, head_dim: every variant's sizes.
@@ -72,13 +83,14 @@ class Config:
       seed: the runs' seed. jobs: runs trained at once, each pinned to a core.
     """
 
-    tasks: tuple[str, ...] = TASKS
+    tasks: tuple[str, ...] = ("needle", "mqar")
     variants: tuple[str, ...] = VARIANTS
     reads: int = 64
     block: int = 16
     train_len: int = 256
     factors: tuple[int, ...] = (1, 2, 4, 8, 16)
     num_pairs: int = 12
+    hops: int = 2
     vocab_size: int = 64
     lr: float = 3e-3
     steps: int = 1000
@@ -99,6 +111,11 @@ class Config:
             fail("reads", f"a multiple of 2 * block = {2 * self.block}", self.reads)
         if not self.factors or self.factors[0] != 1:
             fail("factors", "a tuple of multiples starting at 1", repr(self.factors))
+        if "variable_tracking" in self.tasks and not 1 <= self.hops <= self.num_pairs:
+            fail("hops", f"1 <= hops <= num_pairs = {self.num_pairs} (one chain at least)",
+                 self.hops)  # fmt: skip
+        for task in self.tasks:
+            task_config(self, task)  # the task's own checks, before any run trains
 
 
 def layer(config: Config, variant: str):
@@ -166,16 +183,27 @@ def runs(config: Config) -> list[Run]:
     return [Run(t, v) for t in config.tasks for v in config.variants]
 
 
+def pairs(config: Config, task: str) -> int:
+    """``task.num_pairs`` of ``task``: the chains of ``variable_tracking``, else ``num_pairs``."""
+    return config.num_pairs // config.hops if task == "variable_tracking" else config.num_pairs
+
+
+def task_config(config: Config, task: str):
+    """The ``TaskConfig`` of ``task`` at the training length."""
+    from train.tasks import TaskConfig
+
+    return TaskConfig(
+        name=task, seq_len=config.train_len, vocab_size=config.vocab_size,
+        num_pairs=pairs(config, task), hops=config.hops, power_a=1.0,
+    )  # fmt: skip
+
+
 def train_config(config: Config, run: Run):
     """The ``TrainConfig`` of one run (evaluated once, at the end)."""
     from models import ModelConfig
     from train.config import OptimConfig, TrainConfig
-    from train.tasks import TaskConfig
 
-    task = TaskConfig(
-        name=run.task, seq_len=config.train_len, vocab_size=config.vocab_size,
-        num_pairs=config.num_pairs, power_a=1.0,
-    )  # fmt: skip
+    task = task_config(config, run.task)
     layers = (layer(config, run.variant),) * config.num_layers
     return TrainConfig(
         task=task,
@@ -280,17 +308,41 @@ def table_md(config: Config, results: dict[Run, dict]) -> str:
         f"Trained at T = {config.train_len} ({config.steps} updates of {config.batch_size}, "
         f"lr {config.lr}), tested at T = "
         f"{', '.join(str(config.train_len * f) for f in config.factors)}; accuracy over the "
-        f"labelled positions ({config.num_pairs} per example, {examples} examples "
+        f"labelled positions ({labelled_text(config)}, {examples} examples "
         f"per length; chance {', '.join(f'{t} {chance(config, t):.3f}' for t in config.tasks)})."
-        f" {config.num_layers} layers of width {config.width} for every variant; keys read by "
-        "the query at the last position.\n\n"
+        f"{chains_text(config)} {config.num_layers} layers of width {config.width} for every "
+        "variant; keys read by the query at the last position.\n\n"
     )
     return intro + _common.markdown_table(heads, rows)
 
 
+def labelled(config: Config, task: str) -> int:
+    """Labelled positions per example: one query for the RULER tasks, ``num_pairs`` else."""
+    return 1 if task in ONE_QUERY else config.num_pairs
+
+
+def labelled_text(config: Config) -> str:
+    """``"12 per example"``, or per task where the tasks differ."""
+    counts = {t: labelled(config, t) for t in config.tasks}
+    if len(set(counts.values())) == 1:
+        return f"{counts[config.tasks[0]]} per example"
+    return ", ".join(f"{t} {k}" for t, k in counts.items()) + " per example"
+
+
+def chains_text(config: Config) -> str:
+    """The variable-tracking sizes, a sentence (empty without the task)."""
+    if "variable_tracking" not in config.tasks:
+        return ""
+    chains = pairs(config, "variable_tracking")
+    return (f" variable_tracking: {chains} chain{'s' * (chains != 1)} of "
+            f"{config.hops} assignments.")  # fmt: skip
+
+
 def chance(config: Config, task: str) -> float:
-    """Accuracy by guessing: a value among ``V/4`` (needles) or ``V/2`` (MQAR)."""
-    return 1 / (config.vocab_size // 4 if task == "needle" else config.vocab_size // 2)
+    """Accuracy by guessing: a value among those of ``[V/2, V)`` (MQAR) or of
+    ``[V/4, V/2)`` (the others)."""
+    V = config.vocab_size
+    return 1 / (V - V // 2 if task == "mqar" else V // 2 - V // 4)
 
 
 def plot(config: Config, results: dict[Run, dict], path: Path) -> Path:

@@ -309,6 +309,11 @@ def test_run_runs_an_experiment_once_for_all_its_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(claims, "run_experiment", fake)
     rows = claims.collect([16, 17], run=True, out=tmp_path)
+    assert calls == ["state_tracking", "state_tracking_groups"]  # claim 17 has its own grid
+    assert [r.measured for r in rows] == ["parity", "s5"]
+    calls.clear()
+    monkeypatch.setitem(claims.EXPERIMENTS, 17, "state_tracking")  # two rows, one experiment
+    rows = claims.collect([16, 17], run=True, out=tmp_path)
     assert calls == ["state_tracking"]
     assert [r.measured for r in rows] == ["parity", "s5"]
 
@@ -320,7 +325,8 @@ def test_run_experiment_runs_the_full_config(tmp_path, monkeypatch, name):
 
     import train.cli
 
-    module = importlib.import_module(f"analysis.experiments.{name}")
+    module_name = claim_rows.EXPERIMENT_MODULES.get(name, name)
+    module = importlib.import_module(f"analysis.experiments.{module_name}")
     seen = {}
 
     def fake_run(config, out_dir):

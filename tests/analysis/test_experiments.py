@@ -230,6 +230,11 @@ def test_state_tracking_claims_read_the_table():
     assert not s5(config, table("s5", {"deltaproduct3": 0.95, "mamba2": 0.92}))["holds"]
     none = s5(config, table("s5", {"deltaproduct3": 0.2, "mha": 0.1}))
     assert not none["holds"] and "deltaproduct3 0.20, mha 0.10" in none["measured"]
+    assert none["measured"].startswith("S5 tracked by none within 1200 updates (at 1x")
+    s3 = {"s3": {"deltaproduct2": {"accuracy": {"1": 0.99, "2": 0.88}},
+                 "mamba2": {"accuracy": {"1": 0.5, "2": 0.4}}}}  # fmt: skip
+    both = s5(config, {**table("s5", {"deltaproduct2": 0.1}), **s3})
+    assert "; S3 tracked by deltaproduct2 0.99 (0.88 at 2x) (chance 0.17)" in both["measured"]
     with pytest.raises(ValueError, match=r"^variants: expected"):
         state_tracking.Config(variants=("mamba3",))
 
@@ -265,6 +270,28 @@ def test_sparse_keys_read_and_claim():
     assert not sparse.claim(config, results({"nsa": 0.99, "window": 0.3}))["holds"]  # reads more
     with pytest.raises(ValueError, match="reads"):
         sparse.Config(reads=40)
+
+
+def test_sparse_ruler_tasks_chance_and_table_without_training():
+    """The RULER grid's tasks: chance, labelled positions per task in the table, the
+    chains variable tracking gets, and the claim still read on the needles."""
+    config = load_config(_common.REPO_ROOT / "configs" / "sparse_ruler.py")
+    assert config.tasks == ("needle", "multikey_needle", "variable_tracking")
+    assert sparse.Config().tasks == ("needle", "mqar")  # the committed grid's
+    assert [sparse.chance(config, t) for t in ("mqar", *config.tasks)] == [1 / 32] + [1 / 16] * 3
+    vt = sparse.train_config(config, sparse.Run("variable_tracking", "window")).task
+    assert (vt.num_pairs, vt.hops) == (6, 2)  # 6 chains of 2: 12 pairs, as the needles
+    results = {
+        sparse.Run(t, v): {"accuracy": {str(f): 0.5 for f in config.factors}, "seconds": 1.0}
+        for t in config.tasks
+        for v in config.variants
+    }
+    table = sparse.table_md(config, results)
+    assert "(needle 12, multikey_needle 1, variable_tracking 1 per example, 128 examples" in table
+    assert "variable_tracking: 6 chains of 2 assignments." in table
+    assert "needle accuracy at T = 256" in sparse.claim(config, results)["measured"]
+    with pytest.raises(ValueError, match=r"^hops: expected 1 <= hops <= num_pairs"):
+        sparse.Config(tasks=("variable_tracking",), hops=13)
 
 
 @pytest.mark.parametrize("name", NAMES)

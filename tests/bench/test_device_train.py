@@ -82,7 +82,7 @@ def test_markdown_reports_the_size_and_each_measured_variant():
                bf16_dot_share=0.99, kernels={"pallas_call": ["bfloat16"]})  # fmt: skip
     info = dict(dry_run=False, matmul_tflops=700.0, peak_tflops=989.0)
     text = phase.markdown([row, dict(name="mla", variant="mla", status="failed: X")], info)
-    assert "width 512, 4 layers, 8 heads of 64, T = 1024, batch 32 (32,768 tokens" in text
+    assert "width 512, 8 layers, 8 heads of 64, T = 1024, batch 32 (32,768 tokens" in text
     assert "| mha | 16.90M | 1,000,000 | 100 | 10.0% | 15.0% | 32.80 | 1,024 | 99.0% |" in text
     assert "| mla |" not in text and "pallas_call (bfloat16)" in text and "(989 TFLOP/s)" in text
 

@@ -176,6 +176,39 @@ def test_summarize_variant_takes_the_best_lr_over_seeds():
     assert v["steps_run"]["seeds"] == [30, 12]
 
 
+def test_the_sweep_widens_where_a_best_rate_is_at_its_edge(tmp_path, monkeypatch):
+    """``edge_lrs``: each variant whose best rate is the highest (or lowest) tried trains the
+    next one out on the sweep's seeds, up to ``edge_lrs`` times; then ``best_lr_seeds``."""
+    peak = {"mha": 1e-1, "linear": 2e-3}  # accuracy peaks at this rate (hand-made)
+
+    def fake_train_one(config, variant, lr, seed, desc, bar):
+        acc = 1.0 / (1.0 + abs(np.log(lr / peak[variant])))
+        return _hand_made_run(variant, lr, seed, [acc], step=10)
+
+    monkeypatch.setattr(compare, "_train_one", fake_train_one)
+    config = CompareConfig(
+        variants=("mha", "linear"), lrs=(3e-3, 1e-2), edge_lrs=2, edge_ratio=3.0,
+        seeds=(0,), best_lr_seeds=(1,), num_heads=4, jobs=1, progress=False,
+        results_dir=str(tmp_path / "results"), runs_dir=str(tmp_path / "runs"),
+    )  # fmt: skip
+    runs = compare.run_comparison(config)["runs"]
+    tried = [(r["variant"], r["lr"], r["seed"]) for r in runs]
+    assert tried == [
+        ("mha", 3e-3, 0), ("linear", 3e-3, 0), ("mha", 1e-2, 0), ("linear", 1e-2, 0),
+        ("mha", 3e-2, 0), ("linear", 1e-3, 0),  # both at an edge: one step out each
+        ("mha", 9e-2, 0),  # mha still at its edge; linear's best (3e-3) now inside
+        ("mha", 9e-2, 1), ("linear", 3e-3, 1),  # the second seed at each best rate
+    ]  # fmt: skip
+    # Without a ratio the step is the sweep's own (geometric), to 2 significant digits.
+    config = dataclasses.replace(config, edge_lrs=1, edge_ratio=None, lrs=(1e-3, 1e-2, 1e-1))
+    two = [_hand_made_run("mha", lr, 0, [acc], step=1) for lr, acc in ((1e-1, 0.9), (1e-2, 0.5))]
+    assert compare._beyond_edge(config, "mha", two) == 1.0
+    with pytest.raises(ValueError, match=r"^edge_lrs: expected 0, or an int >= 1 with 2 or more"):
+        dataclasses.replace(config, lrs=(1e-3,))
+    with pytest.raises(ValueError, match=r"^edge_ratio: expected None or a float > 1"):
+        dataclasses.replace(config, edge_ratio=0.5)
+
+
 def test_recall_vs_state_plot_writes_a_png(tmp_path):
     results = {
         "config": {"name": "hand_made"},

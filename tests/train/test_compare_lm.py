@@ -34,6 +34,43 @@ def test_task_bytes_is_the_language_modelling_config():
     assert lm.test_lengths == (1, 2, 4, 8) and lm.train.task.bos
     with pytest.raises(ValueError, match="task: expected 'bytes'"):
         load_config(REPO / "configs" / "compare_lm.py", task="mqar")
+    # The English comparison: Shakespeare, a larger final evaluation, the sweep widened.
+    english = compare._parse(["--config", str(REPO / "configs" / "compare_lm_english.py")])
+    assert english.train.task.data == "shakespeare" and english.train.task.val_percent == 15
+    assert english.train.final_eval_batches == 128 > english.train.eval_batches
+    assert (english.edge_lrs, english.edge_ratio, len(english.variants)) == (1, 3.0, 8)
+    assert english.match_params == "mha" and english.test_lengths == (1, 2, 4, 8)
+
+
+@pytest.mark.integration
+def test_the_gpu_scale_is_sized_to_eight_minutes_on_an_h200(capsys):
+    """``--scale gpu``: tens of millions of parameters at T = 1024, bf16 compute with float32
+    parameters, predicted within 8 minutes by ``--dry-run`` (shapes only, nothing trains);
+    the recall frontier's gpu scale likewise."""
+    assert compare.main(["--task", "bytes", "--scale", "gpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    seconds = float(out.split("predicted ")[1].split(" s on one NVIDIA H200")[0])
+    assert seconds <= 480 and "| mha | 33.7M |" in out
+    gpu = compare._parse(["--task", "bytes", "--scale", "gpu"])
+    model = gpu.train.model
+    assert (model.width, gpu.num_layers, gpu.train.task.seq_len) == (512, 8, 1024)
+    assert (model.dtype, model.param_dtype, gpu.name) == ("bfloat16", "float32", "compare_lm_gpu")
+    with pytest.raises(ValueError, match=r"^--scale: .*compare_mqar\.py' has one scale"):
+        compare._parse(["--scale", "gpu"])
+    from analysis.experiments import recall_frontier_grid as grid
+
+    frontier = grid.dry_run(grid.SCALES["gpu"])
+    zoology = {
+        (p["family"], p["knob"]): p
+        for p in grid.dry_run(grid.SCALES["zoology"].only(["mha", "linear"]))["points"]
+        if p["setting"] == [128, 8]
+    }
+    assert frontier["gpu_seconds"] <= 480 and frontier["runs"] == 24
+    for p in frontier["points"]:  # bf16 compute; the state still counted at float32
+        if (p["family"], p["knob"]) in zoology:
+            assert p["state_elements"] == zoology[p["family"], p["knob"]]["state_elements"]
+    run = grid.runs(grid.SCALES["gpu"])[0]
+    assert grid.train_config(grid.SCALES["gpu"], run).model.dtype == "bfloat16"
 
 
 @pytest.mark.integration

@@ -4,12 +4,14 @@ import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from tests.train.tiny_config import get_config
 from train import load_run, run_batch
+from train import loop as train_loop
 from train.checkpoint import Checkpointer, snapshot
 from train.config import OptimConfig, read_record
 from train.loop import NonFiniteLossError, train
@@ -48,14 +50,53 @@ def _train_records(workdir):
     return [{k: r[k] for k in keys} for r in read_metrics(workdir) if r["kind"] == "train"]
 
 
-def test_a_few_steps_lower_the_loss(tmp_path):
-    config = dataclasses.replace(get_config(), steps=40, log_every=10, eval_every=40)
+def test_a_few_steps_lower_the_loss(tmp_path, monkeypatch):
+    read = []  # how many test batches each evaluation scored
+
+    def evaluate_counting(*args, batches=None, **kwargs):
+        read.append(batches)
+        return evaluate(*args, batches=batches, **kwargs)
+
+    monkeypatch.setattr(train_loop, "evaluate", evaluate_counting)
+    config = dataclasses.replace(
+        get_config(), steps=40, log_every=10, eval_every=20, final_eval_batches=5
+    )
     summary = train(config, tmp_path, progress=False)
     losses = [r["loss"] for r in read_metrics(tmp_path) if r["kind"] == "train"]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.3
     assert summary["step"] == 40 and 0 <= summary["test_accuracy"] <= 1
     assert summary["params"] > 0 and summary["tokens_per_s"] > 0
     assert json.loads((tmp_path / "summary.json").read_text())["step"] == 40
+    # The curve's evaluations read eval_batches; the last one, where the result is read, 5.
+    assert read == [None, 5]
+    with pytest.raises(ValueError, match="final_eval_batches: expected None or an int >= "):
+        dataclasses.replace(config, final_eval_batches=1)
+
+
+def test_bf16_compute_trains_as_float32_does():
+    """Mixed precision: bfloat16 activations with float32 parameters, optimizer state and
+    loss. Over 40 updates the losses stay within two bfloat16 ulps (2^-7, relative) of
+    float32's, while not being float32's bits (the compute did change)."""
+    losses, states = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        config = get_config().with_task_vocab()
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, dtype=dtype))
+        task = make_task(config.task)
+        model, optimizer = init_state(config, task.vocab_size)
+        step, leaves = make_train_step(None, model, optimizer)
+        losses[dtype] = []
+        for i in range(config.steps):
+            leaves, metrics = step.update(
+                leaves, task.batch(config.seed, "train", i, config.batch_size)
+            )
+            losses[dtype].append(float(metrics["loss"]))
+        states[dtype] = leaves
+    f32, bf16 = np.array(losses["float32"]), np.array(losses["bfloat16"])
+    assert f32[-1] < f32[0] - 0.3  # it learned
+    assert np.max(np.abs(bf16 - f32) / f32) < 2.0**-7
+    assert not np.array_equal(bf16, f32)
+    floats = [x.dtype for x in states["bfloat16"] if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert floats and set(floats) == {jnp.dtype("float32")}  # parameters and Adam's moments
 
 
 @pytest.mark.integration  # the fast tier's 4 minutes are full

@@ -64,6 +64,64 @@ def test_needles_lie_anywhere_and_are_queried_at_the_end():
         TaskConfig(name="needle", seq_len=12, vocab_size=64, num_pairs=5)
 
 
+def _answer(hay, key, quarter, half):
+    """The value a query of ``key`` asks for, following its chain back through ``hay``:
+    a variable's first place is its assignment (a copy comes after it)."""
+    hops, at = 0, len(hay)
+    while not quarter <= key < half:
+        p = int(np.flatnonzero(hay == key)[0])
+        assert p < at  # each assignment lies before the one that copies it
+        key, at, hops = hay[p + 1], p, hops + 1
+    return key, hops
+
+
+@pytest.mark.parametrize(("name", "hops"), [("multikey_needle", 1), ("variable_tracking", 3)])
+def test_ruler_tasks_query_one_needle_or_chain_at_the_end(name, hops):
+    n, T, V = 4, 40, 64
+    quarter, half = V // 4, V // 2
+    cfg = TaskConfig(name=name, seq_len=T, vocab_size=V, num_pairs=n, hops=hops)
+    b = make_task(cfg).batch(seed=2, split="train", step=1, batch_size=64)
+    assert b["tokens"].dtype == b["labels"].dtype == np.int32
+    np.testing.assert_array_equal(b["weights"], (b["labels"] != IGNORE).astype(np.float32))
+    queried = []
+    for tok, lab in zip(b["tokens"], b["labels"], strict=True):
+        assert np.flatnonzero(lab != IGNORE).tolist() == [T - 1]
+        hay = tok[: T - 1]
+        names = np.flatnonzero(hay < quarter)
+        firsts = np.array([p for p in names if p == np.flatnonzero(hay == hay[p])[0]])
+        assert len(firsts) == n * hops == len(set(hay[firsts]))  # distinct keys or variables
+        covered = np.concatenate([firsts, firsts + 1])
+        assert len(set(covered)) == 2 * n * hops  # the pairs do not overlap
+        others = np.setdiff1d(np.arange(T - 1), covered)
+        assert (hay[others] >= half).all()  # filler only in between
+        assert (hay[covered] < half).all()  # keys, variables and values only
+        value, steps = _answer(hay, tok[T - 1], quarter, half)
+        assert (value, steps) == (lab[T - 1], hops)  # the last variable of a whole chain
+        chain_ends = [k for k in hay[firsts] if k not in hay[firsts + 1]]
+        assert len(chain_ends) == n and tok[T - 1] in chain_ends
+        queried.append(chain_ends.index(tok[T - 1]))  # which needle or chain, by place
+    assert set(queried) == set(range(n))  # every needle or chain is queried over a batch
+    again = make_task(cfg).batch(seed=2, split="train", step=1, batch_size=64)
+    for k in b:
+        np.testing.assert_array_equal(b[k], again[k])
+
+
+def test_ruler_tasks_refuse_what_does_not_fit():
+    with pytest.raises(ValueError, match=r"^task\.hops: expected an int >= 1, got 0"):
+        TaskConfig(name="variable_tracking", seq_len=64, vocab_size=64, num_pairs=2, hops=0)
+    with pytest.raises(ValueError, match=r"^task\.num_pairs: expected .*= 5 .*got 6"):
+        TaskConfig(name="variable_tracking", seq_len=12, vocab_size=64, num_pairs=6, hops=1)
+    with pytest.raises(ValueError, match=r"^task\.num_pairs: expected .*= 2 .*got 3"):
+        TaskConfig(name="variable_tracking", seq_len=12, vocab_size=64, num_pairs=3, hops=2)
+    with pytest.raises(ValueError, match=r"^task\.vocab_size: expected at least 40 .*got 36"):
+        TaskConfig(name="variable_tracking", seq_len=64, vocab_size=36, num_pairs=3, hops=3)
+    with pytest.raises(ValueError, match=r"^task\.num_pairs"):
+        TaskConfig(name="multikey_needle", seq_len=8, vocab_size=64, num_pairs=4)
+    with pytest.raises(ValueError, match=r"^task\.vocab_size"):
+        TaskConfig(name="multikey_needle", seq_len=64, vocab_size=16, num_pairs=4)
+    TaskConfig(name="variable_tracking", seq_len=13, vocab_size=40, num_pairs=3, hops=2)  # fits
+
+
 def test_mqar_min_pairs_varies_training_examples_only():
     cfg = TaskConfig(name="mqar", seq_len=64, vocab_size=128, num_pairs=8, min_pairs=2)
     task = make_task(cfg)
