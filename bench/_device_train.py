@@ -111,28 +111,11 @@ def items(dry_run: bool) -> list[dict]:
 def run_config(variant: str, size: dict):
     """The ``TrainConfig`` of ``variant`` at ``size``: ``configs/compare_lm.py``'s comparison
     (its optimizer, matched parameters and presets) with the sizes replaced, in bf16."""
-    from configs.compare_lm import get_config
-    from models import ModelConfig
     from train import variants
 
-    base = get_config()
-    width = size["width"]
-    train = dataclasses.replace(
-        base.train,
-        task=dataclasses.replace(base.train.task, seq_len=size["seq_len"]),
-        model=ModelConfig(width=width, mlp_width=4 * width, dtype=DTYPE, param_dtype="float32"),
-        batch_size=size["batch"],
-    )
     compare = dataclasses.replace(
-        base,
-        train=train,
+        compare_lm.at_size(compare_lm.get_config(), size, DTYPE),
         variants=(variant,),  # only this variant is matched (each match traces 3 models)
-        num_layers=size["num_layers"],
-        num_heads=size["num_heads"],
-        window=size["window"],
-        kv_rank=size["kv_rank"],
-        rope_head_dim=size["rope_head_dim"],
-        chunk_size=size["chunk_size"],
         test_lengths=(),
     )
     config = variants.run_config(compare, variant, compare.lrs[0], 0)

@@ -188,17 +188,34 @@ def get_config(quick: bool = False, task: str = "bytes", scale: str = "cpu") -> 
     return config
 
 
-def _gpu(config: CompareConfig) -> CompareConfig:
-    """``config`` at the GPU scale (``GPU``)."""
-    g = GPU
+def at_size(config: CompareConfig, size: dict, dtype: str = "bfloat16") -> CompareConfig:
+    """``config`` at ``size`` (``GPU``'s keys), computing in ``dtype`` with float32
+    parameters; the MLP width 4 D before the matching."""
+    width = size["width"]
     train = dataclasses.replace(
         config.train,
-        task=dataclasses.replace(config.train.task, seq_len=g["seq_len"]),
-        model=ModelConfig(
-            width=g["width"], mlp_width=4 * g["width"], dtype="bfloat16", param_dtype="float32"
-        ),
+        task=dataclasses.replace(config.train.task, seq_len=size["seq_len"]),
+        model=ModelConfig(width=width, mlp_width=4 * width, dtype=dtype, param_dtype="float32"),
+        batch_size=size["batch"],
+    )
+    return dataclasses.replace(
+        config,
+        train=train,
+        num_layers=size["num_layers"],
+        num_heads=size["num_heads"],
+        window=size["window"],
+        kv_rank=size["kv_rank"],
+        rope_head_dim=size["rope_head_dim"],
+        chunk_size=size["chunk_size"],
+    )
+
+
+def _gpu(config: CompareConfig) -> CompareConfig:
+    """``config`` at the GPU scale (``GPU``)."""
+    config = at_size(config, GPU)
+    train = dataclasses.replace(
+        config.train,
         steps=GPU_STEPS,
-        batch_size=g["batch"],
         eval_every=GPU_STEPS // 2,
         eval_batches=8,
         final_eval_batches=32,
@@ -211,12 +228,6 @@ def _gpu(config: CompareConfig) -> CompareConfig:
         variants=GPU_VARIANTS,
         lrs=GPU_LRS,
         best_lr_seeds=(),
-        num_layers=g["num_layers"],
-        num_heads=g["num_heads"],
-        window=g["window"],
-        kv_rank=g["kv_rank"],
-        rope_head_dim=g["rope_head_dim"],
-        chunk_size=g["chunk_size"],
         test_lengths=(1,),
         name=config.name + "_gpu",
     )

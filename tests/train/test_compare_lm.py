@@ -190,3 +190,16 @@ def test_the_committed_language_modelling_run_is_the_one_the_issue_asks_for():
 
     lines = lengths_figure(results).axes[0].containers
     assert len({tuple(c.lines[0].get_color()) for c in lines}) == len(variants) == 12
+
+
+def test_the_committed_english_run_tells_its_variants_apart():
+    """docs/results/compare_lm_english: within the hour; every variant's test estimate at most
+    half its seeds' spread; every best rate inside the rates it tried (the edge widened)."""
+    results = json.loads((REPO / "docs/results/compare_lm_english/results.json").read_text())
+    assert results["wall_s"] < 3600 and results["config"]["train"]["task"]["data"] == "shakespeare"
+    for name, v in results["variants"].items():
+        bpb, se = v["bits_per_byte"], v["bits_per_byte_se"]["mean"]
+        assert bpb["count"] == 2 and 0 < se <= (bpb["max"] - bpb["min"]) / 2, name
+        rates = sorted(float(r) for r in v["metric_per_lr"])
+        assert len(rates) == 3 and rates[0] < v["lr"] < rates[-1], name
+        assert sorted(v["at_length"], key=int) == ["1", "2", "4", "8"], name
