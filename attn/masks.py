@@ -75,6 +75,11 @@ class Mask:
         q, k = xp.asarray(q_pos)[..., :, None], xp.asarray(k_pos)[..., None, :]
         return self._allowed(xp, q, k)
 
+    def pairs(self, q, k):
+        """``allowed`` on positions already laid out against each other: ``[..., T, 1]`` and
+        ``[..., 1, S]``, or both ``[..., T, S]`` (a kernel's tile)."""
+        return self._allowed(_xp(q, k), q, k)
+
     def classify(self, q_lo, q_hi, k_lo, k_hi):
         """``BlockKind`` of the box of positions ``[q_lo, q_hi] x [k_lo, k_hi]`` (inclusive).
 

@@ -8,6 +8,10 @@
 Both compute ``attn.dot_product_attention``'s function; ``attn.attention``
 chooses them with ``impl="pallas"`` and ``impl="splash"`` (and on GPUs and TPUs
 with ``impl="auto"``).
+
+``attn.pallas.mosaic.mosaic_attention`` (imported on its own: it loads Pallas's
+Mosaic GPU) is the same function as a Hopper kernel in the Mosaic GPU API,
+forward only so far, with a twin that its interpreter runs on a CPU.
 """
 
 from attn.pallas.blocks import BLOCKS, SPLASH_BLOCK

@@ -124,22 +124,27 @@ def compiler_params(config: FlashConfig, backward: bool = False):
 
 
 def allowed(mask: masks.Mask, q_pos, k_pos):
-    """The mask on a tile: boolean ``[Q, J]`` from positions ``[Q]`` and ``[J]``.
+    """The mask on a tile: boolean ``[Q, J]`` from positions ``[Q]`` and ``[J]``."""
+    return allowed_pairs(mask, q_pos[:, None], k_pos[None, :])
+
+
+def allowed_pairs(mask: masks.Mask, q, k):
+    """The mask on a tile from positions laid out against each other (``[Q, 1]`` and
+    ``[1, J]``, or both ``[Q, J]``).
 
     The algebra's own jnp code, except that global tokens are compared one
     position at a time: their generic rule builds a ``[Q, J, P]`` array, whose
-    size Triton would need to be a power of two.
+    size Triton would need to be a power of two (and Mosaic GPU has no layout for).
     """
     match mask:
         case masks.And(a, b):
-            return allowed(a, q_pos, k_pos) & allowed(b, q_pos, k_pos)
+            return allowed_pairs(a, q, k) & allowed_pairs(b, q, k)
         case masks.Or(a, b):
-            return allowed(a, q_pos, k_pos) | allowed(b, q_pos, k_pos)
+            return allowed_pairs(a, q, k) | allowed_pairs(b, q, k)
         case masks.GlobalTokens(positions):
-            q, k = q_pos[:, None], k_pos[None, :]
             hits = [(q == p) | (k == p) for p in positions]
             return functools.reduce(jnp.logical_or, hits)
-    return mask.allowed(q_pos, k_pos)
+    return mask.pairs(q, k)
 
 
 def tile_visible(config: FlashConfig, q_pos, k_pos, k_start, q_seg=None, k_seg=None):
