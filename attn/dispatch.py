@@ -19,7 +19,7 @@ from attn.softmax import blockwise, dense
 from attn.softmax.call import Call, CallArgs, check_call, takes_call_args, visible
 from attn.softmax.jax_nn import mean_where_empty
 
-IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash")
+IMPLS = ("auto", "dense", "blockwise", "xla", "cudnn", "pallas", "splash", "mosaic")
 
 # cuDNN's fused kernels take only half-precision inputs, and jax.nn accepts head
 # dims that are multiples of 8 up to 128 (256 from Hopper on); auto keeps to
@@ -40,12 +40,22 @@ OPTIONS = {
     "blockwise": ("block_q", "block_k"),
     "pallas": ("block_q", "block_k", "interpret", "platform"),
     "splash": ("interpret", "platform"),
+    "mosaic": ("block_q", "block_k", "interpret"),
 }
+
+
+def _mosaic(call, q, k, v, **options):
+    from attn.pallas import mosaic  # loads Pallas's Mosaic GPU: only when asked for
+
+    return mosaic.attend(call, q, k, v, **options)
+
+
 IMPLEMENTATIONS = {
     "dense": dense.attend,
     "blockwise": blockwise.attend,
     "pallas": flash.attend,
     "splash": splash.attend,
+    "mosaic": _mosaic,
 }
 
 
@@ -90,7 +100,11 @@ def attention(
         ``"pallas"`` (``attn.pallas.flash_attention``: our fused kernel for every
         mask, interpret mode on a CPU; no ``return_weights``); ``"splash"``
         (TPU splash attention through ``attn.pallas.splash_attention``, where our
-        mask maps, else a ``ValueError`` naming why);
+        mask maps, else a ``ValueError`` naming why); ``"mosaic"``
+        (``attn.pallas.mosaic.mosaic_attention``: Mosaic GPU kernels for Hopper,
+        bfloat16 and float16, head dims 64 and 128, no bias, mask array or score
+        modifier but the soft-cap; its interpreted twin on a CPU; not chosen by
+        ``"auto"`` until a GPU run shows it right and faster);
         ``"auto"`` picks the fastest correct one for the platform (on CPU:
         blockwise where it measured faster than dense, from T = 128 on; see
         ``BLOCKWISE_MIN_T``; on GPU: cuDNN where its semantics, dtype and head
@@ -105,8 +119,9 @@ def attention(
         (the residual of ``impl="xla"`` and ``"cudnn"`` is ``jax.nn``'s own).
       empty_rows: ``"zero"`` (ours) or ``"mean"`` (``jax.nn``'s mean of V): the output
         of a real query that sees no key.
-      block_q, block_k: tile sizes of ``"blockwise"`` and ``"pallas"``;
-        interpret, platform: of ``"pallas"`` and ``"splash"``. None: each
+      block_q, block_k: tile sizes of ``"blockwise"``, ``"pallas"`` and ``"mosaic"``;
+        interpret: of ``"pallas"``, ``"splash"`` and ``"mosaic"``; platform: of
+        ``"pallas"`` and ``"splash"``. None: each
         implementation's default. Another implementation refuses them, except
         under ``"auto"``, which passes on those its choice takes.
       **call_args: the call (``attn.softmax.call.CallArgs``), as in

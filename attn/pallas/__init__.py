@@ -10,8 +10,8 @@ chooses them with ``impl="pallas"`` and ``impl="splash"`` (and on GPUs and TPUs
 with ``impl="auto"``).
 
 ``attn.pallas.mosaic.mosaic_attention`` (imported on its own: it loads Pallas's
-Mosaic GPU) is the same function as a Hopper kernel in the Mosaic GPU API,
-forward only so far, with a twin that its interpreter runs on a CPU.
+Mosaic GPU) is the same function as Hopper kernels in the Mosaic GPU API,
+forward and backward, each with a twin that its interpreter runs on a CPU.
 """
 
 from attn.pallas.blocks import BLOCKS, SPLASH_BLOCK

@@ -21,15 +21,14 @@ Two kernels share the tile math (``attn.pallas.mosaic_tiles``):
   numerics of the schedule, the masks, the statistics and the padding are
   checked without a GPU.
 
-This is the forward pass (and its lse); gradients are refused until the
-backward kernels exist.
+The backward (``attn.pallas.mosaic_backward``) is FlashAttention-2's in the
+same two forms: a dq kernel over query blocks, a dk/dv kernel over key blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 from typing import Unpack
 
 import jax
@@ -39,53 +38,44 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn.checks import as_arrays, fail
+from attn.pallas import mosaic_backward
 from attn.pallas import mosaic_tiles as tiles
 from attn.pallas.common import FlashConfig
+from attn.pallas.mosaic_common import (
+    ROW_ALIGN,
+    MosaicConfig,
+    copy_in,
+    dot,
+    interpreter,
+    kernel,
+    load,
+    product,
+    round_up,
+    scheduled,
+    sink_rows,
+    swizzle,
+)
 from attn.pallas.schedule import schedules
-from attn.softmax.call import Call, CallArgs, CallSpec, check_call, takes_call_args
+from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # wgmma's N for P V, and TMA's 128-byte swizzle rows
 BLOCKS = (64, 128)  # wgmma's M is 64 a warpgroup; N (the key block) up to 256
-# The schedule row of a query block: [count, key blocks (W), kinds (W)], padded to whole
-# 128-byte rows (a TMA copy moves a multiple of the warpgroup's 128 threads' bytes).
-ROW_ALIGN = 32
-
-
-@dataclasses.dataclass(frozen=True)
-class MosaicConfig:
-    """Hashable settings of one call (what the kernels are traced with)."""
-
-    call: CallSpec
-    block_q: int
-    block_k: int
-    stages: int  # key blocks in flight in the Hopper kernel's pipeline
-    interpret: bool  # the twin under the interpreter, else the Hopper kernel
-    width: int = 0  # W: the schedule's key blocks per query block (set by ``_schedule``)
-
-    @property
-    def padded(self) -> tuple[int, int]:
-        """``(Tp, Sp)``: T and S padded to whole blocks."""
-        return _round_up(self.call.T, self.block_q), _round_up(self.call.S, self.block_k)
-
-    @property
-    def segments(self) -> bool:
-        """Whether the kernels read segment ids: the call's, or ones marking S's padding."""
-        return self.call.has_segments or self.call.S % self.block_k != 0
 
 
 @takes_call_args
 def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, block_k: int = 64,
                      stages: int = 2, interpret: bool | None = None,
                      **call_args: Unpack[CallArgs]):  # fmt: skip
-    """Softmax attention as a Mosaic GPU kernel for Hopper (forward only).
+    """Softmax attention as Mosaic GPU kernels for Hopper (forward and backward).
 
     Computes ``attn.dot_product_attention``'s function; takes its arguments
     except ``bias``, ``return_weights``, mask arrays and score modifiers other
     than ``softcap``.
 
     Args:
-      q: ``[B,T,N,H]`` queries, bfloat16 or float16, H 64 or 128.
+      q: ``[B,T,N,H]`` queries, bfloat16 or float16 (float32 too when interpreted), H 64
+        or 128.
       k: ``[B,S,K,H]`` keys, ``N % K == 0``; v: ``[B,S,K,E]`` values, E 64 or 128;
         all three in one dtype.
       return_lse: also return the float32 lse ``[B,T,N]`` (``-inf`` for a row that
@@ -110,15 +100,33 @@ def attend(call: Call, q, k, v, *, return_lse=False, block_q=64, block_k=64, sta
     """``mosaic_attention`` of a checked call (see there)."""
     config = _config(call, q, k, v, block_q, block_k, stages, interpret)
     q, k, v = call.isolate(q, k, v)
+    config, tables, rows = _schedule(config, call)
     Tp, Sp = config.padded
-    config, table, rows = _schedule(config, call)
-    sink = None
-    if call.sink_logits is not None:  # [N] in a 128-byte row per head (one TMA copy)
-        sink = jnp.pad(call.sink_logits.reshape(-1, 1), ((0, 0), (0, ROW_ALIGN - 1)))
-    out, lse = _forward(config, _pad(q, Tp), _pad(k, Sp), _pad(v, Sp), table, rows, sink)
+    N = call.dims.N
+    sink = jnp.zeros((N,), jnp.float32) if call.sink_logits is None else call.sink_logits.reshape(N)
+    out, lse = _attention(config, _pad(q, Tp), _pad(k, Sp), _pad(v, Sp), sink, (tables, rows))
     T = call.dims.T
     out = out[:, :T]
     return (out, lse[:, :, :T].transpose(0, 2, 1)) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(config: MosaicConfig, q, k, v, sink, ints):
+    return _forward(config, q, k, v, sink, ints)
+
+
+def _attention_fwd(config, q, k, v, sink, ints):
+    out, lse = _forward(config, q, k, v, sink, ints)
+    return (out, lse), (q, k, v, sink, ints, out, lse)
+
+
+def _attention_bwd(config, residuals, cotangents):
+    q, k, v, sink, ints, out, lse = residuals
+    grads = mosaic_backward.backward(config, q, k, v, sink, ints, out, lse, *cotangents)
+    return *grads, None  # the integer inputs get no cotangent
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _config(call: Call, q, k, v, block_q, block_k, stages, interpret) -> MosaicConfig:
@@ -127,9 +135,12 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, interpret) -> MosaicC
     call.refuse_pairs(where)
     if call.score_mod is not None:
         fail("score_mod", f"None for {where} (it takes softcap=)", type(call.score_mod).__name__)
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        fail("q, k, v", f"all bfloat16 or all float16 for {where}",
-             f"{q.dtype}, {k.dtype}, {v.dtype}")  # fmt: skip
+    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    # The twin also takes float32, which checks its math at float32's precision.
+    dtypes = DTYPES + ((jnp.float32,) if interpret else ())
+    if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:
+        names = "bfloat16, float16 (or float32 interpreted)" if interpret else "bfloat16 or float16"
+        fail("q, k, v", f"all in one of {names} for {where}", f"{q.dtype}, {k.dtype}, {v.dtype}")
     d = call.dims
     for name, dim in (("head dim H", d.H), ("value head dim E", d.E)):
         if dim not in HEAD_DIMS:
@@ -139,21 +150,20 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, interpret) -> MosaicC
             fail(name, f"one of {BLOCKS}", repr(block))
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         fail("stages", "an int >= 1", repr(stages))
-    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
     return MosaicConfig(call.spec(), block_q, block_k, stages, interpret)
 
 
 def _schedule(config: MosaicConfig, call: Call):
-    """``(config, table, rows)``: the config with the schedule's width W, the packed
-    schedule ``[nq, Wp]`` int32 (per query block: its count, W key blocks and W kinds) and
-    the padded rows: positions, then segment ids where the kernels read them."""
+    """``(config, tables, rows)``: the config with the schedules' widths, the packed
+    schedules (``by_query [nq, Wp]``: per query block its count, W key blocks and W kinds;
+    ``by_key [nk, Wp']``: per key block its query blocks) and the padded rows: positions,
+    then segment ids where the kernels read them."""
     flash = FlashConfig(config.call, config.block_q, config.block_k, config.block_q,
                         config.block_k, "gpu", config.interpret, None, None)  # fmt: skip
-    plan = schedules(flash, call.rows(), call.static_rows()).by_query
-    count = jnp.asarray(plan.count, jnp.int32)[:, None]
-    table = jnp.concatenate([count, plan.key_tile, plan.kind], axis=1).astype(jnp.int32)
-    table = jnp.pad(table, ((0, 0), (0, _round_up(table.shape[1], ROW_ALIGN) - table.shape[1])))
-    config = dataclasses.replace(config, width=plan.key_tile.shape[1])
+    plan = schedules(flash, call.rows(), call.static_rows())
+    tables = tuple(map(_pack, plan))
+    widths = (x.key_tile.shape[1] for x in plan)
+    config = dataclasses.replace(config, **dict(zip(("width", "width_k"), widths, strict=True)))
     Tp, Sp = config.padded
     # Padding repeats the last position (the schedule's bounds stay the real rows'); padded
     # keys get segment id 0 (padding), which no query sees.
@@ -164,35 +174,36 @@ def _schedule(config: MosaicConfig, call: Call):
         if q_seg is None:
             q_seg, kv_seg = jnp.ones((d.B, d.T), jnp.int32), jnp.ones((d.B, d.S), jnp.int32)
         rows += [_pad(q_seg, Tp), _pad(kv_seg, Sp)]
-    return config, table, rows
+    return config, tables, rows
 
 
-def _forward(config: MosaicConfig, q, k, v, table, rows, sink):
-    """``(out [B,Tp,N,E], lse [B,N,Tp] float32)``; rows of query blocks that see nothing
-    are 0 and ``-inf``."""
+def _pack(schedule) -> jax.Array:
+    """A schedule as one int32 table: per block its count, its W blocks, their W kinds."""
+    count = jnp.asarray(schedule.count, jnp.int32)[:, None]
+    table = jnp.concatenate([count, schedule.key_tile, schedule.kind], axis=1).astype(jnp.int32)
+    return jnp.pad(table, ((0, 0), (0, round_up(table.shape[1], ROW_ALIGN) - table.shape[1])))
+
+
+def _forward(config: MosaicConfig, q, k, v, sink, ints):
+    """``(out [B,Tp,N,E], lse [B,N,Tp] float32)``; rows that see nothing are 0 and ``-inf``."""
+    (table, _), rows = ints
     B, Tp, N, _ = q.shape
-    E = v.shape[-1]
     out_shape = (
-        jax.ShapeDtypeStruct((B, Tp, N, E), q.dtype),
+        jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((B, N, Tp), jnp.float32),
     )
+    args = [q, k, v, table, *rows, *([sink_rows(sink)] if config.call.has_sink else [])]
     grid = (B, N, Tp // config.block_q)
-    args = [q, k, v, table, *rows, *([] if sink is None else [sink])]
     if config.interpret:
         body = functools.partial(_twin, config)
-        return _kernel(body, out_shape, [], grid, interpret=_interpreter())(*args)
+        return kernel(body, out_shape, [], grid, interpret=interpreter())(*args)
     body = functools.partial(_hopper, config)
     scratch = _hopper_scratch(config, q, v, table.shape[1])
-    return _kernel(body, out_shape, scratch, grid)(*args)
+    return kernel(body, out_shape, scratch, grid)(*args)
 
 
 # ----------------------------------------------------------------------------
 # The Hopper kernel
-
-
-def _swizzle():
-    """Shared-memory tiles of 16-bit elements in 128-byte swizzled rows: wgmma's operands."""
-    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
 def _hopper_scratch(config: MosaicConfig, q, v, table_width: int) -> list:
@@ -200,8 +211,8 @@ def _hopper_scratch(config: MosaicConfig, q, v, table_width: int) -> list:
     positions and segment ids, its sink, its lse, and one barrier per copy in."""
     bq, (H, E) = config.block_q, (q.shape[-1], v.shape[-1])
     return [
-        plgpu.SMEM((bq, H), q.dtype, transforms=_swizzle()),
-        plgpu.SMEM((bq, E), q.dtype, transforms=_swizzle()),
+        plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((bq, E), q.dtype, transforms=swizzle()),
         plgpu.SMEM((table_width,), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
@@ -221,7 +232,7 @@ def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_
     o_ref, lse_ref, q_smem, o_smem, table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar = (
         refs
     )
-    b, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("q")
+    b, n, i = (lax.axis_index(a) for a in "bhi")
     rows = pl.ds(i * bq, bq)
     copies = [(q_ref.at[b, rows, n], q_smem), (table_ref.at[i], table_smem),
               (q_pos_ref.at[b, rows], qpos_smem)]  # fmt: skip
@@ -229,28 +240,21 @@ def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_
         copies.append((q_seg_ref.at[b, rows], qseg_smem))
     if call.has_sink:
         copies.append((sink_ref.at[n], sink_smem))
-    for j, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[j])
-    for j in range(len(copies)):
-        plgpu.barrier_wait(bar.at[j])
+    copy_in(copies, bar)
     width = config.width
     tile = (bq, bk)
     row = plgpu.Layout.WGMMA.reduce(1)
-    q_pos = tiles.along(_load(qpos_smem, row), tile, 0)
-    q_seg = tiles.along(_load(qseg_smem, row), tile, 0) if segments else None
+    q_pos = tiles.along(load(qpos_smem, row), tile, 0)
+    q_seg = tiles.along(load(qseg_smem, row), tile, 0) if segments else None
 
     def step(index, k_smem, v_smem, kpos_smem, *rest):
         (t,) = index
         *kseg_smem, (acc, m, l) = rest
 
-        def qk(ref):
-            plgpu.wgmma(ref, q_smem, k_smem.transpose((1, 0)))
-            return ref[...]  # reading the accumulator waits for the wgmma
-
-        s = pl.run_scoped(qk, plgpu.ACC(tile, jnp.float32))
+        s = product(q_smem, k_smem, tile)
         col = plgpu.Layout.WGMMA.reduce(0)
-        k_pos = tiles.along(_load(kpos_smem, col), tile, 1)
-        k_seg = tiles.along(_load(kseg_smem[0], col), tile, 1) if segments else None
+        k_pos = tiles.along(load(kpos_smem, col), tile, 1)
+        k_seg = tiles.along(load(kseg_smem[0], col), tile, 1) if segments else None
         s = tiles.scores(call, s, table_smem[1 + width + t], q_pos, k_pos, q_seg, k_seg)
         m, l, alpha, p = tiles.online(m, l, s)
         acc = acc * tiles.along(alpha, acc.shape, 0)
@@ -270,8 +274,8 @@ def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_
     key_block = lambda t: (table_smem[1 + t], 0)  # noqa: E731
     key_vector = lambda t: (table_smem[1 + t],)  # noqa: E731
     specs = [
-        plgpu.BlockSpec((bk, k_ref.shape[-1]), key_block, transforms=_swizzle()),
-        plgpu.BlockSpec((bk, E), key_block, transforms=_swizzle()),
+        plgpu.BlockSpec((bk, k_ref.shape[-1]), key_block, transforms=swizzle()),
+        plgpu.BlockSpec((bk, E), key_block, transforms=swizzle()),
         plgpu.BlockSpec((bk,), key_vector),
     ]
     kv = n // call.G
@@ -305,7 +309,7 @@ def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_po
     if call.has_sink:
         sink_ref, *refs = refs
     o_ref, lse_ref = refs
-    b, n, i = lax.axis_index("b"), lax.axis_index("n"), lax.axis_index("q")
+    b, n, i = (lax.axis_index(a) for a in "bhi")
     rows, kv = pl.ds(i * bq, bq), n // call.G
     q = q_ref[b, rows, n, :]
     tile = (bq, bk)
@@ -316,24 +320,19 @@ def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_po
     def step(t, carry):
         acc, m, l = carry
         keys = pl.ds(table_ref[i, 1 + t] * bk, bk)
-        s = lax.dot_general(q, k_ref[b, keys, kv, :], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # fmt: skip
+        s = dot(q, k_ref[b, keys, kv, :], (1, 1))
         k_pos = tiles.along(kv_pos_ref[b, keys], tile, 1)
         k_seg = tiles.along(kv_seg_ref[b, keys], tile, 1) if segments else None
         s = tiles.scores(call, s, table_ref[i, 1 + width + t], q_pos, k_pos, q_seg, k_seg)
         m, l, alpha, p = tiles.online(m, l, s)
         v = v_ref[b, keys, kv, :]
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = dot(p.astype(v.dtype), v, (1, 0))
         return acc * tiles.along(alpha, acc.shape, 0) + pv, m, l
 
     sink = sink_ref[n, 0] if call.has_sink else None
     m, l = tiles.start(call, bq, sink)
     carry = (jnp.zeros((bq, v_ref.shape[-1]), jnp.float32), m, l)
-    # The interpreter takes static trip counts only: every slot of the row, the
-    # scheduled ones (t < count) computed.
-    count = table_ref[i, 0]
-    visit = lambda t, c: lax.cond(t < count, functools.partial(step, t), lambda c: c, c)  # noqa: E731
-    acc, m, l = lax.fori_loop(0, width, visit, carry)
+    acc, m, l = scheduled(table_ref[i, 0], config.width, step, carry)
     out, lse = tiles.finish(acc, m, l)
     o_ref[b, rows, n, :] = out.astype(o_ref.dtype)
     lse_ref[b, n, rows] = lse
@@ -341,38 +340,6 @@ def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_po
 
 # ----------------------------------------------------------------------------
 # Helpers
-
-
-def _kernel(body, out_shape, scratch, grid, **kwargs):
-    """``plgpu.kernel`` over the grid ``(B, N, query blocks)``, under the lane lowering
-    (the default of jax 0.10; jax 0.11's is the warpgroup one), with the output and
-    scratch keywords of the installed jax (``out_type``/``scratch_types`` from 0.10.2)."""
-    names = inspect.signature(plgpu.kernel).parameters
-    out_kw, scratch_kw = (
-        ("out_type", "scratch_types") if "out_type" in names else ("out_shape", "scratch_shapes")
-    )
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(body, **{out_kw: out_shape, scratch_kw: scratch}, grid=grid,
-                        grid_names=("b", "n", "q"), compiler_params=params, **kwargs)  # fmt: skip
-
-
-def _load(ref, layout):
-    """A whole shared-memory vector into registers in ``layout`` (jax 0.10's ``plgpu.load``
-    needs the index ``()``, which jax 0.11 deprecates)."""
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
-        return plgpu.load(ref, (), layout=layout)
-    return plgpu.load(ref, layout=layout)
-
-
-def _interpreter():
-    """Pallas's Mosaic GPU interpreter (jax 0.10 keeps it private)."""
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
 
 
 def _pad(x, length: int, mode: str = "constant"):

@@ -94,3 +94,28 @@ def finish(acc, m, l):
     safe = jnp.where(seen, l, 1.0)
     out = acc / along(safe, acc.shape, 0)
     return out, jnp.where(seen, (m + jnp.log2(safe)) / LOG2E, -jnp.inf)
+
+
+def probabilities(s, lse):
+    """A tile's ``P`` from its base-2 logits and its rows' base-2 lse (both full-shape;
+    an lse of ``+inf``, a row that sees nothing or padding, gives ``P = 0``)."""
+    return jnp.exp2(s - lse)
+
+
+def logit_grads(call: CallSpec, qk, p, dp, delta):
+    """The cotangent of a tile's ``q k^T`` over the scale (the kernels multiply their
+    accumulated dq and dk by it once).
+
+    Args:
+      qk: float32 ``[Q, J]`` (or its transpose: every argument is elementwise).
+      p: the tile's probabilities; dp: ``dO V^T`` on the tile.
+      delta: full-shape ``rowsum(dO * O) - d_lse`` of each query.
+
+    Returns:
+      ``P * (dP - delta)``, through the soft-cap's derivative where there is one.
+    """
+    dx = p * (dp - delta)
+    if call.softcap is None:
+        return dx
+    t = jnp.tanh(qk * (call.scale / call.softcap))
+    return dx * (1.0 - t * t)

@@ -6,8 +6,13 @@
   ids with empty rows, sinks, soft-cap, GQA/MQA, T != S, E != H, bfloat16 and
   float16. The twin runs the Hopper kernel's tile math (``mosaic_tiles``)
   over the same packed schedule; only the loads and the products differ.
-* The Hopper kernel lowered and exported for ``cuda`` (one ``mosaic_gpu_v2``
-  custom call) for every case the twin checks numerically, and more.
+* The twins' gradients (the dq and dk/dv kernels') w.r.t. q, k, v and the
+  sink logits, through the output's and the lse's cotangents: in float32
+  (which the twin also takes) against float32 dense at its precision, and in
+  bfloat16 against float32 dense on the same values.
+* The Hopper kernels lowered and exported for ``cuda`` (one ``mosaic_gpu_v2``
+  custom call for the forward, three with the backward) for every case the
+  twin checks numerically, and more.
 * Refusals by name.
 """
 
@@ -25,6 +30,7 @@ from tests.util import normal, np_attention, qkv, rel_err
 
 BF16_TOL = 1e-2  # inputs and P in 16 bits, statistics in float32
 LSE_TOL = 1e-5  # float32 statistics of the same products, against float32 dense
+TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the same function in another order
 STREAMING = masks.causal() & (masks.sliding_window(70) | masks.initial_tokens(4))
 GLOBAL = (masks.global_tokens((0, 90)) | masks.sliding_window(40)) & masks.causal()
 
@@ -46,9 +52,7 @@ def check_twin(q, k, v, mask, *, q_positions=None, q_seg=None, kv_seg=None, bloc
     want = np_attention(q, k, v, ok, softcap=softcap, sink_logits=sinks)
     assert rel_err(out, want) <= BF16_TOL
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    _, want_lse = attn.dot_product_attention(
-        *f32, mask=mask, return_lse=True, **pos, **segs, **kw
-    )
+    _, want_lse = attn.dot_product_attention(*f32, mask=mask, return_lse=True, **pos, **segs, **kw)
     lse, want_lse = np.asarray(lse), np.asarray(want_lse)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     seen = np.isfinite(want_lse)
@@ -79,6 +83,56 @@ def test_twin_global_softcap_mqa_t_ne_s_e_ne_h():
     check_twin(q, k, v, GLOBAL, q_positions=q_pos, softcap=20.0, blocks=dict(block_k=128))
 
 
+def value_and_grads(fn, q, k, v, **kw):
+    """``(out, lse, (dq, dk, dv, dsink))`` of one jitted value-and-grad with random
+    cotangents for the output and the (finite) lse."""
+    cot, lse_cot = normal(99, q.shape[:3] + v.shape[3:]), normal(98, q.shape[:3])
+
+    def loss(q, k, v, sink):
+        out, lse = fn(q, k, v, sink_logits=sink, return_lse=True, **kw)
+        lse_term = jnp.where(jnp.isfinite(lse), lse * lse_cot, 0.0).sum()
+        return (out.astype(jnp.float32) * cot).sum() + lse_term, (out, lse)
+
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])[: q.shape[2]]
+    grads, (out, lse) = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, sink)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize(
+    ("mask", "extra"),
+    [
+        (STREAMING, dict(softcap=20.0)),  # T = 200: padded rows and keys
+        (GLOBAL, dict(q_segment_ids="seg", kv_segment_ids="seg")),
+    ],
+    ids=["streaming_softcap", "global_segments"],
+)
+def test_twin_gradients_float32(mask, extra):
+    q, k, v = qkv(5, B=2, T=200, N=4, K=2, H=64)
+    seg = np.ones((2, 200), np.int32)
+    seg[0, 120:], seg[1, 180:] = 2, 0  # a second document; padding queries and keys
+    kw = {name: jnp.asarray(seg) if x == "seg" else x for name, x in extra.items()}
+    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, **kw)
+    want, want_lse, want_grads = value_and_grads(attn.dot_product_attention, q, k, v, mask=mask,
+                                                 **kw)  # fmt: skip
+    assert rel_err(out, want) <= TOL
+    finite = np.isfinite(np.asarray(want_lse))
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    assert rel_err(np.asarray(lse)[finite], np.asarray(want_lse)[finite]) <= TOL
+    for g, w in zip(grads, want_grads, strict=True):
+        assert np.isfinite(np.asarray(g)).all() and rel_err(g, w) <= GRAD_TOL
+
+
+def test_twin_gradients_bfloat16_mqa_e_ne_h():
+    q, k, v = qkv(6, B=1, T=128, S=192, N=2, K=1, H=64, E=128, dtype=jnp.bfloat16)
+    out, _, grads = value_and_grads(mosaic_attention, q, k, v, mask=masks.causal())
+    assert out.dtype == jnp.bfloat16
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    _, _, want = value_and_grads(attn.dot_product_attention, *f32, mask=masks.causal())
+    assert [g.dtype for g in grads[:3]] == [jnp.bfloat16] * 3
+    for g, w in zip(grads, want, strict=True):
+        assert rel_err(g, w) <= BF16_TOL
+
+
 CASES = {  # name -> (mask, call keywords given shapes)
     "causal": (masks.causal(), {}),
     "streaming_sinks": (STREAMING, {"sink_logits": (4,)}),
@@ -88,8 +142,8 @@ CASES = {  # name -> (mask, call keywords given shapes)
 }
 
 
-def lowered(B, T, S, N, K, H, E, dtype, mask, extra, **kw):
-    """The Hopper kernel exported for cuda: its module's text."""
+def lowered(B, T, S, N, K, H, E, dtype, mask, extra, grad=False, **kw):
+    """The Hopper kernels exported for cuda (with ``grad``, the backward's too): the text."""
     arrays = [((B, T, N, H), dtype), ((B, S, K, H), dtype), ((B, S, K, E), dtype)]
     names = []
     for name, spec in extra.items():
@@ -106,6 +160,13 @@ def lowered(B, T, S, N, K, H, E, dtype, mask, extra, **kw):
         return mosaic_attention(q, k, v, mask=mask, interpret=False, return_lse=True,
                                 **dict(zip(names, rest, strict=True)), **kw)  # fmt: skip
 
+    if grad:
+        forward = fn
+
+        def fn(q, k, v, *rest):
+            loss = lambda q, k, v: sum(x.astype(jnp.float32).sum() for x in forward(q, k, v, *rest))  # noqa: E731
+            return jax.grad(loss, (0, 1, 2))(q, k, v)
+
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in arrays]
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*shapes)
     return exported.mlir_module()
@@ -113,27 +174,41 @@ def lowered(B, T, S, N, K, H, E, dtype, mask, extra, **kw):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize(("H", "dtype"), [(64, jnp.bfloat16), (128, jnp.float16)])
-def test_hopper_kernel_exports_for_cuda(case, H, dtype):
+def test_hopper_kernels_export_for_cuda(case, H, dtype):
     mask, extra = CASES[case]
-    module = lowered(2, 256, 256, 4, 2, H, H, dtype, mask, extra)
-    assert module.count("custom_call @mosaic_gpu_v2") == 1
+    module = lowered(2, 256, 256, 4, 2, H, H, dtype, mask, extra, grad=True)
+    assert module.count("custom_call @mosaic_gpu_v2") == 3  # forward, dq, dk/dv
 
 
 @pytest.mark.parametrize(
     ("T", "S", "K", "E", "blocks"),
     [(200, 200, 1, 64, (64, 64)), (64, 1000, 4, 128, (64, 128)), (256, 256, 2, 64, (128, 128))],
 )
-def test_hopper_kernel_exports_padding_t_ne_s_mqa_e_ne_h_and_blocks(T, S, K, E, blocks):
+def test_hopper_kernels_export_padding_t_ne_s_mqa_e_ne_h_and_blocks(T, S, K, E, blocks):
     extra = {"q_segment_ids": "seg", "kv_segment_ids": "seg"} if T == S else {}
-    module = lowered(1, T, S, 4, K, 64, E, jnp.bfloat16, masks.causal(), extra,
+    module = lowered(1, T, S, 4, K, 64, E, jnp.bfloat16, masks.causal(), extra, grad=True,
                      block_q=blocks[0], block_k=blocks[1])  # fmt: skip
-    assert module.count("custom_call @mosaic_gpu_v2") == 1
+    assert module.count("custom_call @mosaic_gpu_v2") == 3
+    forward = lowered(1, T, S, 4, K, 64, E, jnp.bfloat16, masks.causal(), extra,
+                      block_q=blocks[0], block_k=blocks[1])  # fmt: skip
+    assert forward.count("custom_call @mosaic_gpu_v2") == 1
+
+
+def test_attention_impl_mosaic_is_the_kernel():
+    q, k, v = qkv(7, B=1, T=128, N=2, K=1, H=64, dtype=jnp.bfloat16)
+    got = attn.attention(q, k, v, impl="mosaic", mask=masks.causal(), block_k=128)
+    want = mosaic_attention(q, k, v, mask=masks.causal(), block_k=128)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match=r"^platform: expected None for impl='mosaic'"):
+        attn.attention(q, k, v, impl="mosaic", platform="cuda")
 
 
 def test_refusals_name_the_argument():
     q, k, v = qkv(3, B=1, T=64, N=2, H=64, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"^q, k, v: expected all bfloat16 or all float16"):
+    with pytest.raises(ValueError, match=r"^q, k, v: expected all in one of bfloat16, float"):
         mosaic_attention(q.astype(jnp.float32), k, v)
+    with pytest.raises(ValueError, match=r"^q, k, v: expected all in one of bfloat16 or float16"):
+        mosaic_attention(q, k, v.astype(jnp.float32), interpret=False)
     with pytest.raises(ValueError, match=r"^head dim H: expected one of \(64, 128\)"):
         mosaic_attention(q[..., :32], k[..., :32], v)
     with pytest.raises(ValueError, match=r"^value head dim E: expected one of"):

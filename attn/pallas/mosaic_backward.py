@@ -1,0 +1,341 @@
+"""The FlashAttention-2 backward of ``attn.pallas.mosaic`` (Dao 2023), for Hopper and as a twin.
+
+Internal to ``attn.pallas``. With ``D = rowsum(dO * O) - d_lse`` and the
+forward's lse, each tile recomputes ``P = exp(logits - lse)`` and
+
+    dV += P^T dO      dP = dO V^T      dX = P * (dP - D)   (through the soft-cap)
+    dQ += dX K        dK += dX^T Q     (times the logit scale)
+
+in two kernels, each in the two forms of the forward (the Hopper kernel on
+``wgmma`` and TMA pipelines, the twin on ref slices for the interpreter),
+sharing the tile math of ``attn.pallas.mosaic_tiles``:
+
+* dq over ``(B, N, query blocks)``, walking the forward's schedule;
+* dk/dv over ``(B, K, key blocks)``, walking the query blocks that see each
+  key block and, for each, the G query heads of its kv head, so GQA sums dK
+  and dV in the kernel. Its tiles are transposed, ``[keys, queries]``, so that
+  ``P^T`` and ``dX^T`` are wgmma's register operand as they are computed: the
+  tile math is elementwise, the per-query statistics come in as columns.
+
+The sink's gradient, ``-sum over rows of exp(sink - lse) * D``, is formed outside.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn.pallas import mosaic_tiles as tiles
+from attn.pallas.mosaic_common import (
+    MosaicConfig,
+    copy_in,
+    dot,
+    interpreter,
+    kernel,
+    load,
+    product,
+    scheduled,
+    swizzle,
+)
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def backward(config: MosaicConfig, q, k, v, sink, ints, out, lse, d_out, d_lse):
+    """``(dq, dk, dv, dsink)`` in the padded layouts of q, k, v and ``[N]``."""
+    T, Tp = config.call.T, q.shape[1]
+    # Rows past T are padding: D is formed on the real rows and is zero on the rest, as is
+    # their dO; +inf for their lse (and for rows that see nothing) gives P = 0.
+    delta = jnp.einsum(
+        "BTNE,BTNE->BNT", d_out[:, :T].astype(jnp.float32), out[:, :T].astype(jnp.float32)
+    )
+    delta = jnp.pad(delta - d_lse[:, :, :T], ((0, 0), (0, 0), (0, Tp - T)))
+    real = (jnp.arange(Tp) < T)[None, None, :]
+    lse2 = jnp.where(real & ~jnp.isneginf(lse), lse * tiles.LOG2E, jnp.inf)
+    dq = _dq(config, q, k, v, d_out, lse2, delta, ints)
+    dk, dv = _dkdv(config, q, k, v, d_out, lse2, delta, ints)
+    if config.call.has_sink:
+        p_sink = jnp.exp(sink[None, :, None] - lse[:, :, :T])
+        dsink = -(p_sink * delta[:, :, :T]).sum((0, 2))
+    else:
+        dsink = jnp.zeros_like(sink)
+    return dq, dk, dv, dsink
+
+
+def _launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
+    if config.interpret:
+        return kernel(functools.partial(twin, config), out_shape, [], grid,
+                      interpret=interpreter())(*args)  # fmt: skip
+    return kernel(functools.partial(hopper, config), out_shape, scratch, grid)(*args)
+
+
+# ----------------------------------------------------------------------------
+# dq: query blocks over their scheduled key blocks
+
+
+def _dq(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
+    (table, _), rows = ints
+    B, Tp, N, H = q.shape
+    bq, E = config.block_q, v.shape[-1]
+    scratch = [
+        plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((bq, E), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((table.shape[1],), jnp.int32),
+        plgpu.SMEM((bq,), jnp.int32),
+        plgpu.SMEM((bq,), jnp.int32),
+        plgpu.SMEM((bq,), jnp.float32),
+        plgpu.SMEM((bq,), jnp.float32),
+        plgpu.Barrier(num_barriers=7),
+    ]
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    args = [q, k, v, d_out, lse2, delta, table, *rows]
+    return _launch(config, _dq_twin, _dq_hopper, scratch, out_shape, (B, N, Tp // bq), args)
+
+
+def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+               q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
+    call, bq, bk = config.call, config.block_q, config.block_k
+    segments = config.segments
+    if segments:
+        q_seg_ref, kv_seg_ref, *refs = refs
+    (
+        dq_ref,
+        q_smem,
+        do_smem,
+        dq_smem,
+        table_smem,
+        qpos_smem,
+        qseg_smem,
+        lse_smem,
+        delta_smem,
+        bar,
+    ) = refs
+    b, n, i = (lax.axis_index(a) for a in "bhi")
+    rows = pl.ds(i * bq, bq)
+    copies = [
+        (q_ref.at[b, rows, n], q_smem),
+        (do_ref.at[b, rows, n], do_smem),
+        (table_ref.at[i], table_smem),
+        (q_pos_ref.at[b, rows], qpos_smem),
+        (lse_ref.at[b, n, rows], lse_smem),
+        (delta_ref.at[b, n, rows], delta_smem),
+    ]
+    if segments:
+        copies.append((q_seg_ref.at[b, rows], qseg_smem))
+    copy_in(copies, bar)
+    tile = (bq, bk)
+    q_pos = tiles.along(load(qpos_smem, ROW), tile, 0)
+    q_seg = tiles.along(load(qseg_smem, ROW), tile, 0) if segments else None
+    lse = tiles.along(load(lse_smem, ROW), tile, 0)
+    delta = tiles.along(load(delta_smem, ROW), tile, 0)
+
+    def step(index, k_smem, v_smem, kpos_smem, *rest):
+        (t,) = index
+        *kseg_smem, dq = rest
+        qk = product(q_smem, k_smem, tile)
+        dp = product(do_smem, v_smem, tile)
+        k_pos = tiles.along(load(kpos_smem, COL), tile, 1)
+        k_seg = tiles.along(load(kseg_smem[0], COL), tile, 1) if segments else None
+        kind = table_smem[1 + config.width + t]
+        s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
+        dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
+        return pl.run_state(lambda ref: plgpu.wgmma(ref, dx.astype(k_smem.dtype), k_smem))(
+            plgpu.ACC.init(dq)
+        )
+
+    specs, sources = _key_pipeline(config, k_ref, v_ref, kv_pos_ref, b, n // call.G, table_smem)
+    if segments:
+        specs.append(specs[-1])
+        sources.append(kv_seg_ref.at[b])
+    dq0 = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+    pipeline = plgpu.emit_pipeline(
+        step, grid=(table_smem[0],), in_specs=specs, max_concurrent_steps=config.stages,
+        init_carry=dq0,
+    )  # fmt: skip
+    dq = pipeline(*sources)
+    dq_smem[...] = (dq * call.scale).astype(dq_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, n])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+             q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
+    call, bq, bk = config.call, config.block_q, config.block_k
+    segments = config.segments
+    if segments:
+        q_seg_ref, kv_seg_ref, *refs = refs
+    (dq_ref,) = refs
+    b, n, i = (lax.axis_index(a) for a in "bhi")
+    rows, kv, tile = pl.ds(i * bq, bq), n // call.G, (bq, bk)
+    q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
+    q_pos = tiles.along(q_pos_ref[b, rows], tile, 0)
+    q_seg = tiles.along(q_seg_ref[b, rows], tile, 0) if segments else None
+    lse = tiles.along(lse_ref[b, n, rows], tile, 0)
+    delta = tiles.along(delta_ref[b, n, rows], tile, 0)
+
+    def step(t, dq):
+        keys = pl.ds(table_ref[i, 1 + t] * bk, bk)
+        k = k_ref[b, keys, kv, :]
+        qk = dot(q, k, (1, 1))
+        dp = dot(do, v_ref[b, keys, kv, :], (1, 1))
+        k_pos = tiles.along(kv_pos_ref[b, keys], tile, 1)
+        k_seg = tiles.along(kv_seg_ref[b, keys], tile, 1) if segments else None
+        s = tiles.scores(call, qk, table_ref[i, 1 + config.width + t], q_pos, k_pos, q_seg, k_seg)
+        dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
+        return dq + dot(dx.astype(k.dtype), k, (1, 0))
+
+    dq0 = jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)
+    dq = scheduled(table_ref[i, 0], config.width, step, dq0)
+    dq_ref[b, rows, n, :] = (dq * call.scale).astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------
+# dk/dv: key blocks over the query blocks (and query heads) that see them
+
+
+def _dkdv(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
+    (_, table), rows = ints
+    B, Sp, K, H = k.shape
+    bk, E = config.block_k, v.shape[-1]
+    scratch = [
+        plgpu.SMEM((bk, H), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((bk, E), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((bk, H), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((bk, E), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((table.shape[1],), jnp.int32),
+        plgpu.SMEM((bk,), jnp.int32),
+        plgpu.SMEM((bk,), jnp.int32),
+        plgpu.Barrier(num_barriers=5),
+    ]
+    out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+    args = [q, k, v, d_out, lse2, delta, table, *rows]
+    return _launch(config, _dkdv_twin, _dkdv_hopper, scratch, out_shape, (B, K, Sp // bk), args)
+
+
+def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 table_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
+    call, bq, bk, G = config.call, config.block_q, config.block_k, config.call.G
+    segments = config.segments
+    if segments:
+        q_seg_ref, kv_seg_ref, *refs = refs
+    dk_ref, dv_ref, k_smem, v_smem, dk_smem, dv_smem, table_smem, kpos_smem, kseg_smem, bar = refs
+    b, h, j = (lax.axis_index(a) for a in "bhi")
+    keys = pl.ds(j * bk, bk)
+    copies = [(k_ref.at[b, keys, h], k_smem), (v_ref.at[b, keys, h], v_smem),
+              (table_ref.at[j], table_smem), (kv_pos_ref.at[b, keys], kpos_smem)]  # fmt: skip
+    if segments:
+        copies.append((kv_seg_ref.at[b, keys], kseg_smem))
+    copy_in(copies, bar)
+    tile = (bk, bq)  # transposed: keys down, queries across
+    k_pos = tiles.along(load(kpos_smem, ROW), tile, 0)
+    k_seg = tiles.along(load(kseg_smem, ROW), tile, 0) if segments else None
+
+    def step(index, q_smem, do_smem, lse_smem, delta_smem, qpos_smem, *rest):
+        t, _ = index
+        *qseg_smem, (dk, dv) = rest
+        qk = product(k_smem, q_smem, tile)
+        dp = product(v_smem, do_smem, tile)
+        q_pos = tiles.along(load(qpos_smem, COL), tile, 1)
+        q_seg = tiles.along(load(qseg_smem[0], COL), tile, 1) if segments else None
+        s = tiles.scores(call, qk, table_smem[1 + config.width_k + t], q_pos, k_pos, q_seg, k_seg)
+        p = tiles.probabilities(s, tiles.along(load(lse_smem, COL), tile, 1))
+        dx = tiles.logit_grads(call, qk, p, dp, tiles.along(load(delta_smem, COL), tile, 1))
+        dv = pl.run_state(lambda ref: plgpu.wgmma(ref, p.astype(do_smem.dtype), do_smem))(
+            plgpu.ACC.init(dv)
+        )
+        dk = pl.run_state(lambda ref: plgpu.wgmma(ref, dx.astype(q_smem.dtype), q_smem))(
+            plgpu.ACC.init(dk)
+        )
+        return dk, dv
+
+    block = lambda t, g: (table_smem[1 + t], h * G + g, 0)  # noqa: E731
+    stats = lambda t, g: (h * G + g, table_smem[1 + t])  # noqa: E731
+    vector = lambda t, g: (table_smem[1 + t],)  # noqa: E731
+    specs = [
+        plgpu.BlockSpec((bq, None, q_ref.shape[-1]), block, transforms=swizzle()),
+        plgpu.BlockSpec((bq, None, do_ref.shape[-1]), block, transforms=swizzle()),
+        plgpu.BlockSpec((None, bq), stats),
+        plgpu.BlockSpec((None, bq), stats),
+        plgpu.BlockSpec((bq,), vector),
+    ]
+    sources = [q_ref.at[b], do_ref.at[b], lse_ref.at[b], delta_ref.at[b], q_pos_ref.at[b]]
+    if segments:
+        specs.append(plgpu.BlockSpec((bq,), vector))
+        sources.append(q_seg_ref.at[b])
+    zeros = (
+        plgpu.layout_cast(jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
+        plgpu.layout_cast(jnp.zeros((bk, v_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
+    )
+    pipeline = plgpu.emit_pipeline(
+        step, grid=(table_smem[0], G), in_specs=specs, max_concurrent_steps=config.stages,
+        init_carry=zeros,
+    )  # fmt: skip
+    dk, dv = pipeline(*sources)
+    dk_smem[...] = (dk * call.scale).astype(dk_smem.dtype)
+    dv_smem[...] = dv.astype(dv_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, keys, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _dkdv_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
+               q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
+    call, bq, bk, G = config.call, config.block_q, config.block_k, config.call.G
+    segments = config.segments
+    if segments:
+        q_seg_ref, kv_seg_ref, *refs = refs
+    dk_ref, dv_ref = refs
+    b, h, j = (lax.axis_index(a) for a in "bhi")
+    keys, tile = pl.ds(j * bk, bk), (bk, bq)
+    k, v = k_ref[b, keys, h, :], v_ref[b, keys, h, :]
+    k_pos = tiles.along(kv_pos_ref[b, keys], tile, 0)
+    k_seg = tiles.along(kv_seg_ref[b, keys], tile, 0) if segments else None
+
+    def step(t, carry):
+        rows = pl.ds(table_ref[j, 1 + t] * bq, bq)
+        q_pos = tiles.along(q_pos_ref[b, rows], tile, 1)
+        q_seg = tiles.along(q_seg_ref[b, rows], tile, 1) if segments else None
+        kind = table_ref[j, 1 + config.width_k + t]
+
+        def head(g, carry):
+            dk, dv = carry
+            n = h * G + g
+            q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
+            qk = dot(k, q, (1, 1))
+            s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
+            p = tiles.probabilities(s, tiles.along(lse_ref[b, n, rows], tile, 1))
+            dp = dot(v, do, (1, 1))
+            dx = tiles.logit_grads(call, qk, p, dp, tiles.along(delta_ref[b, n, rows], tile, 1))
+            return dk + dot(dx.astype(q.dtype), q, (1, 0)), dv + dot(p.astype(do.dtype), do, (1, 0))
+
+        return lax.fori_loop(0, G, head, carry)
+
+    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dk, dv = scheduled(table_ref[j, 0], config.width_k, step, zeros)
+    dk_ref[b, keys, h, :] = (dk * call.scale).astype(dk_ref.dtype)
+    dv_ref[b, keys, h, :] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+
+
+def _key_pipeline(config: MosaicConfig, k_ref, v_ref, kv_pos_ref, b, kv, table_smem):
+    """The dq kernel's pipeline over its scheduled key blocks: K, V and their positions."""
+    bk = config.block_k
+    key_block = lambda t: (table_smem[1 + t], 0)  # noqa: E731
+    specs = [
+        plgpu.BlockSpec((bk, k_ref.shape[-1]), key_block, transforms=swizzle()),
+        plgpu.BlockSpec((bk, v_ref.shape[-1]), key_block, transforms=swizzle()),
+        plgpu.BlockSpec((bk,), lambda t: (table_smem[1 + t],)),
+    ]
+    return specs, [k_ref.at[b, :, kv, :], v_ref.at[b, :, kv, :], kv_pos_ref.at[b]]

@@ -1,0 +1,118 @@
+"""What the Mosaic GPU kernels share: the call's settings and the launch.
+
+Internal to ``attn.pallas``'s Mosaic GPU attention (``mosaic``, ``mosaic_backward``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from attn.softmax.call import CallSpec
+
+# A schedule row (per block: its count, W blocks, W kinds) padded to whole 128-byte rows:
+# a TMA copy moves a multiple of the warpgroup's 128 threads' bytes.
+ROW_ALIGN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Hashable settings of one call (what the kernels are traced with)."""
+
+    call: CallSpec
+    block_q: int
+    block_k: int
+    stages: int  # key blocks in flight in the Hopper kernel's pipeline
+    interpret: bool  # the twin under the interpreter, else the Hopper kernel
+    width: int = 0  # the forward's and dq's schedule: key blocks per query block
+    width_k: int = 0  # the dk/dv schedule: query blocks per key block
+
+    @property
+    def padded(self) -> tuple[int, int]:
+        """``(Tp, Sp)``: T and S padded to whole blocks."""
+        return round_up(self.call.T, self.block_q), round_up(self.call.S, self.block_k)
+
+    @property
+    def segments(self) -> bool:
+        """Whether the kernels read segment ids: the call's, or ones marking S's padding."""
+        return self.call.has_segments or self.call.S % self.block_k != 0
+
+
+def sink_rows(sink):
+    """Sink logits ``[N]`` as ``[N, ROW_ALIGN]`` float32: one TMA-sized row per head."""
+    return jnp.pad(sink.astype(jnp.float32).reshape(-1, 1), ((0, 0), (0, ROW_ALIGN - 1)))
+
+
+def swizzle():
+    """Shared-memory tiles of 16-bit elements in 128-byte swizzled rows: wgmma's operands."""
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def kernel(body, out_shape, scratch, grid, **kwargs):
+    """``plgpu.kernel`` over the grid ``(batch, head, block)`` (axis names ``b``, ``h``,
+    ``i``), under the lane lowering
+    (the default of jax 0.10; jax 0.11's is the warpgroup one), with the output and
+    scratch keywords of the installed jax (``out_type``/``scratch_types`` from 0.10.2)."""
+    names = inspect.signature(plgpu.kernel).parameters
+    out_kw, scratch_kw = (
+        ("out_type", "scratch_types") if "out_type" in names else ("out_shape", "scratch_shapes")
+    )
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(body, **{out_kw: out_shape, scratch_kw: scratch}, grid=grid,
+                        grid_names=("b", "h", "i"), compiler_params=params, **kwargs)  # fmt: skip
+
+
+def load(ref, layout):
+    """A whole shared-memory vector into registers in ``layout`` (jax 0.10's ``plgpu.load``
+    needs the index ``()``, which jax 0.11 deprecates)."""
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+def interpreter():
+    """Pallas's Mosaic GPU interpreter (jax 0.10 keeps it private)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+    return InterpretGPUParams()
+
+
+def round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def copy_in(copies, bar) -> None:
+    """Every ``(gmem, smem)`` copy started on its own barrier, then all awaited."""
+    for j, (src, dst) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[j])
+    for j in range(len(copies)):
+        plgpu.barrier_wait(bar.at[j])
+
+
+def product(a_smem, b_smem, shape):
+    """float32 ``a b^T`` of two shared-memory tiles on wgmma (``[M, K] x [N, K] -> [M, N]``)."""
+
+    def run(ref):
+        plgpu.wgmma(ref, a_smem, b_smem.transpose((1, 0)))
+        return ref[...]  # reading the accumulator waits for the wgmma
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def dot(a, b, contract):
+    """float32-accumulated product of two 2-D arrays contracting the axes ``contract``."""
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def scheduled(count, width: int, step, carry):
+    """``step`` over the first ``count`` of a schedule row's ``width`` slots (the
+    interpreter takes static trip counts only)."""
+    visit = lambda t, c: lax.cond(t < count, functools.partial(step, t), lambda c: c, c)  # noqa: E731
+    return lax.fori_loop(0, width, visit, carry)
