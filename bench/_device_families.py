@@ -6,8 +6,9 @@ bf16 (q, k, v, beta, B, C and x; the gates, ``dt``, ``A`` and ``D`` float32; eve
 state float32), each against its peer on the same inputs (drawn on the device by
 ``jax.random``; the torch side gets host copies of those very arrays, bf16 as its bits):
 
-* ``softmax`` (N = 16 heads, H = 128, causal): ``attn.attention(impl="pallas")`` and
-  ``impl="blockwise"`` (only up to T = 8K: 0.7 s a step there) against cuDNN
+* ``softmax`` (N = 16 heads, H = 128, causal): ``attn.attention(impl="pallas")`` (Triton),
+  ``impl="mosaic"`` (Mosaic GPU for Hopper) and ``impl="blockwise"`` (only up to T = 8K:
+  0.7 s a step there) against cuDNN
   (``jax.nn.dot_product_attention(implementation="cudnn")``);
 * the chunkwise forms, chunks of 64, against fla's Triton kernels through torch
   (``bench/_fla_peer.py`` says which op, and where the functions differ):
@@ -356,7 +357,9 @@ def setup(item: dict) -> dict:
         def form(impl):
             return lambda q, k, v: attn.attention(q, k, v, mask=causal, impl=impl)
 
-        forms = {impl: form(impl) for impl in ("pallas", "blockwise")}
+        forms = {impl: form(impl) for impl in ("pallas", "mosaic", "blockwise")}
+        if H not in (64, 128):  # a dry run's head dim
+            forms["mosaic"] = f"not measured: head dim {H} (Mosaic GPU takes 64 and 128)"
         if T > BLOCKWISE_MAX_T:
             forms["blockwise"] = f"not measured: T > {BLOCKWISE_MAX_T} (seconds a step)"
         return dict(args=args, grads=3, out=(B, T, N, H), forms=forms, peers={"cudnn": "cudnn"})

@@ -8,6 +8,7 @@ GiB = 2**30
 # The implementations' names in the table and the figure, in bench/gpu.py's order.
 IMPL_LABELS = {
     "pallas": "attn.pallas",
+    "mosaic": "attn.pallas.mosaic",
     "cudnn": "jax.nn (cudnn)",
     "xla": "jax.nn (xla)",
     "blockwise": "attn blockwise",
@@ -85,7 +86,11 @@ def plot(result: dict, path: Path) -> None:
     rows, cfg = result["rows"], result["config"]
     fig, axes = plt.subplots(1, len(cfg["modes"]), figsize=(13, 5), squeeze=False)
     colors = dict(
-        zip(IMPL_LABELS, ("tab:blue", "tab:purple", "tab:red", "tab:orange"), strict=True)
+        zip(
+            IMPL_LABELS,
+            ("tab:blue", "tab:green", "tab:purple", "tab:red", "tab:orange"),
+            strict=True,
+        )
     )
     styles = {"causal": "-", "full": ":", "window_sinks": "--"}
     N0, H0 = (2, 16) if cfg["dry_run"] else PLOTTED_HEADS
