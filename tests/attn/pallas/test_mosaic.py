@@ -1,19 +1,22 @@
 """The Mosaic GPU flash attention (``attn.pallas.mosaic``) without a GPU.
 
-* Its twin, under Pallas's Mosaic GPU interpreter on this CPU, against the
-  float64 NumPy oracle: the block schedule (EMPTY blocks skipped, PARTIAL ones
-  masked per element), positions, padding of T and S to whole blocks, segment
-  ids with empty rows, sinks, soft-cap, GQA/MQA, T != S, E != H, bfloat16 and
-  float16. The twin runs the Hopper kernel's tile math (``mosaic_tiles``)
-  over the same packed schedule; only the loads and the products differ.
-* The twins' gradients (the dq and dk/dv kernels') w.r.t. q, k, v and the
-  sink logits, through the output's and the lse's cotangents: in float32
-  (which the twin also takes) against float32 dense at its precision, and in
-  bfloat16 against float32 dense on the same values.
-* The Hopper kernels lowered and exported for ``cuda`` (one ``mosaic_gpu_v2``
-  custom call for the forward, three with the backward) for every case the
-  twin checks numerically, and more.
-* Refusals by name.
+* Its twins (forward, dq, dk/dv) under Pallas's Mosaic GPU interpreter on this
+  CPU: in float32 (which the twins also take) against float32 dense at its
+  precision, output, lse and the gradients of q, k, v and the sink logits
+  through both cotangents; in bfloat16 and float16, the output against the
+  float64 oracle and the gradients against float32 dense on the same values.
+  Between them: the block schedule (EMPTY blocks skipped, PARTIAL ones masked
+  per element), positions given per row, T and S padded to whole blocks,
+  segment ids with rows that see nothing, sinks, soft-cap, GQA and MQA,
+  T != S, E != H, head dims 64 and 128, key blocks of 64 and 128. The twins run
+  the Hopper kernels' tile math (``mosaic_tiles``) over the same packed
+  schedules; only the loads and the products differ.
+* The Hopper kernels lowered and exported for ``cuda``: three ``mosaic_gpu_v2``
+  custom calls (forward, dq, dk/dv) per case, over masks, dtypes, head dims,
+  GQA/MQA, padding, T != S, E != H and block sizes.
+* ``attn.attention(impl="mosaic")``, and refusals by name.
+
+``tools/test_mosaic_jax011.sh`` runs this file under jax 0.11.2, the GPU machine's.
 """
 
 from __future__ import annotations
@@ -35,57 +38,10 @@ STREAMING = masks.causal() & (masks.sliding_window(70) | masks.initial_tokens(4)
 GLOBAL = (masks.global_tokens((0, 90)) | masks.sliding_window(40)) & masks.causal()
 
 
-def check_twin(q, k, v, mask, *, q_positions=None, q_seg=None, kv_seg=None, blocks=None, **kw):
-    """The twin's output against float64 and its lse against float32 dense."""
-    segs = {} if q_seg is None else dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-    pos = {} if q_positions is None else dict(q_positions=q_positions)
-    out, lse = mosaic_attention(q, k, v, mask=mask, return_lse=True, **pos, **segs, **kw,
-                                **(blocks or {}))  # fmt: skip
-    assert out.dtype == q.dtype and out.shape == q.shape[:3] + v.shape[3:]
-    B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    q_pos = np.broadcast_to(np.arange(S - T, S) if q_positions is None else q_positions, (B, T))
-    ok = np.stack([np.asarray(mask.allowed(q_pos[b], np.arange(S))) for b in range(B)])
-    if q_seg is not None:
-        ok = ok & np.asarray(masks.same_segment(q_seg, kv_seg))
-    sinks = kw.get("sink_logits")
-    softcap = kw.get("softcap")
-    want = np_attention(q, k, v, ok, softcap=softcap, sink_logits=sinks)
-    assert rel_err(out, want) <= BF16_TOL
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    _, want_lse = attn.dot_product_attention(*f32, mask=mask, return_lse=True, **pos, **segs, **kw)
-    lse, want_lse = np.asarray(lse), np.asarray(want_lse)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    seen = np.isfinite(want_lse)
-    assert rel_err(lse[seen], want_lse[seen]) <= LSE_TOL
-    return out, lse
-
-
-def test_twin_causal_gqa_sinks_padding():
-    # T = S = 200: 4 query blocks of 64, the last key block 8 real keys and 56 padding.
-    q, k, v = qkv(0, B=1, T=200, N=4, K=2, H=64, dtype=jnp.bfloat16)
-    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
-    check_twin(q, k, v, masks.causal(), sink_logits=sinks)
-
-
-def test_twin_streaming_segments_empty_rows_float16_head_dim_128():
-    q, k, v = qkv(1, B=2, T=192, N=2, K=2, H=128, dtype=jnp.float16)
-    seg = np.ones((2, 192), np.int32)
-    seg[0, 100:] = 2  # two documents in row 0
-    seg[1, 150:] = 0  # padding in row 1: its queries see nothing
-    seg = jnp.asarray(seg)
-    out, lse = check_twin(q, k, v, STREAMING, q_seg=seg, kv_seg=seg)
-    assert np.all(np.asarray(out[1, 150:], np.float32) == 0) and np.isneginf(lse[1, 150:]).all()
-
-
-def test_twin_global_softcap_mqa_t_ne_s_e_ne_h():
-    q, k, v = qkv(2, B=2, T=64, S=200, N=2, K=1, H=64, E=128, dtype=jnp.bfloat16)
-    q_pos = jnp.stack([jnp.arange(136, 200), jnp.arange(60, 124)])  # per row, T != S
-    check_twin(q, k, v, GLOBAL, q_positions=q_pos, softcap=20.0, blocks=dict(block_k=128))
-
-
-def value_and_grads(fn, q, k, v, **kw):
-    """``(out, lse, (dq, dk, dv, dsink))`` of one jitted value-and-grad with random
-    cotangents for the output and the (finite) lse."""
+def value_and_grads(fn, q, k, v, sinks=True, **kw):
+    """``(out, lse, grads)`` of one jitted value-and-grad with random cotangents for the
+    output and the (finite) lse: the grads of q, k, v, and with ``sinks`` of the sink
+    logits (up to 4 heads) too."""
     cot, lse_cot = normal(99, q.shape[:3] + v.shape[3:]), normal(98, q.shape[:3])
 
     def loss(q, k, v, sink):
@@ -93,43 +49,77 @@ def value_and_grads(fn, q, k, v, **kw):
         lse_term = jnp.where(jnp.isfinite(lse), lse * lse_cot, 0.0).sum()
         return (out.astype(jnp.float32) * cot).sum() + lse_term, (out, lse)
 
-    sink = jnp.array([0.5, -1.0, 2.0, 0.0])[: q.shape[2]]
-    grads, (out, lse) = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(q, k, v, sink)
+    sink = jnp.array([0.5, -1.0, 2.0, 0.0])[: q.shape[2]] if sinks else None
+    argnums = (0, 1, 2, 3) if sinks else (0, 1, 2)
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums, has_aux=True))(q, k, v, sink)
     return out, lse, grads
 
 
+def check_lse(lse, want, tol):
+    lse, want = np.asarray(lse), np.asarray(want)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want))
+    seen = np.isfinite(want)
+    assert rel_err(lse[seen], want[seen]) <= tol
+
+
+def segments(B, T, ends):
+    """Segment ids: a second document in row 0 from ``ends[0]``, padding (id 0) in row 1
+    from ``ends[1]`` (its queries see nothing, no query sees its keys)."""
+    seg = np.ones((B, T), np.int32)
+    seg[0, ends[0] :], seg[1, ends[1] :] = 2, 0
+    return jnp.asarray(seg)
+
+
 @pytest.mark.parametrize(
-    ("mask", "extra"),
+    ("mask", "shape", "extra"),
     [
-        (STREAMING, dict(softcap=20.0)),  # T = 200: padded rows and keys
-        (GLOBAL, dict(q_segment_ids="seg", kv_segment_ids="seg")),
+        # T = S = 200: 4 query blocks of 64, the last key block 8 keys and 56 of padding.
+        (STREAMING, dict(T=200, N=4, K=2, H=64), dict(softcap=20.0)),
+        (
+            GLOBAL,
+            dict(T=192, N=2, K=1, H=64, E=128),
+            dict(segments=(120, 150), block_k=128, sinks=False),
+        ),
     ],
-    ids=["streaming_softcap", "global_segments"],
+    ids=["streaming_gqa_sinks_softcap_padding", "global_mqa_segments_e_ne_h"],
 )
-def test_twin_gradients_float32(mask, extra):
-    q, k, v = qkv(5, B=2, T=200, N=4, K=2, H=64)
-    seg = np.ones((2, 200), np.int32)
-    seg[0, 120:], seg[1, 180:] = 2, 0  # a second document; padding queries and keys
-    kw = {name: jnp.asarray(seg) if x == "seg" else x for name, x in extra.items()}
-    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, **kw)
+def test_twin_forward_and_gradients_float32(mask, shape, extra):
+    """Output, lse and the gradients of q, k, v (and of the sinks), at float32's precision."""
+    q, k, v = qkv(5, B=2, **shape)
+    kw = dict(extra)
+    if "segments" in kw:
+        seg = segments(2, shape["T"], kw.pop("segments"))
+        kw.update(q_segment_ids=seg, kv_segment_ids=seg)
+    blocks = {"block_k": kw.pop("block_k")} if "block_k" in kw else {}
+    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, **kw, **blocks)
     want, want_lse, want_grads = value_and_grads(attn.dot_product_attention, q, k, v, mask=mask,
                                                  **kw)  # fmt: skip
-    assert rel_err(out, want) <= TOL
-    finite = np.isfinite(np.asarray(want_lse))
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    assert rel_err(np.asarray(lse)[finite], np.asarray(want_lse)[finite]) <= TOL
+    assert out.shape == want.shape and rel_err(out, want) <= TOL
+    check_lse(lse, want_lse, TOL)
     for g, w in zip(grads, want_grads, strict=True):
         assert np.isfinite(np.asarray(g)).all() and rel_err(g, w) <= GRAD_TOL
+    if "q_segment_ids" in kw:  # row 1's padding queries see nothing: zeros and -inf
+        assert np.all(np.asarray(out[1, 150:]) == 0) and np.isneginf(lse[1, 150:]).all()
 
 
-def test_twin_gradients_bfloat16_mqa_e_ne_h():
-    q, k, v = qkv(6, B=1, T=128, S=192, N=2, K=1, H=64, E=128, dtype=jnp.bfloat16)
-    out, _, grads = value_and_grads(mosaic_attention, q, k, v, mask=masks.causal())
-    assert out.dtype == jnp.bfloat16
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_twin_16_bit_against_float64(dtype):
+    """Chunked causal at T != S with explicit positions per row, head dim 128: the output
+    against the float64 oracle, the lse and gradients against float32 dense on the same
+    16-bit values."""
+    q, k, v = qkv(2, B=2, T=64, S=200, N=2, K=1, H=128, dtype=dtype)
+    q_pos = jnp.stack([jnp.arange(136, 200), jnp.arange(60, 124)])
+    mask = masks.causal() & masks.chunked(96)
+    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, q_positions=q_pos)
+    assert out.dtype == dtype and [g.dtype for g in grads[:3]] == [dtype] * 3
+    ok = np.stack([np.asarray(mask.allowed(q_pos[b], np.arange(200))) for b in range(2)])
+    want = np_attention(q, k, v, ok, sink_logits=np.array([0.5, -1.0]))
+    assert rel_err(out, want) <= BF16_TOL
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    _, _, want = value_and_grads(attn.dot_product_attention, *f32, mask=masks.causal())
-    assert [g.dtype for g in grads[:3]] == [jnp.bfloat16] * 3
-    for g, w in zip(grads, want, strict=True):
+    _, want_lse, want_grads = value_and_grads(attn.dot_product_attention, *f32, mask=mask,
+                                              q_positions=q_pos)  # fmt: skip
+    check_lse(lse, want_lse, LSE_TOL)
+    for g, w in zip(grads, want_grads, strict=True):
         assert rel_err(g, w) <= BF16_TOL
 
 
@@ -173,9 +163,10 @@ def lowered(B, T, S, N, K, H, E, dtype, mask, extra, grad=False, **kw):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize(("H", "dtype"), [(64, jnp.bfloat16), (128, jnp.float16)])
-def test_hopper_kernels_export_for_cuda(case, H, dtype):
+def test_hopper_kernels_export_for_cuda(case):
     mask, extra = CASES[case]
+    H, dtype = (64, jnp.bfloat16) if case in ("causal", "global", "streaming_sinks") else (
+        128, jnp.float16)  # fmt: skip
     module = lowered(2, 256, 256, 4, 2, H, H, dtype, mask, extra, grad=True)
     assert module.count("custom_call @mosaic_gpu_v2") == 3  # forward, dq, dk/dv
 
@@ -189,9 +180,6 @@ def test_hopper_kernels_export_padding_t_ne_s_mqa_e_ne_h_and_blocks(T, S, K, E, 
     module = lowered(1, T, S, 4, K, 64, E, jnp.bfloat16, masks.causal(), extra, grad=True,
                      block_q=blocks[0], block_k=blocks[1])  # fmt: skip
     assert module.count("custom_call @mosaic_gpu_v2") == 3
-    forward = lowered(1, T, S, 4, K, 64, E, jnp.bfloat16, masks.causal(), extra,
-                      block_q=blocks[0], block_k=blocks[1])  # fmt: skip
-    assert forward.count("custom_call @mosaic_gpu_v2") == 1
 
 
 def test_attention_impl_mosaic_is_the_kernel():
