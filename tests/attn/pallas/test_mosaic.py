@@ -36,6 +36,7 @@ LSE_TOL = 1e-5  # float32 statistics of the same products, against float32 dense
 TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the same function in another order
 STREAMING = masks.causal() & (masks.sliding_window(70) | masks.initial_tokens(4))
 GLOBAL = (masks.global_tokens((0, 90)) | masks.sliding_window(40)) & masks.causal()
+STREAMING_32K = masks.causal() & (masks.sliding_window(1024) | masks.initial_tokens(4))
 
 
 def value_and_grads(fn, q, k, v, sinks=True, **kw):
@@ -209,3 +210,26 @@ def test_refusals_name_the_argument():
         mosaic_attention(q, k, v, score_mod=attn.scores.alibi(jnp.ones(2)))
     with pytest.raises(ValueError, match=r"^bias: expected no bias array for impl='mosaic'"):
         mosaic_attention(q, k, v, bias=normal(4, (1, 2, 64, 64)))
+
+
+def test_window_and_sinks_visit_a_fraction_of_causal_tiles_at_32k():
+    """Block skipping by the schedule: at T = 32K in blocks of 64, a window of 1024 with 4
+    sink tokens visits 17 or 18 key blocks per query block where causal visits up to 512,
+    and only the window's edge blocks and the sinks' block evaluate the mask."""
+    from attn.pallas import mosaic
+    from attn.softmax.call import check_call
+
+    T = 32768
+    q = jnp.zeros((1, T, 1, 64), jnp.bfloat16)
+    visits = {}
+    for name, mask in (("causal", masks.causal()), ("streaming", STREAMING_32K)):
+        call = check_call(q, q, q, mask=mask)
+        config = mosaic._config(call, q, q, q, 64, 64, 2, interpret=False)
+        config, (by_query, by_key), _ = mosaic._schedule(config, call)
+        count = np.asarray(by_query[:, 0])
+        kinds = np.asarray(by_query[:, 1 + config.width : 1 + 2 * config.width])
+        visits[name] = (count.sum(), (kinds == masks.BlockKind.PARTIAL).sum())
+        assert np.asarray(by_key[:, 0]).sum() == count.sum()  # dk/dv visits the same tiles
+    assert visits["causal"] == (512 * 513 // 2, 512)  # the diagonal blocks evaluate the mask
+    assert visits["streaming"][0] * 7 < visits["causal"][0]
+    assert visits["streaming"][1] <= 3 * 512
