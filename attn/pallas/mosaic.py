@@ -61,6 +61,7 @@ from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # wgmma's N for P V, and TMA's 128-byte swizzle rows
 BLOCKS = (64, 128)  # wgmma's M is 64 a warpgroup; N (the key block) up to 256
+SHARED_BYTES = 232_448  # an sm90 block's shared memory (227 KiB), what Mosaic GPU checks
 
 
 @takes_call_args
@@ -150,7 +151,23 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, interpret) -> MosaicC
             fail(name, f"one of {BLOCKS}", repr(block))
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         fail("stages", "an int >= 1", repr(stages))
+    need = _shared_bytes(d.H, d.E, q.dtype.itemsize, block_q, block_k, stages, d.S)
+    if not interpret and need > SHARED_BYTES:
+        fail("block_q, block_k, stages",
+             f"tiles that fit Hopper's {SHARED_BYTES:,} bytes of shared memory a block",
+             f"{block_q}, {block_k}, {stages}: {need:,} bytes")  # fmt: skip
     return MosaicConfig(call.spec(), block_q, block_k, stages, interpret)
+
+
+def _shared_bytes(H: int, E: int, itemsize: int, bq: int, bk: int, stages: int, S: int) -> int:
+    """The most shared memory any of the three Hopper kernels takes: its own block (the
+    output reuses it), the ``stages`` blocks in flight, the schedule row and the vectors."""
+    width = 1 << max(-(-S // bk) - 1, 0).bit_length()  # the schedule's widest row
+    small = round_up(1 + 2 * width, ROW_ALIGN) * 4 + 4 * 4 * max(bq, bk) + 4 * ROW_ALIGN
+    forward = (bq * max(H, E) + (bq * E if E != H else 0) + stages * bk * (H + E)) * itemsize
+    dq = (bq * (H + E) + stages * bk * (H + E)) * itemsize
+    dkdv = (bk * (H + E) + stages * bq * (H + E)) * itemsize + stages * bq * 4 * 4
+    return max(forward, dq, dkdv) + small
 
 
 def _schedule(config: MosaicConfig, call: Call):
@@ -207,12 +224,14 @@ def _forward(config: MosaicConfig, q, k, v, sink, ints):
 
 
 def _hopper_scratch(config: MosaicConfig, q, v, table_width: int) -> list:
-    """The query block (and an output block where E != H), the schedule row, the block's
-    positions and segment ids, its sink, its lse, and one barrier per copy in."""
+    """The query block (which the output reuses where E == H, else an output block), the
+    schedule row, the block's positions and segment ids, its sink, its lse, and one barrier
+    per copy in."""
     bq, (H, E) = config.block_q, (q.shape[-1], v.shape[-1])
+    out = [] if E == H else [plgpu.SMEM((bq, E), q.dtype, transforms=swizzle())]
     return [
         plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
-        plgpu.SMEM((bq, E), q.dtype, transforms=swizzle()),
+        *out,
         plgpu.SMEM((table_width,), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
@@ -229,9 +248,10 @@ def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_
         q_seg_ref, kv_seg_ref, *refs = refs
     if call.has_sink:
         sink_ref, *refs = refs
-    o_ref, lse_ref, q_smem, o_smem, table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar = (
-        refs
-    )
+    o_ref, lse_ref, q_smem, *refs = refs
+    # The output reuses the query block once the last product has read it.
+    o_smem, *refs = refs if v_ref.shape[-1] != q_ref.shape[-1] else (q_smem, *refs)
+    table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar = refs
     b, n, i = (lax.axis_index(a) for a in "bhi")
     rows = pl.ds(i * bq, bq)
     copies = [(q_ref.at[b, rows, n], q_smem), (table_ref.at[i], table_smem),

@@ -86,7 +86,6 @@ def _dq(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
     scratch = [
         plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
         plgpu.SMEM((bq, E), q.dtype, transforms=swizzle()),
-        plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
         plgpu.SMEM((table.shape[1],), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
         plgpu.SMEM((bq,), jnp.int32),
@@ -109,7 +108,6 @@ def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
         dq_ref,
         q_smem,
         do_smem,
-        dq_smem,
         table_smem,
         qpos_smem,
         qseg_smem,
@@ -160,9 +158,9 @@ def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
         init_carry=dq0,
     )  # fmt: skip
     dq = pipeline(*sources)
-    dq_smem[...] = (dq * call.scale).astype(dq_smem.dtype)
+    q_smem[...] = (dq * call.scale).astype(q_smem.dtype)  # the last product has read q
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, n])
+    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, n])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -208,8 +206,6 @@ def _dkdv(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
     scratch = [
         plgpu.SMEM((bk, H), k.dtype, transforms=swizzle()),
         plgpu.SMEM((bk, E), k.dtype, transforms=swizzle()),
-        plgpu.SMEM((bk, H), k.dtype, transforms=swizzle()),
-        plgpu.SMEM((bk, E), k.dtype, transforms=swizzle()),
         plgpu.SMEM((table.shape[1],), jnp.int32),
         plgpu.SMEM((bk,), jnp.int32),
         plgpu.SMEM((bk,), jnp.int32),
@@ -226,7 +222,7 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     segments = config.segments
     if segments:
         q_seg_ref, kv_seg_ref, *refs = refs
-    dk_ref, dv_ref, k_smem, v_smem, dk_smem, dv_smem, table_smem, kpos_smem, kseg_smem, bar = refs
+    dk_ref, dv_ref, k_smem, v_smem, table_smem, kpos_smem, kseg_smem, bar = refs
     b, h, j = (lax.axis_index(a) for a in "bhi")
     keys = pl.ds(j * bk, bk)
     copies = [(k_ref.at[b, keys, h], k_smem), (v_ref.at[b, keys, h], v_smem),
@@ -279,11 +275,11 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         init_carry=zeros,
     )  # fmt: skip
     dk, dv = pipeline(*sources)
-    dk_smem[...] = (dk * call.scale).astype(dk_smem.dtype)
-    dv_smem[...] = dv.astype(dv_smem.dtype)
+    k_smem[...] = (dk * call.scale).astype(k_smem.dtype)  # the last products have read K, V
+    v_smem[...] = dv.astype(v_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
     plgpu.wait_smem_to_gmem(0)
 
 
