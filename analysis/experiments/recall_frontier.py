@@ -42,12 +42,16 @@ whose runs finished is read back from their ``summary.json``, not retrained.
 
 Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 
-* ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, one learning
-  rate (1e-2), 1 seed, 14 families x 4 knob values: 112 runs of batch 32, at most
-  500 updates at T = 64 and 350 at T = 128, stopping at 0.99. The committed run
-  is in ``docs/results/recall_frontier/`` with its wall time (``runtime_s``);
-  the 2025 families (RWKV-7, PaTH, log-linear Mamba-2 and Gated DeltaNet) are
-  added to it by ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
+* ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, two learning
+  rates (1e-2 and 10^-1.5, Zoology's two highest), 1 seed, 14 families x 4 knob
+  values: 224 runs of batch 32, stopping at 0.99. A run stops at 500 updates;
+  one still learning there (``recall_frontier_train.still_learning``) is
+  extended to 1,000 and then to 2,000 (``Scale.max_steps``), on a schedule
+  whose horizon is 2,000 throughout, so an extended run is an uninterrupted
+  run of its final length; the table marks the points with a run still
+  learning at 2,000. The committed run (``docs/results/recall_frontier/``, its wall
+  time in ``runtime_s`` and ``timing.txt``) has ten of the families; the 2025 ones
+  join it with ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
   --add-to docs/results/recall_frontier``.
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
@@ -92,6 +96,7 @@ from analysis.experiments.recall_frontier_grid import (
     FAMILIES,
     NAME,
     SCALES,
+    Run,
     Scale,
     dry_run,
     runs,
@@ -141,10 +146,12 @@ def _write(scale: Scale, rows: list[dict], grid: list[dict], runtime: float, out
 def add_to(folder: Path, results: dict[str, Any]) -> dict[str, Any]:
     """Adds the families of ``results`` (a run of some families) to the run in ``folder``.
 
-    The folder's points, runs and scale keep their other families; these
-    families' points and runs replace any it had; the frontier, the claim,
-    the table and the figure are drawn again from all of them, and the
-    runtime is the sum. Both runs must share settings, rates and seeds.
+    The folder's runs and scale keep their other families; these families'
+    runs replace any it had; the points (by this version's ``points``), the
+    frontier, the claim, the table and the figure are drawn again from all the
+    runs, and the runtime is the sum. Both runs must share settings, caps,
+    rates and seeds; the merged scale is the added run's (its name too) with
+    every family.
     """
     path = Path(folder) / _common.RESULTS_FILE
     if not path.is_file():
@@ -154,20 +161,26 @@ def add_to(folder: Path, results: dict[str, Any]) -> dict[str, Any]:
     def scale_of(d):
         fields = {**d, "settings": tuple(map(tuple, d["settings"]))}
         fields["knobs"] = tuple((f, tuple(k)) for f, k in d["knobs"])
-        for key in ("steps", "lrs", "seeds"):
-            fields[key] = tuple(d[key])
+        for key in ("steps", "lrs", "seeds", "max_steps"):
+            fields[key] = None if d.get(key) is None else tuple(d[key])
         return Scale(**fields)
 
     base, new = scale_of(old["scale"]), scale_of(results["scale"])
-    for key in ("settings", "steps", "vocab_size", "lrs", "seeds", "batch_size"):
+    for key in ("settings", "steps", "max_steps", "vocab_size", "lrs", "seeds", "batch_size"):
         if getattr(base, key) != getattr(new, key):
             fail("add_to", f"a run with the same {key} ({getattr(new, key)})", getattr(base, key))
     added = dict(new.knobs)
     knobs = tuple(k for k in base.knobs if k[0] not in added) + new.knobs
-    rows = [r for r in old["points"] if r["family"] not in added] + results["points"]
     grid = [r for r in old["runs"] if r["family"] not in added] + results["runs"]
-    scale = dataclasses.replace(base, knobs=knobs)
-    return _write(scale, rows, grid, old["runtime_s"] + results["runtime_s"], Path(folder))
+    scale = dataclasses.replace(new, knobs=knobs)
+    summaries = {_run_of(r): r["summary"] for r in grid}
+    return _write(scale, points(scale, summaries), grid, old["runtime_s"] + results["runtime_s"],
+                  Path(folder))  # fmt: skip
+
+
+def _run_of(entry: dict) -> Run:
+    """The ``Run`` of a results file's run entry."""
+    return Run(tuple(entry["setting"]), entry["family"], entry["knob"], entry["lr"], entry["seed"])
 
 
 def _print_dry_run(result: dict) -> None:
@@ -198,8 +211,8 @@ class Args:
     """The recall frontier: MQAR accuracy against decode state, one line per family.
 
     Attributes:
-      scale: ``cpu`` (45 minutes on 2 cores), ``gpu`` (8 minutes on one H200, predicted)
-        or ``zoology`` (Zoology's grid, hours on an accelerator).
+      scale: ``cpu`` (2 cores; ``timing.txt`` of the committed run), ``gpu`` (8 minutes
+        on one H200, predicted) or ``zoology`` (Zoology's grid, hours on an accelerator).
       only: a comma-separated subset of the families.
       jobs: trainings at once, each on its own core.
       out: the output folder; default ``results/recall_frontier`` (``-quick`` with --quick).

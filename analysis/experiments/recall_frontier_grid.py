@@ -122,9 +122,13 @@ class Scale:
     """A grid of the experiment.
 
     Attributes:
-      name: ``cpu``, ``zoology`` or ``quick``.
+      name: a key of ``SCALES``.
       settings: the MQAR (T, pairs) settings, one panel each.
       steps: the update cap of each setting's runs.
+      max_steps: None, or per setting the most updates a run may take: a run that ends
+        at its cap still learning (``recall_frontier_train.still_learning``) is extended,
+        its cap doubled, up to this. The schedule's horizon is this, so an extended run
+        equals an uninterrupted run of its final length.
       knobs: ``(family, knob values)`` pairs: the families and their sweeps.
       vocab_size: V of the task.
       lrs: the learning-rate sweep; each point reports its best.
@@ -151,13 +155,29 @@ class Scale:
     target: float = 0.99
     min_pairs: int | None = 1
     dtype: str = "float32"
+    max_steps: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.steps) != len(self.settings):
             fail("steps", f"one cap per setting ({len(self.settings)})", repr(self.steps))
+        most = self.max_steps
+        if most is not None and (
+            len(most) != len(self.steps)
+            or any(m < s for m, s in zip(most, self.steps, strict=True))
+        ):
+            fail("max_steps", f"one per setting, each >= its steps {self.steps}", repr(most))
         unknown = [f for f, _ in self.knobs if f not in FAMILIES]
         if unknown:
             fail("knobs", f"families from {sorted(FAMILIES)}", repr(unknown))
+
+    def cap(self, setting) -> int:
+        """The first cap of ``setting``'s runs."""
+        return self.steps[self.settings.index(tuple(setting))]
+
+    def most(self, setting) -> int:
+        """The most updates a run of ``setting`` may take (its cap without ``max_steps``)."""
+        i = self.settings.index(tuple(setting))
+        return self.steps[i] if self.max_steps is None else self.max_steps[i]
 
     def families(self) -> dict[str, tuple[int, ...]]:
         return dict(self.knobs)
@@ -171,10 +191,14 @@ class Scale:
 
 
 SCALES: dict[str, Scale] = {
+    # Every family at Zoology's two highest learning rates (at 3e-3 softmax stayed at chance
+    # for 500 updates where 1e-2 reached 0.99), each run extended while it still learns
+    # (500 updates, then 1,000, then 2,000): ``configs/recall_frontier.py``.
     "cpu": Scale(
         name="cpu",
         settings=((64, 4), (128, 8)),
-        steps=(500, 350),
+        steps=(500, 500),
+        max_steps=(2000, 2000),
         knobs=(
             ("mha", (16, 32, 48, 64)),
             ("gqa", (1, 2, 4, 8)),
@@ -192,7 +216,7 @@ SCALES: dict[str, Scale] = {
             ("log_linear_gated_deltanet", (8, 16, 32, 64)),
         ),
         vocab_size=64,
-        lrs=(1e-2,),
+        lrs=(1e-2, float(10**-1.5)),
         batch_size=32,
     ),
     "zoology": Scale(
@@ -285,13 +309,13 @@ def setting_key(setting) -> str:
     return f"T={T}, {pairs} pairs"
 
 
-def train_config(scale: Scale, run: Run):
-    """The ``TrainConfig`` of one run."""
+def train_config(scale: Scale, run: Run, steps: int | None = None):
+    """The ``TrainConfig`` of one run, to its first cap or to ``steps`` (an extension)."""
     from train.config import OptimConfig, TrainConfig
     from train.tasks import TaskConfig
 
     T, pairs = run.setting
-    steps = scale.steps[scale.settings.index(run.setting)]
+    horizon = None if scale.max_steps is None else scale.most(run.setting)
     min_pairs = None if scale.min_pairs is None else min(scale.min_pairs, pairs)
     return TrainConfig(
         task=TaskConfig(
@@ -299,8 +323,8 @@ def train_config(scale: Scale, run: Run):
             min_pairs=min_pairs,
         ),
         model=dataclasses.replace(FAMILIES[run.family].model(run.knob), dtype=scale.dtype),
-        optim=OptimConfig(lr=run.lr, warmup_fraction=0.02),
-        steps=steps,
+        optim=OptimConfig(lr=run.lr, warmup_fraction=0.02, decay_steps=horizon),
+        steps=steps or scale.cap(run.setting),
         batch_size=scale.batch_size,
         eval_every=scale.eval_every,
         eval_batches=scale.eval_batches,
@@ -380,7 +404,7 @@ def predicted_seconds(scale: Scale, point, params: int, device=None) -> dict[str
     setting, family, knob = point
     config = train_config(scale, Run(setting, family, knob, scale.lrs[0], scale.seeds[0]))
     flops = model_flops(config.model, params, setting[0], scale.batch_size)["flops"]
-    steps = scale.steps[scale.settings.index(setting)]
+    steps = scale.most(setting)
     evals = -(-steps // scale.eval_every) * scale.eval_batches
     run_s = steps * device.step_seconds(flops) + evals * device.forward_seconds(flops)
     compile_s = 2 * device.compile_seconds(len(config.model.layers))
@@ -404,7 +428,7 @@ def dry_run(scale: Scale, *, flops: bool = False) -> dict[str, Any]:
         }
         row["gpu"] = predicted_seconds(scale, point, row["params"])
         if flops:
-            steps = scale.steps[scale.settings.index(point[0])]
+            steps = scale.most(point[0])
             row["flops_per_step"] = step_flops(scale, point)
             row["flops_per_run"] = row["flops_per_step"] * steps
         rows.append(row)

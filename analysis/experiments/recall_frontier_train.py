@@ -1,5 +1,5 @@
 """The recall frontier's training: every run of a grid, in worker processes, resumed or read back
-from its summary when finished."""
+from its summary when finished, and extended while it still learns where the grid allows."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from typing import Any
 
 from analysis.experiments import _common
 from analysis.experiments.recall_frontier_grid import NAME, Run, Scale, runs, train_config
+
+# A run still learns while, over the second half of its updates, its test loss falls by more
+# than LOSS_DROP (relative) or its test accuracy rises by more than ACC_RISE. MQAR's loss
+# falls well before its accuracy jumps; at a plateau both move by less than a percent.
+LOSS_DROP = 0.05
+ACC_RISE = 0.02
 
 
 def _train(config, workdir: str, desc: str) -> dict[str, Any]:
@@ -25,9 +31,59 @@ def _train(config, workdir: str, desc: str) -> dict[str, Any]:
     return summary
 
 
-def _train_run(scale: Scale, out: Path, run: Run) -> dict[str, Any]:
-    """``run`` of ``scale`` under ``out/runs`` (picklable for the workers)."""
-    return _train(train_config(scale, run), str(_common.run_dir(out, run.name)), run.name)
+def _train_run(scale: Scale, out: Path, run: Run, steps: int | None = None) -> dict[str, Any]:
+    """``run`` of ``scale`` under ``out/runs``, to its first cap or to ``steps`` (picklable
+    for the workers)."""
+    config = train_config(scale, run, steps)
+    return _train(config, str(_common.run_dir(out, run.name)), run.name)
+
+
+def _extend_run(scale: Scale, out: Path, item: tuple[Run, int]) -> dict[str, Any]:
+    return _train_run(scale, out, *item)
+
+
+def still_learning(evals: list[dict], steps: int) -> bool:
+    """Whether a run's test metrics still improved over the second half of its ``steps``.
+
+    Args:
+      evals: its evaluation records (``metrics.jsonl``'s ``kind == "eval"``), by step.
+      steps: the updates it took.
+
+    Returns:
+      True where its last evaluation's test loss is more than ``LOSS_DROP`` below (relative)
+      the last one at or before ``steps // 2`` (its first, if none is), or its accuracy more
+      than ``ACC_RISE`` above it.
+    """
+    if not evals:
+        return False
+    half = [e for e in evals if e["step"] <= steps // 2] or evals[:1]
+    then, last = half[-1], evals[-1]
+    return (
+        last["test_loss"] < (1 - LOSS_DROP) * then["test_loss"]
+        or last["test_accuracy"] > then["test_accuracy"] + ACC_RISE
+    )
+
+
+def learning_at_cap(out: Path, run: Run, summary: dict) -> bool:
+    """Whether ``run`` ended at its cap short of the target while still learning."""
+    if summary.get("target_reached") or summary.get("diverged"):
+        return False
+    from train.metrics import read_metrics
+
+    steps = summary["step"]
+    records = read_metrics(_common.run_dir(out, run.name))
+    return still_learning([r for r in records if r["kind"] == "eval" and r["step"] <= steps], steps)
+
+
+def next_cap(scale: Scale, out: Path, run: Run, summary: dict) -> int | None:
+    """The cap to extend ``run`` to (its steps doubled, at most ``scale.most``), or None:
+    the scale extends no run, or it reached its target, or is at the most, or stopped
+    learning."""
+    if scale.max_steps is None or summary["step"] >= scale.most(run.setting):
+        return None
+    if not learning_at_cap(out, run, summary):
+        return None
+    return min(2 * summary["step"], scale.most(run.setting))
 
 
 def _finished(workdir: Path) -> dict[str, Any] | None:
@@ -42,7 +98,9 @@ def _finished(workdir: Path) -> dict[str, Any] | None:
 
 
 def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run, dict]:
-    """Trains every unfinished run of ``scale`` under ``out/runs``; returns every summary."""
+    """Trains every unfinished run of ``scale`` under ``out/runs``, then extends those still
+    learning at their caps (``next_cap``), in waves, until none is; returns every summary,
+    each with ``learning_at_cap`` (whether it ended at its last cap still learning)."""
     from tqdm.auto import tqdm
 
     todo, summaries = [], {}
@@ -62,5 +120,16 @@ def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run
         bar.update(1)
 
     _common.run_all(functools.partial(_train_run, scale, out), todo, jobs, report)
+    while more := [
+        (run, cap) for run in runs(scale) if (cap := next_cap(scale, out, run, summaries[run]))
+    ]:
+        bar.write(f"extending {len(more)} runs still learning at their caps")
+        bar.total += len(more)
+        bar.refresh()
+        _common.run_all(
+            functools.partial(_extend_run, scale, out), more, jobs, lambda i, s: report(i[0], s)
+        )
     bar.close()
+    for run, summary in summaries.items():
+        summary["learning_at_cap"] = learning_at_cap(out, run, summary)
     return summaries

@@ -27,6 +27,7 @@ from analysis.experiments import (
     recall_frontier,
     recall_frontier_grid,
     recall_frontier_report,
+    recall_frontier_train,
     sinks_streaming,
     sparse,
     state_tracking,
@@ -351,13 +352,23 @@ def test_sink_onset_is_the_smallest_model_with_a_sink():
 
 
 @pytest.mark.integration
-def test_recall_frontier_quick(tmp_path, capsys):
-    # Two runs end to end through the command line (one job), then again: read back.
+def test_recall_frontier_quick(tmp_path, capsys, monkeypatch):
+    # Two runs end to end through the command line (one job), extended from 6 updates to
+    # 12 while "still learning" (made so here), then again: read back.
+    quick = dataclasses.replace(recall_frontier_grid.SCALES["quick"], max_steps=(12,))
+    monkeypatch.setitem(recall_frontier_grid.SCALES, "quick", quick)
+    monkeypatch.setattr(recall_frontier_train, "still_learning", lambda evals, steps: True)
     out = tmp_path / "frontier"
     argv = ["--quick", "--jobs", "1", "--out", str(out), "--no-progress"]
     assert recall_frontier.main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     check_common(results, out, "recall_frontier")
+    for r in results["runs"]:
+        assert r["summary"]["step"] == 12 and r["summary"]["learning_at_cap"]
+        record = json.loads((out / "runs" / r["name"] / "config.json").read_text())
+        assert record["optim"]["decay_steps"] == 12  # one schedule throughout
+    assert all(p["learning_at_cap"] and p["steps"] == [12] for p in results["points"])
+    assert "still learning at the cap: mha 16 at T=16, 2 pairs" in results["claim"]["measured"]
     assert {(p["family"], p["knob"]) for p in results["points"]} == {("mha", 16), ("linear", 16)}
     for p in results["points"]:
         assert 0 <= p["accuracy"] <= 1 and p["state_elements"] * 4 == p["state_bytes"]
@@ -373,37 +384,37 @@ def test_recall_frontier_quick(tmp_path, capsys):
     assert {r["name"]: r["summary"] for r in again["runs"]} == summaries
 
 
-def _frontier_rows(scale, families):
-    """Hand-made points of ``families`` (name -> knob) at every setting of ``scale``."""
-    return [
-        {"setting": list(setting), "family": f, "knob": k, "params": 1000, "state_elements": 64 * k,
-         "state_bytes": 256 * k, "best_lr": scale.lrs[0], "accuracy": 0.5 + k / 100,
-         "seed_accuracies": [0.5 + k / 100], "steps": [6], "accuracy_by_lr": {}}
-        for setting in scale.settings for f, k in families.items()
+def _frontier_results(scale, families, runtime):
+    """A results file's fields for hand-made runs of ``families`` (name -> knob)."""
+    grid = [
+        {**dataclasses.asdict(run), "name": run.name,
+         "summary": {"test_accuracy": 0.5 + run.knob / 100, "step": 6, "target_reached": False,
+                     "learning_at_cap": run.family == "linear"}}
+        for run in recall_frontier_grid.runs(scale) if families.get(run.family) == run.knob
     ]  # fmt: skip
+    return {"scale": dataclasses.asdict(scale), "runs": grid, "runtime_s": runtime}
 
 
 def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
-    """``--add-to``: a run of some families joins a committed run; refuses another grid."""
+    """``--add-to``: a run of some families joins a committed run, its points drawn again
+    from every run; refuses another grid."""
     quick = recall_frontier_grid.SCALES["quick"]
-    old_rows = _frontier_rows(quick, {"mha": 16, "linear": 16})
-    grid = [{"family": f, "name": f} for f in ("mha", "linear")]
-    recall_frontier._write(quick, old_rows, grid, 10.0, tmp_path)
-    new_scale = dataclasses.replace(quick, knobs=(("mamba2", (8,)), ("linear", (32,))))
-    new = {
-        "scale": dataclasses.asdict(new_scale),
-        "points": _frontier_rows(new_scale, {"mamba2": 8, "linear": 32}),
-        "runs": [{"family": "mamba2", "name": "m"}, {"family": "linear", "name": "l2"}],
-        "runtime_s": 5.0,
-    }
+    old = _frontier_results(quick, {"mha": 16, "linear": 16}, 10.0)
+    rows = recall_frontier_report.points(quick, {recall_frontier._run_of(r): r["summary"]
+                                                  for r in old["runs"]})  # fmt: skip
+    recall_frontier._write(quick, rows, old["runs"], 10.0, tmp_path)
+    knobs = (("mamba2", (8,)), ("linear", (32,)))
+    new_scale = dataclasses.replace(quick, name="more", knobs=knobs)
+    new = _frontier_results(new_scale, {"mamba2": 8, "linear": 32}, 5.0)
     merged = recall_frontier.add_to(tmp_path, new)
     assert [k for k, _ in merged["scale"]["knobs"]] == ["mha", "mamba2", "linear"]
-    assert {(p["family"], p["knob"]) for p in merged["points"]} == {
-        ("mha", 16),
-        ("mamba2", 8),
-        ("linear", 32),  # the new linear point replaced the old
-    }
-    assert [r["name"] for r in merged["runs"]] == ["mha", "m", "l2"]
+    assert merged["scale"]["name"] == "more"  # the added run's
+    points = {(p["family"], p["knob"]): p for p in merged["points"]}
+    assert set(points) == {("mha", 16), ("mamba2", 8), ("linear", 32)}  # linear 32 replaced 16
+    assert points[("linear", 32)]["accuracy"] == 0.5 + 32 / 100
+    assert points[("linear", 32)]["learning_at_cap"]
+    assert not points[("mha", 16)]["learning_at_cap"]
+    assert [r["family"] for r in merged["runs"]] == ["mha", "mamba2", "linear"]
     assert merged["runtime_s"] == 15.0 and (tmp_path / "frontier.png").is_file()
     assert json.loads((tmp_path / "results.json").read_text()) == merged
     other = {**new, "scale": dataclasses.asdict(dataclasses.replace(new_scale, lrs=(1e-2,)))}
@@ -456,6 +467,33 @@ def test_recall_frontier_pareto_and_reach():
     with unittest.mock.patch.object(recall_frontier_report, "FAMILIES", families):
         assert recall_frontier_report.reach(rows, "a").startswith("100 (width 2)")
         assert recall_frontier_report.reach(rows, "b", level=0.99) == "not reached at 100"
+
+
+def test_recall_frontier_still_learning_reads_the_second_half(tmp_path):
+    def evals(*points):
+        return [{"step": s, "test_loss": x, "test_accuracy": a} for s, x, a in points]
+
+    still = recall_frontier_train.still_learning
+    flat = evals((50, 3.0, 0.25), (100, 2.95, 0.26), (150, 2.9, 0.26), (200, 2.89, 0.27))
+    assert not still(flat, 200)  # 2% lower, 0.01 higher than at step 100
+    assert still(evals((100, 3.0, 0.25), (200, 2.8, 0.25)), 200)  # the loss, 7% down
+    assert still(evals((100, 3.0, 0.25), (200, 3.0, 0.30)), 200)  # the accuracy, 0.05 up
+    assert not still(evals((100, 3.0, 0.25), (200, 1.0, 0.99)), 400)  # the same at the half
+    assert not still([], 200)
+    scale = dataclasses.replace(recall_frontier_grid.SCALES["quick"], max_steps=(20,))
+    run = recall_frontier_grid.runs(scale)[0]
+    workdir = tmp_path / "runs" / run.name
+    workdir.mkdir(parents=True)
+    rising = [{"kind": "eval", **e} for e in evals((3, 3.0, 0.2), (6, 2.0, 0.5), (9, 1.0, 0.9))]
+    (workdir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rising))
+    cap = recall_frontier_train.next_cap
+    assert cap(scale, tmp_path, run, {"step": 6}) == 12  # doubled; the record past 6 unread
+    assert cap(scale, tmp_path, run, {"step": 12}) == 20  # at most max_steps
+    assert cap(scale, tmp_path, run, {"step": 20}) is None
+    assert cap(scale, tmp_path, run, {"step": 6, "target_reached": True}) is None
+    assert cap(recall_frontier_grid.SCALES["quick"], tmp_path, run, {"step": 6}) is None
+    with pytest.raises(ValueError, match=r"max_steps: expected one per setting, each >= its"):
+        dataclasses.replace(scale, max_steps=(5,))
 
 
 def test_recall_frontier_bad_input_names_the_argument(tmp_path, capsys):
