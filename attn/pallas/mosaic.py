@@ -54,6 +54,7 @@ from attn.pallas.mosaic_common import (
     scheduled,
     sink_rows,
     swizzle,
+    take_rows,
 )
 from attn.pallas.schedule import schedules
 from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
@@ -244,10 +245,7 @@ def _hopper_scratch(config: MosaicConfig, q, v, table_width: int) -> list:
 def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_pos_ref, *refs):
     call, bq, bk = config.call, config.block_q, config.block_k
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
-    if call.has_sink:
-        sink_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, sink_ref, refs = take_rows(config, refs, sink=True)
     o_ref, lse_ref, q_smem, *refs = refs
     # The output reuses the query block once the last product has read it.
     o_smem, *refs = refs if v_ref.shape[-1] != q_ref.shape[-1] else (q_smem, *refs)
@@ -324,10 +322,7 @@ def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_
 def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_pos_ref, *refs):
     call, bq, bk = config.call, config.block_q, config.block_k
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
-    if call.has_sink:
-        sink_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, sink_ref, refs = take_rows(config, refs, sink=True)
     o_ref, lse_ref = refs
     b, n, i = (lax.axis_index(a) for a in "bhi")
     rows, kv = pl.ds(i * bq, bq), n // call.G

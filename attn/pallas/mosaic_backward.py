@@ -41,6 +41,7 @@ from attn.pallas.mosaic_common import (
     product,
     scheduled,
     swizzle,
+    take_rows,
 )
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
@@ -102,8 +103,7 @@ def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
                q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     call, bq, bk = config.call, config.block_q, config.block_k
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     (
         dq_ref,
         q_smem,
@@ -168,8 +168,7 @@ def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
              q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     call, bq, bk = config.call, config.block_q, config.block_k
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     (dq_ref,) = refs
     b, n, i = (lax.axis_index(a) for a in "bhi")
     rows, kv, tile = pl.ds(i * bq, bq), n // call.G, (bq, bk)
@@ -220,8 +219,7 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
                  table_ref, q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     call, bq, bk, G = config.call, config.block_q, config.block_k, config.call.G
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     dk_ref, dv_ref, k_smem, v_smem, table_smem, kpos_smem, kseg_smem, bar = refs
     b, h, j = (lax.axis_index(a) for a in "bhi")
     keys = pl.ds(j * bk, bk)
@@ -287,8 +285,7 @@ def _dkdv_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
                q_pos_ref, kv_pos_ref, *refs):  # fmt: skip
     call, bq, bk, G = config.call, config.block_q, config.block_k, config.call.G
     segments = config.segments
-    if segments:
-        q_seg_ref, kv_seg_ref, *refs = refs
+    q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     dk_ref, dv_ref = refs
     b, h, j = (lax.axis_index(a) for a in "bhi")
     keys, tile = pl.ds(j * bk, bk), (bk, bq)

@@ -44,6 +44,18 @@ class MosaicConfig:
         return self.call.has_segments or self.call.S % self.block_k != 0
 
 
+def take_rows(config: MosaicConfig, refs, sink: bool = False):
+    """``(q_seg_ref, kv_seg_ref, sink_ref, rest)`` from a kernel's refs after its positions:
+    the segment ids where the kernels read them, the sink logits (with ``sink``) where the
+    call has them, each None where not."""
+    q_seg = kv_seg = sink_ref = None
+    if config.segments:
+        q_seg, kv_seg, *refs = refs
+    if sink and config.call.has_sink:
+        sink_ref, *refs = refs
+    return q_seg, kv_seg, sink_ref, refs
+
+
 def sink_rows(sink):
     """Sink logits ``[N]`` as ``[N, ROW_ALIGN]`` float32: one TMA-sized row per head."""
     return jnp.pad(sink.astype(jnp.float32).reshape(-1, 1), ((0, 0), (0, ROW_ALIGN - 1)))
