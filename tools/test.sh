@@ -4,7 +4,8 @@
 #   devices      tests/devices on 8 fake CPU devices  (the count is set before JAX starts)
 #   integration  python -m pytest -m integration      the CLI, subprocesses, faults, signals,
 #                                                      several processes, docs, bench, --quick,
-#                                                      serving every kind
+#                                                      serving every kind, kernels lowered for
+#                                                      accelerators (Pallas, Mosaic GPU)
 # `tools/test.sh fast devices` runs only those; extra pytest flags go in PYTEST_ARGS. Each tier
 # prints its wall time; the exit status is non-zero if any tier failed (all of them still run).
 set -uo pipefail

@@ -27,6 +27,7 @@ import attn
 from attn import masks, scores
 from attn.pallas import flash_attention, splash_attention
 
+pytestmark = pytest.mark.integration  # accelerator code lowered from the CPU
 TRITON = "__gpu$xla.gpu.triton"
 STREAMING = masks.causal() & (masks.sliding_window(256) | masks.initial_tokens(4))
 

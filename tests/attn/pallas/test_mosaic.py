@@ -35,6 +35,7 @@ from tests.util import normal, np_attention, qkv, rel_err
 BF16_TOL = 1e-2  # inputs and P in 16 bits, statistics in float32
 LSE_TOL = 1e-5  # float32 statistics of the same products, against float32 dense
 TOL, GRAD_TOL = 1e-5, 1e-4  # float32: the same function in another order
+pytestmark = pytest.mark.integration  # accelerator code lowered from the CPU
 STREAMING = masks.causal() & (masks.sliding_window(70) | masks.initial_tokens(4))
 GLOBAL = (masks.global_tokens((0, 90)) | masks.sliding_window(40)) & masks.causal()
 STREAMING_32K = masks.causal() & (masks.sliding_window(1024) | masks.initial_tokens(4))
