@@ -15,5 +15,5 @@ if ! "$python" -c "" 2>/dev/null && command -v pyenv > /dev/null; then  # pyenv'
 fi
 "$python" -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet "jax==0.11.2" chex pytest numpy
-PYTHONPATH=. "$venv/bin/python" -W error::DeprecationWarning -m pytest -q -p no:cacheprovider \
+PYTHONPATH=. "$venv/bin/python" -W error::DeprecationWarning -m pytest -q -p no:cacheprovider -m integration \
   tests/attn/pallas/test_mosaic.py "$@"
