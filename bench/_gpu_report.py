@@ -9,6 +9,7 @@ GiB = 2**30
 IMPL_LABELS = {
     "pallas": "attn.pallas",
     "mosaic": "attn.pallas.mosaic",
+    "mosaic_1wg": "mosaic (1 warpgroup)",
     "cudnn": "jax.nn (cudnn)",
     "xla": "jax.nn (xla)",
     "blockwise": "attn blockwise",
@@ -88,7 +89,7 @@ def plot(result: dict, path: Path) -> None:
     colors = dict(
         zip(
             IMPL_LABELS,
-            ("tab:blue", "tab:green", "tab:purple", "tab:red", "tab:orange"),
+            ("tab:blue", "tab:green", "tab:olive", "tab:purple", "tab:red", "tab:orange"),
             strict=True,
         )
     )

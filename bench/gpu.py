@@ -7,7 +7,9 @@ initial_tokens(4))``), it times the forward pass and forward + backward (the
 gradient of ``sum(out * ct)`` w.r.t. q, k, v) of:
 
 * ``pallas``: ``attn.pallas.flash_attention`` (every mask; Triton);
-* ``mosaic``: ``attn.pallas.mosaic.mosaic_attention`` (every mask; Mosaic GPU, Hopper only);
+* ``mosaic``: ``attn.pallas.mosaic.mosaic_attention`` (every mask; Mosaic GPU, Hopper only;
+  the forward FlashAttention-3's: a TMA producer and two consumer warpgroups);
+* ``mosaic_1wg``: the same with ``consumers=0`` (one warpgroup a block pipelining its copies);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, causal and full only
   (jax.nn has no initial tokens);
 * ``xla``: ``jax.nn.dot_product_attention(implementation="xla")``, which materializes
@@ -58,7 +60,7 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/gp
 from bench._gpu_report import markdown, plot  # noqa: E402
 from bench._report import write_report  # noqa: E402
 
-IMPLS = ("pallas", "mosaic", "cudnn", "xla", "blockwise")
+IMPLS = ("pallas", "mosaic", "mosaic_1wg", "cudnn", "xla", "blockwise")
 MASKS = ("causal", "full", "window_sinks")
 JAX_NN_MASKS = ("causal", "full")  # what jax.nn can express
 MODES = ("fwd", "fwd+bwd")
@@ -164,7 +166,7 @@ def skip_reason(p: dict, platform: str, limit: int | None, fraction: float) -> s
         return "not applicable: jax.nn has no initial tokens"
     if p["impl"] == "cudnn" and platform != "gpu":
         return "not measured: cuDNN needs a GPU"
-    if p["impl"] == "mosaic" and platform != "gpu":
+    if p["impl"].startswith("mosaic") and platform != "gpu":
         return "not measured: the Mosaic GPU kernels need a Hopper GPU"
     if p["impl"] == "xla" and limit:
         # float32 logits and weights, and in the backward their gradients.
@@ -201,6 +203,12 @@ def measure_point(p: dict, spec: dict, limit: int | None) -> dict:
 
         def fn(q, k, v):
             return attn.attention(q, k, v, mask=mask, impl="mosaic")
+
+    elif p["impl"] == "mosaic_1wg":
+        from attn.pallas.mosaic import mosaic_attention
+
+        def fn(q, k, v):
+            return mosaic_attention(q, k, v, mask=mask, consumers=0)
 
     elif p["impl"] == "blockwise":
 

@@ -33,10 +33,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from attn.pallas import mosaic_tiles as tiles
 from attn.pallas.mosaic_common import (
     MosaicConfig,
+    accumulate,
     copy_in,
     dot,
     interpreter,
     kernel,
+    key_stream,
     load,
     product,
     scheduled,
@@ -73,7 +75,8 @@ def _launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
     if config.interpret:
         return kernel(functools.partial(twin, config), out_shape, [], grid,
                       interpret=interpreter())(*args)  # fmt: skip
-    return kernel(functools.partial(hopper, config), out_shape, scratch, grid)(*args)
+    return kernel(functools.partial(hopper, config), out_shape, scratch, grid,
+                  approx=config.approx)(*args)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -81,7 +84,7 @@ def _launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
 
 
 def _dq(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
-    (table, _), rows = ints
+    (_, table, _), rows = ints
     B, Tp, N, H = q.shape
     bq, E = config.block_q, v.shape[-1]
     scratch = [
@@ -141,17 +144,12 @@ def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
         dp = product(do_smem, v_smem, tile)
         k_pos = tiles.along(load(kpos_smem, COL), tile, 1)
         k_seg = tiles.along(load(kseg_smem[0], COL), tile, 1) if segments else None
-        kind = table_smem[1 + config.width + t]
+        kind = table_smem[1 + config.width_dq + t]
         s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
         dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
-        return pl.run_state(lambda ref: plgpu.wgmma(ref, dx.astype(k_smem.dtype), k_smem))(
-            plgpu.ACC.init(dq)
-        )
+        return accumulate(dq, dx, k_smem)
 
-    specs, sources = _key_pipeline(config, k_ref, v_ref, kv_pos_ref, b, n // call.G, table_smem)
-    if segments:
-        specs.append(specs[-1])
-        sources.append(kv_seg_ref.at[b])
+    specs, sources = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
     dq0 = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
     pipeline = plgpu.emit_pipeline(
         step, grid=(table_smem[0],), in_specs=specs, max_concurrent_steps=config.stages,
@@ -185,12 +183,13 @@ def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
         dp = dot(do, v_ref[b, keys, kv, :], (1, 1))
         k_pos = tiles.along(kv_pos_ref[b, keys], tile, 1)
         k_seg = tiles.along(kv_seg_ref[b, keys], tile, 1) if segments else None
-        s = tiles.scores(call, qk, table_ref[i, 1 + config.width + t], q_pos, k_pos, q_seg, k_seg)
+        kind = table_ref[i, 1 + config.width_dq + t]
+        s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
         dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
         return dq + dot(dx.astype(k.dtype), k, (1, 0))
 
     dq0 = jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)
-    dq = scheduled(table_ref[i, 0], config.width, step, dq0)
+    dq = scheduled(table_ref[i, 0], config.width_dq, step, dq0)
     dq_ref[b, rows, n, :] = (dq * call.scale).astype(dq_ref.dtype)
 
 
@@ -199,7 +198,7 @@ def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
 
 
 def _dkdv(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
-    (_, table), rows = ints
+    (_, _, table), rows = ints
     B, Sp, K, H = k.shape
     bk, E = config.block_k, v.shape[-1]
     scratch = [
@@ -242,13 +241,7 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
         s = tiles.scores(call, qk, table_smem[1 + config.width_k + t], q_pos, k_pos, q_seg, k_seg)
         p = tiles.probabilities(s, tiles.along(load(lse_smem, COL), tile, 1))
         dx = tiles.logit_grads(call, qk, p, dp, tiles.along(load(delta_smem, COL), tile, 1))
-        dv = pl.run_state(lambda ref: plgpu.wgmma(ref, p.astype(do_smem.dtype), do_smem))(
-            plgpu.ACC.init(dv)
-        )
-        dk = pl.run_state(lambda ref: plgpu.wgmma(ref, dx.astype(q_smem.dtype), q_smem))(
-            plgpu.ACC.init(dk)
-        )
-        return dk, dv
+        return accumulate(dk, dx, q_smem), accumulate(dv, p, do_smem)
 
     block = lambda t, g: (table_smem[1 + t], h * G + g, 0)  # noqa: E731
     stats = lambda t, g: (h * G + g, table_smem[1 + t])  # noqa: E731
@@ -316,19 +309,3 @@ def _dkdv_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     dk, dv = scheduled(table_ref[j, 0], config.width_k, step, zeros)
     dk_ref[b, keys, h, :] = (dk * call.scale).astype(dk_ref.dtype)
     dv_ref[b, keys, h, :] = dv.astype(dv_ref.dtype)
-
-
-# ----------------------------------------------------------------------------
-# Helpers
-
-
-def _key_pipeline(config: MosaicConfig, k_ref, v_ref, kv_pos_ref, b, kv, table_smem):
-    """The dq kernel's pipeline over its scheduled key blocks: K, V and their positions."""
-    bk = config.block_k
-    key_block = lambda t: (table_smem[1 + t], 0)  # noqa: E731
-    specs = [
-        plgpu.BlockSpec((bk, k_ref.shape[-1]), key_block, transforms=swizzle()),
-        plgpu.BlockSpec((bk, v_ref.shape[-1]), key_block, transforms=swizzle()),
-        plgpu.BlockSpec((bk,), lambda t: (table_smem[1 + t],)),
-    ]
-    return specs, [k_ref.at[b, :, kv, :], v_ref.at[b, :, kv, :], kv_pos_ref.at[b]]

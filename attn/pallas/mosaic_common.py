@@ -30,13 +30,28 @@ class MosaicConfig:
     block_k: int
     stages: int  # key blocks in flight in the Hopper kernel's pipeline
     interpret: bool  # the twin under the interpreter, else the Hopper kernel
-    width: int = 0  # the forward's and dq's schedule: key blocks per query block
+    # The forward's consumer warpgroups beside its TMA producer (0: one warpgroup that
+    # pipelines its own copies); each takes block_q of the program's query rows.
+    consumers: int = 0
+    width: int = 0  # the forward's schedule (in its programs' rows): key blocks per row
+    width_dq: int = 0  # the dq schedule (in blocks of block_q)
     width_k: int = 0  # the dk/dv schedule: query blocks per key block
 
     @property
+    def program_rows(self) -> int:
+        """The forward's query rows per program: ``block_q`` per consumer warpgroup."""
+        return self.block_q * max(self.consumers, 1)
+
+    @property
     def padded(self) -> tuple[int, int]:
-        """``(Tp, Sp)``: T and S padded to whole blocks."""
-        return round_up(self.call.T, self.block_q), round_up(self.call.S, self.block_k)
+        """``(Tp, Sp)``: T and S padded to whole programs and blocks."""
+        return round_up(self.call.T, self.program_rows), round_up(self.call.S, self.block_k)
+
+    @property
+    def approx(self) -> bool:
+        """Whether the Hopper kernels take the fast ``ex2``/``lg2`` (a few ulp of float32);
+        not with a soft-cap, whose ``tanh`` it would take too (about 2^-11)."""
+        return self.call.softcap is None
 
     @property
     def segments(self) -> bool:
@@ -66,16 +81,19 @@ def swizzle():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def kernel(body, out_shape, scratch, grid, **kwargs):
+def kernel(body, out_shape, scratch, grid, approx: bool = False, **kwargs):
     """``plgpu.kernel`` over the grid ``(batch, head, block)`` (axis names ``b``, ``h``,
     ``i``), under the lane lowering
     (the default of jax 0.10; jax 0.11's is the warpgroup one), with the output and
-    scratch keywords of the installed jax (``out_type``/``scratch_types`` from 0.10.2)."""
+    scratch keywords of the installed jax (``out_type``/``scratch_types`` from 0.10.2);
+    ``approx`` takes the fast transcendentals."""
     names = inspect.signature(plgpu.kernel).parameters
     out_kw, scratch_kw = (
         ("out_type", "scratch_types") if "out_type" in names else ("out_shape", "scratch_shapes")
     )
-    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    params = plgpu.CompilerParams(
+        approx_math=approx, lowering_semantics=plgpu.LoweringSemantics.Lane
+    )
     return plgpu.kernel(body, **{out_kw: out_shape, scratch_kw: scratch}, grid=grid,
                         grid_names=("b", "h", "i"), compiler_params=params, **kwargs)  # fmt: skip
 
@@ -99,22 +117,33 @@ def round_up(n: int, block: int) -> int:
     return -(-n // block) * block
 
 
-def copy_in(copies, bar) -> None:
-    """Every ``(gmem, smem)`` copy started on its own barrier, then all awaited."""
+def copy_in(copies, bar, first=0) -> None:
+    """Every ``(gmem, smem)`` copy started on its own barrier (``bar``'s from ``first``
+    on), then all awaited."""
     for j, (src, dst) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(src, dst, bar.at[j])
+        plgpu.copy_gmem_to_smem(src, dst, bar.at[first + j])
     for j in range(len(copies)):
-        plgpu.barrier_wait(bar.at[j])
+        plgpu.barrier_wait(bar.at[first + j])
 
 
-def product(a_smem, b_smem, shape):
-    """float32 ``a b^T`` of two shared-memory tiles on wgmma (``[M, K] x [N, K] -> [M, N]``)."""
+def product(a_smem, b_smem, shape, issued=None):
+    """float32 ``a b^T`` of two shared-memory tiles on wgmma (``[M, K] x [N, K] -> [M, N]``);
+    ``issued()`` runs between issuing the wgmma and waiting for it."""
 
     def run(ref):
         plgpu.wgmma(ref, a_smem, b_smem.transpose((1, 0)))
+        if issued is not None:
+            issued()
         return ref[...]  # reading the accumulator waits for the wgmma
 
     return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc, a, b_smem):
+    """``acc + a b`` on wgmma: ``a`` ``[M, K]`` from registers (cast to ``b``'s dtype),
+    ``b`` ``[K, N]`` a shared-memory tile, ``acc`` float32 ``[M, N]`` in wgmma's layout."""
+    mma = lambda ref: plgpu.wgmma(ref, a.astype(b_smem.dtype), b_smem)  # noqa: E731
+    return pl.run_state(mma)(plgpu.ACC.init(acc))
 
 
 def dot(a, b, contract):
@@ -128,3 +157,23 @@ def scheduled(count, width: int, step, carry):
     interpreter takes static trip counts only)."""
     visit = lambda t, c: lax.cond(t < count, functools.partial(step, t), lambda c: c, c)  # noqa: E731
     return lax.fori_loop(0, width, visit, carry)
+
+
+def key_stream(config: MosaicConfig, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem):
+    """``(specs, sources)``: the scheduled key blocks of K, V, their positions and (where
+    read) segment ids, as the inputs of a pipeline over a schedule row (grid axes ``b``,
+    ``h`` the query head)."""
+    bk, call = config.block_k, config.call
+    b, kv = lax.axis_index("b"), lax.axis_index("h") // call.G
+    key_block = lambda t: (table_smem[1 + t], 0)  # noqa: E731
+    key_vector = lambda t: (table_smem[1 + t],)  # noqa: E731
+    specs = [
+        plgpu.BlockSpec((bk, k_ref.shape[-1]), key_block, transforms=swizzle()),
+        plgpu.BlockSpec((bk, v_ref.shape[-1]), key_block, transforms=swizzle()),
+        plgpu.BlockSpec((bk,), key_vector),
+    ]
+    sources = [k_ref.at[b, :, kv, :], v_ref.at[b, :, kv, :], kv_pos_ref.at[b]]
+    if config.segments:
+        specs.append(plgpu.BlockSpec((bk,), key_vector))
+        sources.append(kv_seg_ref.at[b])
+    return specs, sources

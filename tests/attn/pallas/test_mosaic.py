@@ -14,10 +14,12 @@
   schedules; only the loads and the products differ.
 * The Hopper kernels lowered and exported for ``cuda``: three ``mosaic_gpu_v2``
   custom calls (forward, dq, dk/dv) per case, over masks, dtypes, head dims,
-  GQA/MQA, padding, T != S, E != H and block sizes.
+  GQA/MQA, padding, T != S, E != H, block sizes and the forward's consumer
+  warpgroups (FlashAttention-3's two, one, or none).
 * ``attn.attention(impl="mosaic")``, and refusals by name.
 
-``tools/test_mosaic_jax011.sh`` runs this file under jax 0.11.2, the GPU machine's.
+``tools/test_mosaic_jax011.sh`` runs this file under jax 0.11.2, the GPU machine's, with
+``test_mosaic_hopper.py`` (the Hopper kernels themselves, interpreted).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def segments(B, T, ends):
         (
             GLOBAL,
             dict(T=192, N=2, K=1, H=64, E=128),
-            dict(segments=(120, 150), block_k=128, sinks=False),
+            dict(segments=(120, 150), block_k=128, sinks=False, consumers=0),
         ),
     ],
     ids=["streaming_gqa_sinks_softcap_padding", "global_mqa_segments_e_ne_h"],
@@ -93,7 +95,7 @@ def test_twin_forward_and_gradients_float32(mask, shape, extra):
     if "segments" in kw:
         seg = segments(2, shape["T"], kw.pop("segments"))
         kw.update(q_segment_ids=seg, kv_segment_ids=seg)
-    blocks = {"block_k": kw.pop("block_k")} if "block_k" in kw else {}
+    blocks = {name: kw.pop(name) for name in ("block_k", "consumers") if name in kw}
     out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, **kw, **blocks)
     want, want_lse, want_grads = value_and_grads(attn.dot_product_attention, q, k, v, mask=mask,
                                                  **kw)  # fmt: skip
@@ -127,16 +129,19 @@ def test_twin_16_bit_against_float64(dtype):
 
 
 SEGMENTS = {"q_segment_ids": "seg", "kv_segment_ids": "seg"}
-# name -> (mask, call keywords given as shapes, (T, S, K, H, E, dtype), blocks); N = 4.
+# name -> (mask, call keywords given as shapes, (T, S, K, H, E, dtype),
+#          (block_q, block_k, consumers)); N = 4.
 CASES = {
-    "causal_padding_mqa": (masks.causal(), {}, (200, 200, 1, 64, 64, jnp.bfloat16), (64, 64)),
+    "causal_padding_mqa": (masks.causal(), {}, (200, 200, 1, 64, 64, jnp.bfloat16), (64, 64, 2)),
     "streaming_sinks": (STREAMING, {"sink_logits": (4,)}, (256, 256, 2, 64, 64, jnp.bfloat16),
-                        (64, 64)),
+                        (64, 64, 2)),
     "segments_blocks_128": (masks.causal(), SEGMENTS, (256, 256, 2, 128, 128, jnp.float16),
-                            (128, 128)),
+                            (128, 128, 1)),
     "chunked_softcap": (masks.causal() & masks.chunked(96), {"softcap": 30.0},
-                        (256, 256, 2, 128, 128, jnp.float16), (64, 64)),
-    "global_t_ne_s_e_ne_h": (GLOBAL, {}, (64, 1000, 4, 64, 128, jnp.bfloat16), (64, 128)),
+                        (256, 256, 2, 128, 128, jnp.float16), (64, 64, 2)),
+    "global_t_ne_s_e_ne_h": (GLOBAL, {}, (64, 1000, 4, 64, 128, jnp.bfloat16), (64, 128, 2)),
+    "unspecialised": (masks.causal(), SEGMENTS, (200, 200, 2, 128, 64, jnp.bfloat16),
+                      (64, 128, 0)),
 }  # fmt: skip
 
 
@@ -172,8 +177,9 @@ def lowered(B, T, S, N, K, H, E, dtype, mask, extra, grad=False, **kw):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_hopper_kernels_export_for_cuda(case):
-    mask, extra, (T, S, K, H, E, dtype), (bq, bk) = CASES[case]
-    module = lowered(2, T, S, 4, K, H, E, dtype, mask, extra, grad=True, block_q=bq, block_k=bk)
+    mask, extra, (T, S, K, H, E, dtype), (bq, bk, consumers) = CASES[case]
+    module = lowered(2, T, S, 4, K, H, E, dtype, mask, extra, grad=True, block_q=bq, block_k=bk,
+                     consumers=consumers)  # fmt: skip
     assert module.count("custom_call @mosaic_gpu_v2") == 3  # forward, dq, dk/dv
 
 
@@ -201,7 +207,12 @@ def test_refusals_name_the_argument():
     with pytest.raises(ValueError, match=r"^stages: expected an int >= 1, got 0"):
         mosaic_attention(q, k, v, stages=0)
     big = [x.astype(jnp.bfloat16) for x in qkv(3, B=1, T=256, N=2, H=128)]
-    with pytest.raises(ValueError, match=r"^block_q, block_k, stages: expected tiles that fit"):
+    with pytest.raises(ValueError, match=r"^consumers: expected one of \(0, 1, 2\), got 3"):
+        mosaic_attention(q, k, v, consumers=3)
+    with pytest.raises(ValueError, match=r"^stages: expected >= 2 with consumers=2"):
+        mosaic_attention(q, k, v, stages=1)
+    mosaic_attention(q, k, v, stages=1, consumers=1)  # one consumer takes one stage
+    with pytest.raises(ValueError, match=r"^block_q, block_k, stages, consumers: expected tiles"):
         mosaic_attention(*big, block_q=128, block_k=128, stages=3, interpret=False)
     with pytest.raises(ValueError, match=r"^score_mod: expected None for impl='mosaic'"):
         mosaic_attention(q, k, v, score_mod=attn.scores.alibi(jnp.ones(2)))
@@ -221,12 +232,15 @@ def test_window_and_sinks_visit_a_fraction_of_causal_tiles_at_32k():
     visits = {}
     for name, mask in (("causal", masks.causal()), ("streaming", STREAMING_32K)):
         call = check_call(q, q, q, mask=mask)
-        config = mosaic._config(call, q, q, q, 64, 64, 2, interpret=False)
-        config, (by_query, by_key), _ = mosaic._schedule(config, call)
+        config = mosaic._config(call, q, q, q, 64, 64, 2, 2, interpret=False)
+        config, (forward, by_query, by_key), _ = mosaic._schedule(config, call)
         count = np.asarray(by_query[:, 0])
-        kinds = np.asarray(by_query[:, 1 + config.width : 1 + 2 * config.width])
+        kinds = np.asarray(by_query[:, 1 + config.width_dq : 1 + 2 * config.width_dq])
         visits[name] = (count.sum(), (kinds == masks.BlockKind.PARTIAL).sum())
         assert np.asarray(by_key[:, 0]).sum() == count.sum()  # dk/dv visits the same tiles
+        # The forward's programs (two consumers of 64 rows) stream each block once for both.
+        programs = np.asarray(forward[:, 0])
+        assert len(programs) == 256 and count.sum() / 2 <= programs.sum() <= count.sum()
     assert visits["causal"] == (512 * 513 // 2, 512)  # the diagonal blocks evaluate the mask
     assert visits["streaming"][0] * 7 < visits["causal"][0]
     assert visits["streaming"][1] <= 3 * 512
