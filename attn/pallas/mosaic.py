@@ -12,12 +12,14 @@ dims, score modifiers other than the soft-cap, bias and boolean mask arrays.
 Its kernels (``attn.pallas.mosaic_forward``, ``attn.pallas.mosaic_backward``)
 come in two forms sharing the tile math (``attn.pallas.mosaic_tiles``):
 
-* for sm90: the forward is FlashAttention-3's (a TMA producer warpgroup and
-  two consumer warpgroups taking turns, on ``wgmma`` with float32
-  accumulators), or with ``consumers=0`` one warpgroup pipelining its own
-  copies; the backward is FlashAttention-2's (a dq kernel over query blocks, a
-  dk/dv kernel over key blocks). They lower and export for ``cuda`` from any
-  host; they run only on a Hopper GPU.
+* for sm90: FlashAttention-3's warp specialisation in every kernel (a TMA
+  producer warpgroup streaming the scheduled blocks to two consumer
+  warpgroups, each holding its own block, on ``wgmma`` with float32
+  accumulators; in the forward the two take turns), or with ``consumers=0``
+  one warpgroup a block pipelining its own copies. The backward is
+  FlashAttention-2's split: a dq kernel over query rows, a dk/dv kernel over
+  keys. They lower and export for ``cuda`` from any host; they run only on a
+  Hopper GPU.
 * twins, the same loops over the same schedules with ref slices and
   ``jnp.dot``: what Pallas's Mosaic GPU interpreter runs on a CPU, so the
   numerics of the schedule, the masks, the statistics and the padding are
@@ -37,15 +39,14 @@ from attn.checks import as_arrays, fail
 from attn.pallas import mosaic_backward, mosaic_forward
 from attn.pallas.common import FlashConfig
 from attn.pallas.mosaic_common import ROW_ALIGN, MosaicConfig, round_up
-from attn.pallas.schedule import query_layout, schedules
+from attn.pallas.schedule import schedules
 from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
-from attn.softmax.schedule import BlockSpec
 
 DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (64, 128)  # wgmma's N for P V, and TMA's 128-byte swizzle rows
 BLOCKS = (64, 128)  # wgmma's M is 64 a warpgroup; N (the key block) up to 256
 SHARED_BYTES = 232_448  # an sm90 block's shared memory (227 KiB), what Mosaic GPU checks
-CONSUMERS = (0, 1, 2)  # consumer warpgroups of the forward (0: not specialised)
+CONSUMERS = (0, 1, 2)  # consumer warpgroups a program (0: not specialised)
 
 
 @takes_call_args
@@ -67,9 +68,10 @@ def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, bl
         sees nothing).
       block_q, block_k: query rows per warpgroup and keys per pipeline step, 64 or 128.
       stages: key blocks in flight in the Hopper kernels' pipelines (>= 1).
-      consumers: the forward's consumer warpgroups, each on its own ``block_q`` rows,
-        beside a TMA producer warpgroup (FlashAttention-3's warp specialisation; two
-        take turns); 0 runs one warpgroup a block that pipelines its own copies.
+      consumers: each Hopper kernel's consumer warpgroups beside a TMA producer
+        warpgroup (FlashAttention-3's warp specialisation), each on its own ``block_q``
+        rows (``block_k`` keys in the dk/dv kernel); the forward's two take turns. 0 runs
+        one warpgroup a block that pipelines its own copies.
       interpret: run the twin under Pallas's Mosaic GPU interpreter; None means on a CPU.
         False lowers the Hopper kernel (give it to ``jax.export`` for ``cuda``).
       **call_args: the call (``attn.softmax.call.CallArgs``).
@@ -144,7 +146,7 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
         # Taking turns, one consumer's next product waits for the other's release of the
         # slot it would be copied into.
         fail("stages", ">= 2 with consumers=2 (they take turns across steps)", stages)
-    need = _shared_bytes(d.H, d.E, q.dtype.itemsize, block_q, block_k, stages, consumers, d.S)
+    need = _shared_bytes(d, q.dtype.itemsize, block_q, block_k, stages, consumers)
     if not interpret and need > SHARED_BYTES:
         fail("block_q, block_k, stages, consumers",
              f"tiles that fit Hopper's {SHARED_BYTES:,} bytes of shared memory a block",
@@ -152,40 +154,34 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
     return MosaicConfig(call.spec(), block_q, block_k, stages, interpret, consumers)
 
 
-def _shared_bytes(H: int, E: int, itemsize: int, bq: int, bk: int, stages: int, consumers: int,
-                  S: int) -> int:  # fmt: skip
-    """The most shared memory any of the three Hopper kernels takes: its own rows (the
-    output reuses them), the ``stages`` blocks in flight, the schedule row and the vectors."""
-    width = 1 << max(-(-S // bk) - 1, 0).bit_length()  # the schedule's widest row
-    rows = bq * max(consumers, 1)  # the forward's
-    small = (round_up(1 + 2 * width, ROW_ALIGN) * 4 + 4 * 4 * max(rows, bk) + stages * bk * 8
-             + 4 * ROW_ALIGN * max(consumers, 1))  # fmt: skip
-    forward = (rows * max(H, E) + (rows * E if E != H else 0) + stages * bk * (H + E)) * itemsize
-    dq = (bq * (H + E) + stages * bk * (H + E)) * itemsize
-    dkdv = (bk * (H + E) + stages * bq * (H + E)) * itemsize + stages * bq * 4 * 4
+def _shared_bytes(d, itemsize: int, bq: int, bk: int, stages: int, consumers: int) -> int:
+    """The most shared memory any of the three Hopper kernels takes (dims ``d``): each slot's
+    own rows or keys (the outputs reuse them), the ``stages`` blocks in flight, the schedule
+    row and the vectors."""
+    H, E, C = d.H, d.E, max(consumers, 1)
+    width = 1 << max(-(-d.S // bk), -(-d.T // bq), 1).bit_length()  # the widest schedule row
+    small = (round_up(1 + 2 * width, ROW_ALIGN) * 4 + 4 * 4 * C * max(bq, bk)
+             + stages * max(bk, bq) * 16 + 4 * ROW_ALIGN * C)  # fmt: skip
+    forward = (C * bq * (H + (E if E != H else 0)) + stages * bk * (H + E)) * itemsize
+    dq = (C * bq * (H + E) + stages * bk * (H + E)) * itemsize
+    dkdv = (C * bk * (H + E) + stages * bq * (H + E)) * itemsize
     return max(forward, dq, dkdv) + small
 
 
 def _schedule(config: MosaicConfig, call: Call):
     """``(config, tables, rows)``: the config with the schedules' widths, the packed
-    schedules (per block its count, W blocks and W kinds: the forward's per program's
-    rows, the dq kernel's per query block, the dk/dv kernel's per key block) and the
-    padded rows: positions, then segment ids where the kernels read them."""
-    flash = FlashConfig(config.call, config.block_q, config.block_k, config.block_q,
-                        config.block_k, "gpu", config.interpret, None, None)  # fmt: skip
-    rows, static = call.rows(), call.static_rows()
-    by_query, by_key = schedules(flash, rows, static)
-    forward = by_query
-    if config.program_rows != config.block_q:
-        program = BlockSpec(config.call, config.program_rows, config.block_k)
-        forward = query_layout(program, rows, static)
-    plan = (forward, by_query, by_key)
+    schedules (per program its count, W blocks and W kinds: the forward's and dq's per
+    program's query rows, over key blocks; the dk/dv kernel's per program's keys, over
+    query blocks) and the padded rows: positions, then segment ids where the kernels
+    read them."""
+    flash = FlashConfig(config.call, config.program_rows, config.block_k, config.block_q,
+                        config.program_keys, "gpu", config.interpret, None, None)  # fmt: skip
+    plan = schedules(flash, call.rows(), call.static_rows())
     widths = [x.key_tile.shape[1] for x in plan]
-    config = dataclasses.replace(config, **dict(zip(("width", "width_dq", "width_k"), widths,
-                                                    strict=True)))  # fmt: skip
+    config = dataclasses.replace(config, width=widths[0], width_k=widths[1])
     Tp, Sp = config.padded
-    blocks = (Tp // config.program_rows, Tp // config.block_q, Sp // config.block_k)
-    tables = tuple(map(_pack, plan, blocks))
+    tables = (_pack(plan.by_query, Tp // config.program_rows),
+              _pack(plan.by_key, Sp // config.program_keys))  # fmt: skip
     # Padding repeats the last position (the schedule's bounds stay the real rows'); padded
     # keys get segment id 0 (padding), which no query sees.
     rows = [_pad(call.q_positions, Tp, "edge"), _pad(call.kv_positions, Sp, "edge")]

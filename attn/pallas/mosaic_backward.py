@@ -7,22 +7,23 @@ forward's lse, each tile recomputes ``P = exp(logits - lse)`` and
     dQ += dX K        dK += dX^T Q     (times the logit scale)
 
 in two kernels, each in the two forms of the forward (the Hopper kernel on
-``wgmma`` and TMA pipelines, the twin on ref slices for the interpreter),
-sharing the tile math of ``attn.pallas.mosaic_tiles``:
+``wgmma`` and TMA pipelines, specialised as the forward is, a producer
+warpgroup streaming to consumers that each hold their own block; the twin on
+ref slices for the interpreter), sharing the tile math of
+``attn.pallas.mosaic_tiles``:
 
-* dq over ``(B, N, query blocks)``, walking the forward's schedule;
-* dk/dv over ``(B, K, key blocks)``, walking the query blocks that see each
-  key block and, for each, the G query heads of its kv head, so GQA sums dK
-  and dV in the kernel. Its tiles are transposed, ``[keys, queries]``, so that
-  ``P^T`` and ``dX^T`` are wgmma's register operand as they are computed: the
-  tile math is elementwise, the per-query statistics come in as columns.
+* dq over ``(B, N, programs of query rows)``, walking the forward's schedule;
+* dk/dv over ``(B, K, programs of keys)``, walking the query blocks that see
+  each program's keys and, for each, the G query heads of its kv head, so GQA
+  sums dK and dV in the kernel. Its tiles are transposed, ``[keys, queries]``,
+  so that ``P^T`` and ``dX^T`` are wgmma's register operand as they are
+  computed: the tile math is elementwise, the per-query statistics come in as
+  columns.
 
 The sink's gradient, ``-sum over rows of exp(sink - lse) * D``, is formed outside.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,14 +35,16 @@ from attn.pallas import mosaic_tiles as tiles
 from attn.pallas.mosaic_common import (
     MosaicConfig,
     accumulate,
-    copy_in,
+    barriers,
     dot,
-    interpreter,
-    kernel,
     key_stream,
+    launch,
     load,
     product,
+    program,
     scheduled,
+    slot_in,
+    slot_of,
     swizzle,
     take_rows,
 )
@@ -71,35 +74,25 @@ def backward(config: MosaicConfig, q, k, v, sink, ints, out, lse, d_out, d_lse):
     return dq, dk, dv, dsink
 
 
-def _launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
-    if config.interpret:
-        return kernel(functools.partial(twin, config), out_shape, [], grid,
-                      interpret=interpreter())(*args)  # fmt: skip
-    return kernel(functools.partial(hopper, config), out_shape, scratch, grid,
-                  approx=config.approx)(*args)  # fmt: skip
-
-
 # ----------------------------------------------------------------------------
-# dq: query blocks over their scheduled key blocks
+# dq: programs of query rows over their scheduled key blocks
 
 
 def _dq(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
-    (_, table, _), rows = ints
+    (table, _), rows = ints
     B, Tp, N, H = q.shape
-    bq, E = config.block_q, v.shape[-1]
+    C, bq, E = config.slots, config.block_q, v.shape[-1]
     scratch = [
-        plgpu.SMEM((bq, H), q.dtype, transforms=swizzle()),
-        plgpu.SMEM((bq, E), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((C, bq, H), q.dtype, transforms=swizzle()),
+        plgpu.SMEM((C, bq, E), q.dtype, transforms=swizzle()),
         plgpu.SMEM((table.shape[1],), jnp.int32),
-        plgpu.SMEM((bq,), jnp.int32),
-        plgpu.SMEM((bq,), jnp.int32),
-        plgpu.SMEM((bq,), jnp.float32),
-        plgpu.SMEM((bq,), jnp.float32),
-        plgpu.Barrier(num_barriers=7),
+        *[plgpu.SMEM((C, bq), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32, jnp.float32)],
+        barriers(config),
     ]
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     args = [q, k, v, d_out, lse2, delta, table, *rows]
-    return _launch(config, _dq_twin, _dq_hopper, scratch, out_shape, (B, N, Tp // bq), args)
+    grid = (B, N, Tp // config.program_rows)
+    return launch(config, _dq_twin, _dq_hopper, scratch, out_shape, grid, args)
 
 
 def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
@@ -107,59 +100,46 @@ def _dq_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     call, bq, bk = config.call, config.block_q, config.block_k
     segments = config.segments
     q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
-    (
-        dq_ref,
-        q_smem,
-        do_smem,
-        table_smem,
-        qpos_smem,
-        qseg_smem,
-        lse_smem,
-        delta_smem,
-        bar,
-    ) = refs
+    dq_ref, q_smem, do_smem, table_smem, qpos_smem, qseg_smem, lse_smem, delta_smem, bar = refs
     b, n, i = (lax.axis_index(a) for a in "bhi")
-    rows = pl.ds(i * bq, bq)
-    copies = [
-        (q_ref.at[b, rows, n], q_smem),
-        (do_ref.at[b, rows, n], do_smem),
-        (table_ref.at[i], table_smem),
-        (q_pos_ref.at[b, rows], qpos_smem),
-        (lse_ref.at[b, n, rows], lse_smem),
-        (delta_ref.at[b, n, rows], delta_smem),
-    ]
-    if segments:
-        copies.append((q_seg_ref.at[b, rows], qseg_smem))
-    copy_in(copies, bar)
-    tile = (bq, bk)
-    q_pos = tiles.along(load(qpos_smem, ROW), tile, 0)
-    q_seg = tiles.along(load(qseg_smem, ROW), tile, 0) if segments else None
-    lse = tiles.along(load(lse_smem, ROW), tile, 0)
-    delta = tiles.along(load(delta_smem, ROW), tile, 0)
+    rows = lambda slot: pl.ds((i * config.slots + slot) * bq, bq)  # noqa: E731
+
+    def start(slot):
+        r = rows(slot)
+        copies = [(q_ref.at[b, r, n], q_smem.at[slot]), (do_ref.at[b, r, n], do_smem.at[slot]),
+                  (q_pos_ref.at[b, r], qpos_smem.at[slot]),
+                  (lse_ref.at[b, n, r], lse_smem.at[slot]),
+                  (delta_ref.at[b, n, r], delta_smem.at[slot])]  # fmt: skip
+        if segments:
+            copies.append((q_seg_ref.at[b, r], qseg_smem.at[slot]))
+        slot_in(copies, bar, slot)
+        dq = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
+        vectors = (qpos_smem, qseg_smem if segments else None, lse_smem, delta_smem)
+        return dq, *(None if x is None else load(x.at[slot], ROW) for x in vectors)
 
     def step(index, k_smem, v_smem, kpos_smem, *rest):
-        (t,) = index
-        *kseg_smem, dq = rest
-        qk = product(q_smem, k_smem, tile)
-        dp = product(do_smem, v_smem, tile)
+        (t,), (*kseg_smem, (dq, q_pos, q_seg, lse, delta)) = index, rest
+        slot, tile = slot_of(config), (bq, bk)
+        qk = product(q_smem.at[slot], k_smem, tile)
+        dp = product(do_smem.at[slot], v_smem, tile)
         k_pos = tiles.along(load(kpos_smem, COL), tile, 1)
-        k_seg = tiles.along(load(kseg_smem[0], COL), tile, 1) if segments else None
-        kind = table_smem[1 + config.width_dq + t]
-        s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
-        dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
-        return accumulate(dq, dx, k_smem)
+        segs = ()
+        if segments:
+            segs = (tiles.along(q_seg, tile, 0), tiles.along(load(kseg_smem[0], COL), tile, 1))
+        kind = table_smem[1 + config.width + t]
+        s = tiles.scores(call, qk, kind, tiles.along(q_pos, tile, 0), k_pos, *segs)
+        p = tiles.probabilities(s, tiles.along(lse, tile, 0))
+        dx = tiles.logit_grads(call, qk, p, dp, tiles.along(delta, tile, 0))
+        return accumulate(dq, dx, k_smem), q_pos, q_seg, lse, delta
 
-    specs, sources = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
-    dq0 = plgpu.layout_cast(jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA)
-    pipeline = plgpu.emit_pipeline(
-        step, grid=(table_smem[0],), in_specs=specs, max_concurrent_steps=config.stages,
-        init_carry=dq0,
-    )  # fmt: skip
-    dq = pipeline(*sources)
-    q_smem[...] = (dq * call.scale).astype(q_smem.dtype)  # the last product has read q
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, n])
-    plgpu.wait_smem_to_gmem(0)
+    def finish(slot, carry):
+        q_smem.at[slot][...] = (carry[0] * call.scale).astype(q_smem.dtype)  # q is read
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem.at[slot], dq_ref.at[b, rows(slot), n])
+        plgpu.wait_smem_to_gmem(0)
+
+    stream = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
+    program(config, (table_ref, table_smem), bar, stream, step, start, finish)
 
 
 def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
@@ -169,49 +149,56 @@ def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
     q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     (dq_ref,) = refs
     b, n, i = (lax.axis_index(a) for a in "bhi")
-    rows, kv, tile = pl.ds(i * bq, bq), n // call.G, (bq, bk)
-    q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
-    q_pos = tiles.along(q_pos_ref[b, rows], tile, 0)
-    q_seg = tiles.along(q_seg_ref[b, rows], tile, 0) if segments else None
-    lse = tiles.along(lse_ref[b, n, rows], tile, 0)
-    delta = tiles.along(delta_ref[b, n, rows], tile, 0)
+    kv, tile = n // call.G, (bq, bk)
 
-    def step(t, dq):
-        keys = pl.ds(table_ref[i, 1 + t] * bk, bk)
-        k = k_ref[b, keys, kv, :]
-        qk = dot(q, k, (1, 1))
-        dp = dot(do, v_ref[b, keys, kv, :], (1, 1))
-        k_pos = tiles.along(kv_pos_ref[b, keys], tile, 1)
-        k_seg = tiles.along(kv_seg_ref[b, keys], tile, 1) if segments else None
-        kind = table_ref[i, 1 + config.width_dq + t]
-        s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
-        dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
-        return dq + dot(dx.astype(k.dtype), k, (1, 0))
+    def slot(c):
+        rows = pl.ds((i * config.slots + c) * bq, bq)
+        q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
+        q_pos = tiles.along(q_pos_ref[b, rows], tile, 0)
+        q_seg = tiles.along(q_seg_ref[b, rows], tile, 0) if segments else None
+        lse = tiles.along(lse_ref[b, n, rows], tile, 0)
+        delta = tiles.along(delta_ref[b, n, rows], tile, 0)
 
-    dq0 = jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)
-    dq = scheduled(table_ref[i, 0], config.width_dq, step, dq0)
-    dq_ref[b, rows, n, :] = (dq * call.scale).astype(dq_ref.dtype)
+        def step(t, dq):
+            keys = pl.ds(table_ref[i, 1 + t] * bk, bk)
+            k = k_ref[b, keys, kv, :]
+            qk = dot(q, k, (1, 1))
+            dp = dot(do, v_ref[b, keys, kv, :], (1, 1))
+            k_pos = tiles.along(kv_pos_ref[b, keys], tile, 1)
+            k_seg = tiles.along(kv_seg_ref[b, keys], tile, 1) if segments else None
+            kind = table_ref[i, 1 + config.width + t]
+            s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
+            dx = tiles.logit_grads(call, qk, tiles.probabilities(s, lse), dp, delta)
+            return dq + dot(dx.astype(k.dtype), k, (1, 0))
+
+        dq0 = jnp.zeros((bq, q_ref.shape[-1]), jnp.float32)
+        dq = scheduled(table_ref[i, 0], config.width, step, dq0)
+        dq_ref[b, rows, n, :] = (dq * call.scale).astype(dq_ref.dtype)
+
+    for c in range(config.slots):
+        slot(c)
 
 
 # ----------------------------------------------------------------------------
-# dk/dv: key blocks over the query blocks (and query heads) that see them
+# dk/dv: programs of keys over the query blocks (and query heads) that see them
 
 
 def _dkdv(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
-    (_, _, table), rows = ints
+    (_, table), rows = ints
     B, Sp, K, H = k.shape
-    bk, E = config.block_k, v.shape[-1]
+    C, bk, E = config.slots, config.block_k, v.shape[-1]
     scratch = [
-        plgpu.SMEM((bk, H), k.dtype, transforms=swizzle()),
-        plgpu.SMEM((bk, E), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((C, bk, H), k.dtype, transforms=swizzle()),
+        plgpu.SMEM((C, bk, E), k.dtype, transforms=swizzle()),
         plgpu.SMEM((table.shape[1],), jnp.int32),
-        plgpu.SMEM((bk,), jnp.int32),
-        plgpu.SMEM((bk,), jnp.int32),
-        plgpu.Barrier(num_barriers=5),
+        plgpu.SMEM((C, bk), jnp.int32),
+        plgpu.SMEM((C, bk), jnp.int32),
+        barriers(config),
     ]
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     args = [q, k, v, d_out, lse2, delta, table, *rows]
-    return _launch(config, _dkdv_twin, _dkdv_hopper, scratch, out_shape, (B, K, Sp // bk), args)
+    grid = (B, K, Sp // config.program_keys)
+    return launch(config, _dkdv_twin, _dkdv_hopper, scratch, out_shape, grid, args)
 
 
 def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
@@ -221,27 +208,42 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     dk_ref, dv_ref, k_smem, v_smem, table_smem, kpos_smem, kseg_smem, bar = refs
     b, h, j = (lax.axis_index(a) for a in "bhi")
-    keys = pl.ds(j * bk, bk)
-    copies = [(k_ref.at[b, keys, h], k_smem), (v_ref.at[b, keys, h], v_smem),
-              (table_ref.at[j], table_smem), (kv_pos_ref.at[b, keys], kpos_smem)]  # fmt: skip
-    if segments:
-        copies.append((kv_seg_ref.at[b, keys], kseg_smem))
-    copy_in(copies, bar)
-    tile = (bk, bq)  # transposed: keys down, queries across
-    k_pos = tiles.along(load(kpos_smem, ROW), tile, 0)
-    k_seg = tiles.along(load(kseg_smem, ROW), tile, 0) if segments else None
+    keys = lambda slot: pl.ds((j * config.slots + slot) * bk, bk)  # noqa: E731
+
+    def start(slot):
+        r = keys(slot)
+        copies = [(k_ref.at[b, r, h], k_smem.at[slot]), (v_ref.at[b, r, h], v_smem.at[slot]),
+                  (kv_pos_ref.at[b, r], kpos_smem.at[slot])]  # fmt: skip
+        if segments:
+            copies.append((kv_seg_ref.at[b, r], kseg_smem.at[slot]))
+        slot_in(copies, bar, slot)
+        zeros = lambda E: plgpu.layout_cast(jnp.zeros((bk, E), jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+        k_seg = load(kseg_smem.at[slot], ROW) if segments else None
+        return zeros(k_ref.shape[-1]), zeros(v_ref.shape[-1]), load(kpos_smem.at[slot], ROW), k_seg
 
     def step(index, q_smem, do_smem, lse_smem, delta_smem, qpos_smem, *rest):
-        t, _ = index
-        *qseg_smem, (dk, dv) = rest
-        qk = product(k_smem, q_smem, tile)
-        dp = product(v_smem, do_smem, tile)
+        (t, _), (*qseg_smem, (dk, dv, k_pos, k_seg)) = index, rest
+        slot, tile = slot_of(config), (bk, bq)  # transposed: keys down, queries across
+        qk = product(k_smem.at[slot], q_smem, tile)
+        dp = product(v_smem.at[slot], do_smem, tile)
         q_pos = tiles.along(load(qpos_smem, COL), tile, 1)
-        q_seg = tiles.along(load(qseg_smem[0], COL), tile, 1) if segments else None
-        s = tiles.scores(call, qk, table_smem[1 + config.width_k + t], q_pos, k_pos, q_seg, k_seg)
+        segs = ()
+        if segments:
+            segs = (tiles.along(load(qseg_smem[0], COL), tile, 1), tiles.along(k_seg, tile, 0))
+        kind = table_smem[1 + config.width_k + t]
+        s = tiles.scores(call, qk, kind, q_pos, tiles.along(k_pos, tile, 0), *segs)
         p = tiles.probabilities(s, tiles.along(load(lse_smem, COL), tile, 1))
         dx = tiles.logit_grads(call, qk, p, dp, tiles.along(load(delta_smem, COL), tile, 1))
-        return accumulate(dk, dx, q_smem), accumulate(dv, p, do_smem)
+        return accumulate(dk, dx, q_smem), accumulate(dv, p, do_smem), k_pos, k_seg
+
+    def finish(slot, carry):
+        dk, dv, *_ = carry
+        k_smem.at[slot][...] = (dk * call.scale).astype(k_smem.dtype)  # K and V are read
+        v_smem.at[slot][...] = dv.astype(v_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem.at[slot], dk_ref.at[b, keys(slot), h])
+        plgpu.copy_smem_to_gmem(v_smem.at[slot], dv_ref.at[b, keys(slot), h])
+        plgpu.wait_smem_to_gmem(0)
 
     block = lambda t, g: (table_smem[1 + t], h * G + g, 0)  # noqa: E731
     stats = lambda t, g: (h * G + g, table_smem[1 + t])  # noqa: E731
@@ -257,21 +259,7 @@ def _dkdv_hopper(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, del
     if segments:
         specs.append(plgpu.BlockSpec((bq,), vector))
         sources.append(q_seg_ref.at[b])
-    zeros = (
-        plgpu.layout_cast(jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
-        plgpu.layout_cast(jnp.zeros((bk, v_ref.shape[-1]), jnp.float32), plgpu.Layout.WGMMA),
-    )
-    pipeline = plgpu.emit_pipeline(
-        step, grid=(table_smem[0], G), in_specs=specs, max_concurrent_steps=config.stages,
-        init_carry=zeros,
-    )  # fmt: skip
-    dk, dv = pipeline(*sources)
-    k_smem[...] = (dk * call.scale).astype(k_smem.dtype)  # the last products have read K, V
-    v_smem[...] = dv.astype(v_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, keys, h])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, keys, h])
-    plgpu.wait_smem_to_gmem(0)
+    program(config, (table_ref, table_smem), bar, (specs, sources), step, start, finish, tail=(G,))
 
 
 def _dkdv_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, table_ref,
@@ -281,31 +269,39 @@ def _dkdv_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta
     q_seg_ref, kv_seg_ref, _, refs = take_rows(config, refs)
     dk_ref, dv_ref = refs
     b, h, j = (lax.axis_index(a) for a in "bhi")
-    keys, tile = pl.ds(j * bk, bk), (bk, bq)
-    k, v = k_ref[b, keys, h, :], v_ref[b, keys, h, :]
-    k_pos = tiles.along(kv_pos_ref[b, keys], tile, 0)
-    k_seg = tiles.along(kv_seg_ref[b, keys], tile, 0) if segments else None
+    tile = (bk, bq)
 
-    def step(t, carry):
-        rows = pl.ds(table_ref[j, 1 + t] * bq, bq)
-        q_pos = tiles.along(q_pos_ref[b, rows], tile, 1)
-        q_seg = tiles.along(q_seg_ref[b, rows], tile, 1) if segments else None
-        kind = table_ref[j, 1 + config.width_k + t]
+    def slot(c):
+        keys = pl.ds((j * config.slots + c) * bk, bk)
+        k, v = k_ref[b, keys, h, :], v_ref[b, keys, h, :]
+        k_pos = tiles.along(kv_pos_ref[b, keys], tile, 0)
+        k_seg = tiles.along(kv_seg_ref[b, keys], tile, 0) if segments else None
 
-        def head(g, carry):
-            dk, dv = carry
-            n = h * G + g
-            q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
-            qk = dot(k, q, (1, 1))
-            s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
-            p = tiles.probabilities(s, tiles.along(lse_ref[b, n, rows], tile, 1))
-            dp = dot(v, do, (1, 1))
-            dx = tiles.logit_grads(call, qk, p, dp, tiles.along(delta_ref[b, n, rows], tile, 1))
-            return dk + dot(dx.astype(q.dtype), q, (1, 0)), dv + dot(p.astype(do.dtype), do, (1, 0))
+        def step(t, carry):
+            rows = pl.ds(table_ref[j, 1 + t] * bq, bq)
+            q_pos = tiles.along(q_pos_ref[b, rows], tile, 1)
+            q_seg = tiles.along(q_seg_ref[b, rows], tile, 1) if segments else None
+            kind = table_ref[j, 1 + config.width_k + t]
 
-        return lax.fori_loop(0, G, head, carry)
+            def head(g, carry):
+                dk, dv = carry
+                n = h * G + g
+                q, do = q_ref[b, rows, n, :], do_ref[b, rows, n, :]
+                qk = dot(k, q, (1, 1))
+                s = tiles.scores(call, qk, kind, q_pos, k_pos, q_seg, k_seg)
+                p = tiles.probabilities(s, tiles.along(lse_ref[b, n, rows], tile, 1))
+                dp = dot(v, do, (1, 1))
+                delta = tiles.along(delta_ref[b, n, rows], tile, 1)
+                dx = tiles.logit_grads(call, qk, p, dp, delta)
+                dk = dk + dot(dx.astype(q.dtype), q, (1, 0))
+                return dk, dv + dot(p.astype(do.dtype), do, (1, 0))
 
-    zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = scheduled(table_ref[j, 0], config.width_k, step, zeros)
-    dk_ref[b, keys, h, :] = (dk * call.scale).astype(dk_ref.dtype)
-    dv_ref[b, keys, h, :] = dv.astype(dv_ref.dtype)
+            return lax.fori_loop(0, G, head, carry)
+
+        zeros = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        dk, dv = scheduled(table_ref[j, 0], config.width_k, step, zeros)
+        dk_ref[b, keys, h, :] = (dk * call.scale).astype(dk_ref.dtype)
+        dv_ref[b, keys, h, :] = dv.astype(dv_ref.dtype)
+
+    for c in range(config.slots):
+        slot(c)

@@ -1,6 +1,8 @@
-"""What the Mosaic GPU kernels share: the call's settings and the launch.
+"""What the Mosaic GPU kernels share: the call's settings, the launch and the program.
 
-Internal to ``attn.pallas``'s Mosaic GPU attention (``mosaic``, ``mosaic_backward``).
+Internal to ``attn.pallas``'s Mosaic GPU attention (``mosaic``, ``mosaic_forward``,
+``mosaic_backward``). Every Hopper kernel is one ``program``: a schedule row of blocks
+streamed through shared memory into consumers that each hold their own block.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from attn.softmax.call import CallSpec
 # A schedule row (per block: its count, W blocks, W kinds) padded to whole 128-byte rows:
 # a TMA copy moves a multiple of the warpgroup's 128 threads' bytes.
 ROW_ALIGN = 32
+COPIES = 6  # the most copies into a slot (dq's: q, dO, positions, segment ids, lse, D)
+PRODUCER_REGISTERS = 40  # the TMA warpgroup's registers a thread; the consumers share the rest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,22 +34,31 @@ class MosaicConfig:
     block_k: int
     stages: int  # key blocks in flight in the Hopper kernel's pipeline
     interpret: bool  # the twin under the interpreter, else the Hopper kernel
-    # The forward's consumer warpgroups beside its TMA producer (0: one warpgroup that
-    # pipelines its own copies); each takes block_q of the program's query rows.
+    # Consumer warpgroups per program beside a TMA producer warpgroup (0: one warpgroup that
+    # pipelines its own copies); each takes its own block_q rows (block_k keys in dk/dv).
     consumers: int = 0
-    width: int = 0  # the forward's schedule (in its programs' rows): key blocks per row
-    width_dq: int = 0  # the dq schedule (in blocks of block_q)
-    width_k: int = 0  # the dk/dv schedule: query blocks per key block
+    width: int = 0  # the forward's and dq's schedule (per program's rows): key blocks
+    width_k: int = 0  # the dk/dv schedule (per program's keys): query blocks
+
+    @property
+    def slots(self) -> int:
+        """The warpgroups that compute in a program, each in its own shared-memory slots."""
+        return max(self.consumers, 1)
 
     @property
     def program_rows(self) -> int:
-        """The forward's query rows per program: ``block_q`` per consumer warpgroup."""
-        return self.block_q * max(self.consumers, 1)
+        """The forward's and dq's query rows per program: ``block_q`` a slot."""
+        return self.block_q * self.slots
+
+    @property
+    def program_keys(self) -> int:
+        """The dk/dv kernel's keys per program: ``block_k`` a slot."""
+        return self.block_k * self.slots
 
     @property
     def padded(self) -> tuple[int, int]:
-        """``(Tp, Sp)``: T and S padded to whole programs and blocks."""
-        return round_up(self.call.T, self.program_rows), round_up(self.call.S, self.block_k)
+        """``(Tp, Sp)``: T and S padded to whole programs."""
+        return round_up(self.call.T, self.program_rows), round_up(self.call.S, self.program_keys)
 
     @property
     def approx(self) -> bool:
@@ -56,7 +69,7 @@ class MosaicConfig:
     @property
     def segments(self) -> bool:
         """Whether the kernels read segment ids: the call's, or ones marking S's padding."""
-        return self.call.has_segments or self.call.S % self.block_k != 0
+        return self.call.has_segments or self.call.S % self.program_keys != 0
 
 
 def take_rows(config: MosaicConfig, refs, sink: bool = False):
@@ -177,3 +190,63 @@ def key_stream(config: MosaicConfig, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table
         specs.append(plgpu.BlockSpec((bk,), key_vector))
         sources.append(kv_seg_ref.at[b])
     return specs, sources
+
+
+def launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
+    """The twin under the interpreter, or the Hopper kernel (with a producer warpgroup and
+    ``config.consumers`` consumers where specialised), on ``args``."""
+    if config.interpret:
+        return kernel(functools.partial(twin, config), out_shape, [], grid,
+                      interpret=interpreter())(*args)  # fmt: skip
+    threads = dict(num_threads=config.consumers + 1, thread_name="wg") if config.consumers else {}
+    body = functools.partial(hopper, config)
+    return kernel(body, out_shape, scratch, grid, approx=config.approx, **threads)(*args)
+
+
+def barriers(config: MosaicConfig):
+    """A Hopper kernel's copy barriers: the schedule row's, then ``COPIES`` a slot."""
+    return plgpu.Barrier(num_barriers=1 + COPIES * config.slots)
+
+
+def slot_of(config: MosaicConfig):
+    """The computing warpgroup's slot: its ``wg`` index where specialised, else 0."""
+    return lax.axis_index("wg") if config.consumers else 0
+
+
+def slot_in(copies, bar, slot) -> None:
+    """A slot's own copies in (on its ``COPIES`` barriers after the schedule row's)."""
+    copy_in(copies, bar, first=1 + COPIES * slot)
+
+
+def program(config: MosaicConfig, table, bar, stream, step, start, finish, tail=()):
+    """One program of a Hopper kernel.
+
+    Its schedule row comes into shared memory (``table``: the gmem and smem refs), then each
+    slot's ``start(slot)`` brings its own block in and returns its carry, ``step(index, *refs,
+    carry) -> carry`` runs over the row's blocks (times ``tail``) as ``stream = (specs,
+    sources)`` brings them in, and ``finish(slot, carry)`` writes the slot out. Specialised,
+    a producer warpgroup streams the blocks into ``config.stages`` slots and each consumer
+    warpgroup computes; else one warpgroup pipelines its own copies.
+    """
+    (table_ref, table_smem), (specs, sources) = table, stream
+    i = lax.axis_index("i")
+    kwargs = dict(in_specs=specs, max_concurrent_steps=config.stages)
+    if not config.consumers:
+        copy_in([(table_ref.at[i], table_smem)], bar)
+        grid = (table_smem[0], *tail)
+        carry = plgpu.emit_pipeline(step, grid=grid, init_carry=start(0), **kwargs)(*sources)
+        finish(0, carry)
+        return
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == config.consumers)  # the producer brings the row in; everyone reads it
+    def _():
+        plgpu.copy_gmem_to_smem(table_ref.at[i], table_smem, bar.at[0])
+
+    plgpu.barrier_wait(bar.at[0])
+    pipeline = plgpu.emit_pipeline_warp_specialized(
+        step, grid=(table_smem[0], *tail), num_compute_wgs=config.consumers, wg_axis="wg",
+        memory_registers=PRODUCER_REGISTERS,
+        compute_context=lambda run: finish(wg, run(start(wg))), **kwargs,
+    )  # fmt: skip
+    pipeline(*sources)

@@ -6,17 +6,16 @@ softmax over the key blocks of its schedule row (``[count, W blocks, W
 kinds]``: EMPTY blocks are never listed, FULL ones skip the mask); the tile
 math between ``q k^T`` and ``P`` is ``attn.pallas.mosaic_tiles``'.
 
-* ``_specialized`` (``consumers >= 1``, FlashAttention-3, Shah et al. 2024):
-  one producer warpgroup streams the scheduled K and V blocks (and their
+* ``_hopper`` (specialised, ``consumers >= 1``: FlashAttention-3, Shah et al.
+  2024): one producer warpgroup streams the scheduled K and V blocks (and their
   positions and segment ids) through TMA into ``stages`` shared-memory slots
-  (``plgpu.emit_pipeline_warp_specialized``); each consumer warpgroup holds
-  its own ``block_q`` of the program's rows and runs both products on
-  ``wgmma``. The consumers walk the same schedule row (laid out in the
-  program's rows), so they release each slot together; with two of them a
-  barrier takes turns (ping-pong), so that one's softmax overlaps the other's
-  products.
-* ``_hopper`` (``consumers == 0``): one warpgroup per ``block_q`` rows that
-  pipelines its own copies (``plgpu.emit_pipeline``).
+  (``plgpu.emit_pipeline_warp_specialized``); each consumer warpgroup holds its
+  own ``block_q`` of the program's rows and runs both products on ``wgmma``.
+  The consumers walk the same schedule row (laid out in the program's rows),
+  so they release each slot together; two of them take turns on a barrier
+  (ping-pong), so that one's softmax overlaps the other's products. With
+  ``consumers == 0``, one warpgroup per ``block_q`` rows pipelines its own
+  copies (``plgpu.emit_pipeline``). Both through ``mosaic_common.program``.
 * ``_twin``: the same loop over the same schedule rows, per consumer's rows,
   with ref slices and ``jnp.dot``: what Pallas's Mosaic GPU interpreter runs on
   a CPU, so the schedule, the masks, the statistics and the padding are checked
@@ -38,27 +37,28 @@ from attn.pallas.mosaic_common import (
     ROW_ALIGN,
     MosaicConfig,
     accumulate,
-    copy_in,
+    barriers,
     dot,
-    interpreter,
-    kernel,
     key_stream,
+    launch,
     load,
     product,
+    program,
     scheduled,
     sink_rows,
+    slot_in,
+    slot_of,
     swizzle,
     take_rows,
 )
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
-PRODUCER_REGISTERS = 40  # the TMA warpgroup's registers a thread; the consumers share the rest
 
 
 def forward(config: MosaicConfig, q, k, v, sink, ints):
     """``(out [B,Tp,N,E], lse [B,N,Tp] float32)``; rows that see nothing are 0 and ``-inf``."""
-    (table, _, _), rows = ints
+    (table, _), rows = ints
     B, Tp, N, _ = q.shape
     out_shape = (
         jax.ShapeDtypeStruct((B, Tp, N, v.shape[-1]), q.dtype),
@@ -66,26 +66,18 @@ def forward(config: MosaicConfig, q, k, v, sink, ints):
     )
     args = [q, k, v, table, *rows, *([sink_rows(sink)] if config.call.has_sink else [])]
     grid = (B, N, Tp // config.program_rows)
-    if config.interpret:
-        body = functools.partial(_twin, config)
-        return kernel(body, out_shape, [], grid, interpret=interpreter())(*args)
     scratch = _scratch(config, q, v, table.shape[1])
-    if config.consumers == 0:
-        return kernel(functools.partial(_hopper, config), out_shape, scratch, grid,
-                      approx=config.approx)(*args)  # fmt: skip
-    return kernel(functools.partial(_specialized, config), out_shape, scratch, grid,
-                  approx=config.approx, num_threads=config.consumers + 1,
-                  thread_name="wg")(*args)  # fmt: skip
+    return launch(config, _twin, _hopper, scratch, out_shape, grid, args)
 
 
 def _scratch(config: MosaicConfig, q, v, table_width: int) -> list:
-    """Per consumer (one without specialisation): its query rows (which the output reuses
-    where E == H, else an output block), positions, segment ids, sink and lse; the schedule
-    row; one barrier per copy in (the schedule's first); the consumers' turn barrier."""
-    C, bq = max(config.consumers, 1), config.block_q
+    """Per slot: its query rows (which the output reuses where E == H, else an output
+    block), positions, segment ids, sink and lse; the schedule row; the copy barriers; the
+    consumers' turn barrier."""
+    C, bq = config.slots, config.block_q
     H, E = q.shape[-1], v.shape[-1]
     out = [] if E == H else [plgpu.SMEM((C, bq, E), q.dtype, transforms=swizzle())]
-    turn = [plgpu.Barrier(num_arrivals=C)] if config.consumers else []
+    turn = [plgpu.Barrier(num_arrivals=C)] if config.consumers == 2 else []
     return [
         plgpu.SMEM((C, bq, H), q.dtype, transforms=swizzle()),
         *out,
@@ -94,36 +86,9 @@ def _scratch(config: MosaicConfig, q, v, table_width: int) -> list:
         plgpu.SMEM((C, bq), jnp.int32),
         plgpu.SMEM((C, ROW_ALIGN), jnp.float32),
         plgpu.SMEM((C, bq), jnp.float32),
-        plgpu.Barrier(num_barriers=1 + 4 * C),
+        barriers(config),
         *turn,
     ]
-
-
-def _unpack(config: MosaicConfig, v_ref, q_ref, refs):
-    """``(q_seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, scratch)`` from a Hopper
-    kernel's refs after its positions; ``scratch`` as ``_scratch`` lists it, with the
-    query rows standing in for the output rows where E == H."""
-    q_seg_ref, kv_seg_ref, sink_ref, refs = take_rows(config, refs, sink=True)
-    o_ref, lse_ref, q_smem, *refs = refs
-    # The output reuses the query rows once the last product has read them.
-    o_smem, *refs = refs if v_ref.shape[-1] != q_ref.shape[-1] else (q_smem, *refs)
-    return q_seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, (q_smem, o_smem, *refs)
-
-
-def _rows_in(config: MosaicConfig, refs, smem, c, bar, rows):
-    """Copies consumer ``c``'s query rows, positions, segment ids and sink into its slots
-    (on barriers ``1 + 4c`` on) and returns its ``(q_pos, q_seg)`` row vectors."""
-    q_ref, q_pos_ref, q_seg_ref, sink_ref = refs
-    q_smem, qpos_smem, qseg_smem, sink_smem = smem
-    b, n = lax.axis_index("b"), lax.axis_index("h")
-    copies = [(q_ref.at[b, rows, n], q_smem.at[c]), (q_pos_ref.at[b, rows], qpos_smem.at[c])]
-    if config.segments:
-        copies.append((q_seg_ref.at[b, rows], qseg_smem.at[c]))
-    if config.call.has_sink:
-        copies.append((sink_ref.at[n], sink_smem.at[c]))
-    copy_in(copies, bar, first=1 + 4 * c)
-    q_seg = load(qseg_smem.at[c], ROW) if config.segments else None
-    return load(qpos_smem.at[c], ROW), q_seg
 
 
 def _tile(config: MosaicConfig, q_smem, k_smem, v_smem, kpos_smem, kseg_smem, t, carry,
@@ -153,101 +118,57 @@ def _take_turn(turn) -> None:
     plgpu.barrier_wait(turn)
 
 
-def _start(config: MosaicConfig, sink_smem, c, E: int):
-    """A consumer's ``(acc, m, l)`` before its first tile, in wgmma's layouts."""
-    sink = sink_smem[c, 0] if config.call.has_sink else None
-    m0, l0 = tiles.start(config.call, config.block_q, sink)
-    acc = jnp.zeros((config.block_q, E), jnp.float32)
-    return (plgpu.layout_cast(acc, plgpu.Layout.WGMMA), plgpu.layout_cast(m0, ROW),
-            plgpu.layout_cast(l0, ROW))  # fmt: skip
-
-
-def _rows_out(acc, m, l, o_smem, lse_smem, o_ref, lse_ref, rows) -> None:
-    """A consumer's finished rows through its shared-memory slots to the outputs."""
-    b, n = lax.axis_index("b"), lax.axis_index("h")
-    out, lse = tiles.finish(acc, m, l)
-    o_smem[...] = out.astype(o_smem.dtype)
-    lse_smem[...] = lse
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, rows, n])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, n, rows])
-    plgpu.wait_smem_to_gmem(0)
-
-
 # ----------------------------------------------------------------------------
-# FlashAttention-3: a producer warpgroup and consumer warpgroups
-
-
-def _specialized(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_pos_ref,
-                 *refs):  # fmt: skip
-    C, bq = config.consumers, config.block_q
-    q_seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, scratch = _unpack(config, v_ref, q_ref, refs)
-    q_smem, o_smem, table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar, turn = scratch
-    turn = turn if C == 2 else None  # ping-pong takes two
-    i, wg = lax.axis_index("i"), lax.axis_index("wg")
-
-    @pl.when(wg == C)  # the producer brings in the schedule row; everyone reads it
-    def _():
-        plgpu.copy_gmem_to_smem(table_ref.at[i], table_smem, bar.at[0])
-
-    plgpu.barrier_wait(bar.at[0])
-
-    def step(index, k_smem, v_smem, kpos_smem, *rest):
-        *kseg_smem, carry = rest
-        kseg_smem = kseg_smem[0] if kseg_smem else None
-        q_slot = q_smem.at[lax.axis_index("wg")]
-        return _tile(config, q_slot, k_smem, v_smem, kpos_smem, kseg_smem, index[0], carry,
-                     table_smem, turn)  # fmt: skip
-
-    def consumer(pipeline):
-        rows = pl.ds((i * C + wg) * bq, bq)
-        refs = (q_ref, q_pos_ref, q_seg_ref, sink_ref)
-        q_pos, q_seg = _rows_in(config, refs, (q_smem, qpos_smem, qseg_smem, sink_smem), wg, bar,
-                                rows)  # fmt: skip
-        acc, m, l = _start(config, sink_smem, wg, v_ref.shape[-1])
-        if turn is not None:
-            pl.when(wg == 1)(functools.partial(_take_turn, turn))  # consumer 0 goes first
-        acc, m, l, *_ = pipeline((acc, m, l, q_pos, q_seg))
-        if turn is not None:
-            pl.when(wg == 0)(functools.partial(_take_turn, turn))  # the turns balance
-        _rows_out(acc, m, l, o_smem.at[wg], lse_smem.at[wg], o_ref, lse_ref, rows)
-
-    specs, sources = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
-    pipeline = plgpu.emit_pipeline_warp_specialized(
-        step, grid=(table_smem[0],), in_specs=specs, max_concurrent_steps=config.stages,
-        num_compute_wgs=C, wg_axis="wg", memory_registers=PRODUCER_REGISTERS,
-        compute_context=consumer,
-    )  # fmt: skip
-    pipeline(*sources)
-
-
-# ----------------------------------------------------------------------------
-# One warpgroup per block_q rows, pipelining its own copies
+# The Hopper kernel: FlashAttention-3's, or one warpgroup per block
 
 
 def _hopper(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_pos_ref, *refs):
-    q_seg_ref, kv_seg_ref, sink_ref, o_ref, lse_ref, scratch = _unpack(config, v_ref, q_ref, refs)
-    q_smem, o_smem, table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar = scratch
-    i = lax.axis_index("i")
-    rows = pl.ds(i * config.block_q, config.block_q)
-    copy_in([(table_ref.at[i], table_smem)], bar)
-    q_pos, q_seg = _rows_in(config, (q_ref, q_pos_ref, q_seg_ref, sink_ref),
-                            (q_smem, qpos_smem, qseg_smem, sink_smem), 0, bar, rows)  # fmt: skip
+    call, bq, E = config.call, config.block_q, v_ref.shape[-1]
+    q_seg_ref, kv_seg_ref, sink_ref, refs = take_rows(config, refs, sink=True)
+    o_ref, lse_ref, q_smem, *refs = refs
+    # The output reuses the query rows once the last product has read them.
+    o_smem, *refs = refs if q_ref.shape[-1] != E else (q_smem, *refs)
+    table_smem, qpos_smem, qseg_smem, sink_smem, lse_smem, bar, *turn = refs
+    turn = turn[0] if turn else None  # two consumers take turns
+    b, n, i = (lax.axis_index(a) for a in "bhi")
+    rows = lambda slot: pl.ds((i * config.slots + slot) * bq, bq)  # noqa: E731
+
+    def start(slot):
+        r = rows(slot)
+        copies = [(q_ref.at[b, r, n], q_smem.at[slot]), (q_pos_ref.at[b, r], qpos_smem.at[slot])]
+        if config.segments:
+            copies.append((q_seg_ref.at[b, r], qseg_smem.at[slot]))
+        if call.has_sink:
+            copies.append((sink_ref.at[n], sink_smem.at[slot]))
+        slot_in(copies, bar, slot)
+        q_seg = load(qseg_smem.at[slot], ROW) if config.segments else None
+        m, l = tiles.start(call, bq, sink_smem[slot, 0] if call.has_sink else None)
+        acc = plgpu.layout_cast(jnp.zeros((bq, E), jnp.float32), plgpu.Layout.WGMMA)
+        if turn is not None:
+            pl.when(slot == 1)(functools.partial(_take_turn, turn))  # consumer 0 goes first
+        return (acc, plgpu.layout_cast(m, ROW), plgpu.layout_cast(l, ROW),
+                load(qpos_smem.at[slot], ROW), q_seg)  # fmt: skip
 
     def step(index, k_smem, v_smem, kpos_smem, *rest):
         *kseg_smem, carry = rest
-        kseg_smem = kseg_smem[0] if kseg_smem else None
-        return _tile(config, q_smem.at[0], k_smem, v_smem, kpos_smem, kseg_smem, index[0],
-                     carry, table_smem)  # fmt: skip
+        q_slot = q_smem.at[slot_of(config)]
+        return _tile(config, q_slot, k_smem, v_smem, kpos_smem, (kseg_smem or [None])[0],
+                     index[0], carry, table_smem, turn)  # fmt: skip
 
-    acc, m, l = _start(config, sink_smem, 0, v_ref.shape[-1])
-    specs, sources = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
-    pipeline = plgpu.emit_pipeline(
-        step, grid=(table_smem[0],), in_specs=specs, max_concurrent_steps=config.stages,
-        init_carry=(acc, m, l, q_pos, q_seg),
-    )  # fmt: skip
-    acc, m, l, *_ = pipeline(*sources)
-    _rows_out(acc, m, l, o_smem.at[0], lse_smem.at[0], o_ref, lse_ref, rows)
+    def finish(slot, carry):
+        acc, m, l, *_ = carry
+        if turn is not None:
+            pl.when(slot == 0)(functools.partial(_take_turn, turn))  # the turns balance
+        out, lse = tiles.finish(acc, m, l)
+        o_smem.at[slot][...] = out.astype(o_smem.dtype)
+        lse_smem.at[slot][...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[slot], o_ref.at[b, rows(slot), n])
+        plgpu.copy_smem_to_gmem(lse_smem.at[slot], lse_ref.at[b, n, rows(slot)])
+        plgpu.wait_smem_to_gmem(0)
+
+    stream = key_stream(config, k_ref, v_ref, kv_pos_ref, kv_seg_ref, table_smem)
+    program(config, (table_ref, table_smem), bar, stream, step, start, finish)
 
 
 # ----------------------------------------------------------------------------
@@ -264,7 +185,7 @@ def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_po
     width = config.width
 
     def consumer(c):
-        rows = pl.ds((i * max(config.consumers, 1) + c) * bq, bq)
+        rows = pl.ds((i * config.slots + c) * bq, bq)
         q = q_ref[b, rows, n, :]
         q_pos = tiles.along(q_pos_ref[b, rows], tile, 0)
         q_seg = tiles.along(q_seg_ref[b, rows], tile, 0) if segments else None
@@ -289,5 +210,5 @@ def _twin(config: MosaicConfig, q_ref, k_ref, v_ref, table_ref, q_pos_ref, kv_po
         o_ref[b, rows, n, :] = out.astype(o_ref.dtype)
         lse_ref[b, n, rows] = lse
 
-    for c in range(max(config.consumers, 1)):
+    for c in range(config.slots):
         consumer(c)

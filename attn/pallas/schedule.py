@@ -46,14 +46,8 @@ def schedules(config: FlashConfig, rows: Sequence, static: Sequence | None,
         (``attn.softmax.call.Call.static_rows``), or None.
       keep: the call's boolean mask array, or None.
     """
-    by_query = query_layout(config.blocks, rows, static, keep)
+    by_query = _layout(config.blocks, rows, static, keep, transpose=False)
     return Schedules(by_query, _layout(config.bwd_blocks, rows, static, keep, transpose=True))
-
-
-def query_layout(blocks: BlockSpec, rows: Sequence, static: Sequence | None,
-                 keep=None) -> Schedule:  # fmt: skip
-    """The ``by_query`` layout alone, in ``blocks`` (arguments as ``schedules``')."""
-    return _layout(blocks, rows, static, keep, transpose=False)
 
 
 def _layout(blocks: BlockSpec, rows, static, keep, transpose: bool) -> Schedule:

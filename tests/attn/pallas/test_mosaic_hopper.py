@@ -2,13 +2,13 @@
 
 Pallas's Mosaic GPU interpreter in jax 0.11 runs everything the Hopper
 kernels do except ``wgmma`` with a register operand and swizzled shared
-memory: the warp-specialised forward (its TMA producer warpgroup, its two
-consumers taking turns on a barrier, the pipeline's dynamic trip count and
-index maps read from the schedule row in shared memory), the unspecialised
-forward, and the dq and dk/dv kernels (their transposed tiles, the GQA loop
-over query heads, the output written over the operands' slots). Here the two
-product helpers are replaced by ``jnp.dot`` on the same tiles and the tiles
-are left unswizzled; every other line is the kernels' own. What remains for a
+memory: the warp-specialised kernels (their TMA producer warpgroup, their
+consumers each on its own block, the forward's two taking turns on a barrier,
+the pipelines' dynamic trip counts and index maps read from the schedule row
+in shared memory), their unspecialised forms, the dk/dv kernel's transposed
+tiles and GQA loop over query heads, the outputs written over the operands'
+slots. Here the two product helpers are replaced by ``jnp.dot`` on the same
+tiles and the tiles are left unswizzled; every other line is the kernels' own. What remains for a
 GPU: wgmma and its register layouts, the swizzle, the fast ``ex2``, timing.
 
 jax 0.10's interpreter (the CI's) cannot run these kernels (no pipelines),
