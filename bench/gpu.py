@@ -9,7 +9,8 @@ gradient of ``sum(out * ct)`` w.r.t. q, k, v) of:
 * ``pallas``: ``attn.pallas.flash_attention`` (every mask; Triton);
 * ``mosaic``: ``attn.pallas.mosaic.mosaic_attention`` (every mask; Mosaic GPU, Hopper only;
   the forward FlashAttention-3's: a TMA producer and two consumer warpgroups);
-* ``mosaic_1wg``: the same with ``consumers=0`` (one warpgroup a block pipelining its copies);
+* ``mosaic_1wg``: the same with ``consumers=0`` (one warpgroup a block pipelining its copies;
+  only with ``--impls``: the default sweep's budget goes to the others);
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``, causal and full only
   (jax.nn has no initial tokens);
 * ``xla``: ``jax.nn.dot_product_attention(implementation="xla")``, which materializes
@@ -60,7 +61,8 @@ if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/gp
 from bench._gpu_report import markdown, plot  # noqa: E402
 from bench._report import write_report  # noqa: E402
 
-IMPLS = ("pallas", "mosaic", "mosaic_1wg", "cudnn", "xla", "blockwise")
+IMPLS = ("pallas", "mosaic", "cudnn", "xla", "blockwise")  # the default sweep
+KNOWN_IMPLS = (*IMPLS, "mosaic_1wg")
 MASKS = ("causal", "full", "window_sinks")
 JAX_NN_MASKS = ("causal", "full")  # what jax.nn can express
 MODES = ("fwd", "fwd+bwd")
@@ -88,6 +90,11 @@ class Config:
     repeats: int = 10  # timed runs after the warm-up (best taken), fewer for slow runs
     memory_fraction: float = 0.7  # of the device's memory, for jax.nn's [B,N,T,S] arrays
     out_dir: str = "bench/results"
+
+    def __post_init__(self):
+        unknown = [i for i in self.impls if i not in KNOWN_IMPLS]
+        if unknown:
+            raise ValueError(f"impls: expected some of {KNOWN_IMPLS}, got {unknown}")
 
 
 def batch_for(T: int) -> int:

@@ -43,6 +43,11 @@ def test_the_gpu_sweep_and_its_skips(bench):
     )
     assert bench.skip_reason(dict(p, T=4096), "gpu", 140 * 2**30, 0.7) is None
     assert bench.skip_reason(dict(p, impl="cudnn"), "cpu", None, 0.7).startswith("not measured")
+    for impl in ("mosaic", "mosaic_1wg"):  # Hopper's kernels, the second only with --impls
+        assert bench.skip_reason(dict(p, impl=impl), "cpu", None, 0.7).startswith("not measured")
+    assert "mosaic_1wg" in bench.KNOWN_IMPLS and "mosaic_1wg" not in bench.IMPLS
+    with pytest.raises(ValueError, match=r"^impls: expected some of .*got \['triton'\]"):
+        bench.Config(impls=("pallas", "triton"))
 
 
 @pytest.mark.integration
