@@ -35,7 +35,6 @@ from attn.pallas import mosaic_tiles as tiles
 from attn.pallas.mosaic_common import (
     MosaicConfig,
     accumulate,
-    barriers,
     dot,
     key_stream,
     launch,
@@ -45,6 +44,7 @@ from attn.pallas.mosaic_common import (
     scheduled,
     slot_in,
     slot_of,
+    slot_scratch,
     swizzle,
     take_rows,
 )
@@ -81,14 +81,10 @@ def backward(config: MosaicConfig, q, k, v, sink, ints, out, lse, d_out, d_lse):
 def _dq(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
     (table, _), rows = ints
     B, Tp, N, H = q.shape
-    C, bq, E = config.slots, config.block_q, v.shape[-1]
-    scratch = [
-        plgpu.SMEM((C, bq, H), q.dtype, transforms=swizzle()),
-        plgpu.SMEM((C, bq, E), q.dtype, transforms=swizzle()),
-        plgpu.SMEM((table.shape[1],), jnp.int32),
-        *[plgpu.SMEM((C, bq), dtype) for dtype in (jnp.int32, jnp.int32, jnp.float32, jnp.float32)],
-        barriers(config),
-    ]
+    # q and dO; positions, segment ids, lse and D
+    vectors = (jnp.int32, jnp.int32, jnp.float32, jnp.float32)
+    scratch = slot_scratch(config, config.block_q, (H, v.shape[-1]), q.dtype, table.shape[1],
+                           vectors)  # fmt: skip
     out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     args = [q, k, v, d_out, lse2, delta, table, *rows]
     grid = (B, N, Tp // config.program_rows)
@@ -186,15 +182,9 @@ def _dq_twin(config: MosaicConfig, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
 def _dkdv(config: MosaicConfig, q, k, v, d_out, lse2, delta, ints):
     (_, table), rows = ints
     B, Sp, K, H = k.shape
-    C, bk, E = config.slots, config.block_k, v.shape[-1]
-    scratch = [
-        plgpu.SMEM((C, bk, H), k.dtype, transforms=swizzle()),
-        plgpu.SMEM((C, bk, E), k.dtype, transforms=swizzle()),
-        plgpu.SMEM((table.shape[1],), jnp.int32),
-        plgpu.SMEM((C, bk), jnp.int32),
-        plgpu.SMEM((C, bk), jnp.int32),
-        barriers(config),
-    ]
+    # K and V; positions and segment ids
+    scratch = slot_scratch(config, config.block_k, (H, v.shape[-1]), k.dtype, table.shape[1],
+                           (jnp.int32, jnp.int32))  # fmt: skip
     out_shape = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     args = [q, k, v, d_out, lse2, delta, table, *rows]
     grid = (B, K, Sp // config.program_keys)

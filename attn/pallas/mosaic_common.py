@@ -203,6 +203,19 @@ def launch(config: MosaicConfig, twin, hopper, scratch, out_shape, grid, args):
     return kernel(body, out_shape, scratch, grid, approx=config.approx, **threads)(*args)
 
 
+def slot_scratch(config: MosaicConfig, rows: int, widths, dtype, table_width: int, vectors):
+    """A backward kernel's shared memory: per slot one swizzled ``[rows, width]`` tile of
+    ``dtype`` for each of ``widths`` and one ``[rows]`` vector for each dtype of
+    ``vectors``; the schedule row; the copy barriers."""
+    C = config.slots
+    return [
+        *[plgpu.SMEM((C, rows, w), dtype, transforms=swizzle()) for w in widths],
+        plgpu.SMEM((table_width,), jnp.int32),
+        *[plgpu.SMEM((C, rows), vector) for vector in vectors],
+        barriers(config),
+    ]
+
+
 def barriers(config: MosaicConfig):
     """A Hopper kernel's copy barriers: the schedule row's, then ``COPIES`` a slot."""
     return plgpu.Barrier(num_barriers=1 + COPIES * config.slots)
