@@ -239,10 +239,20 @@ def query_scale(scale, H: int) -> float:
 
 
 def same_token_segment_ids(q_segment_ids, kv_segment_ids, batch: int, length: int):
-    """Both or neither of the ids ``[B,T]`` of a causal recurrence, whose queries and keys are
-    the same tokens; as int32 (``segment_ids``)."""
+    """The ids ``([B,T], [B,T])`` int32 of a causal recurrence, whose queries and keys are the
+    same tokens, or ``(None, None)``: both or neither, and on each token the same id unless the
+    query's is padding (0: it reads nothing while its token still writes). Two different real
+    ids on one token are refused where both are concrete (under a trace nothing is seen)."""
     q_seg = segment_ids(q_segment_ids, "q_segment_ids", batch, length)
     kv_seg = segment_ids(kv_segment_ids, "kv_segment_ids", batch, length)
     if (q_seg is None) != (kv_seg is None):
         fail("q_segment_ids/kv_segment_ids", "both or neither", "only one of them")
+    q_ids, kv_ids = (None, None) if q_seg is None else (concrete(q_seg), concrete(kv_seg))
+    if q_ids is not None and kv_ids is not None:
+        differ = (q_ids != 0) & (kv_ids != 0) & (q_ids != kv_ids)
+        if differ.any():
+            b, t = np.argwhere(differ)[0]
+            want = "the id of kv_segment_ids on each token (q and k are the same tokens), or 0"
+            got = f"{int(q_ids[b, t])} against {int(kv_ids[b, t])} at [{b}, {t}]"
+            fail("q_segment_ids", want, f"{int(differ.sum())} tokens differing, first {got}")
     return q_seg, kv_seg

@@ -22,6 +22,7 @@ from flax import nnx, struct
 import attn
 from attn import masks
 from attn.checks import fail
+from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.heads import HeadGate, Heads, dense
 from models.mesh import in_sequence
@@ -58,7 +59,7 @@ class DeltaConfig(AttentionConfig):
     kind: str = "delta"
     rope: bool = False
     form: str = "chunkwise"
-    chunk_size: int = 64
+    chunk_size: int = CHUNK_SIZE
     gate: str = "head"
     value_heads: int | None = None
     qkv_conv: int = 4

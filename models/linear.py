@@ -13,6 +13,7 @@ import numpy as np
 import attn
 from attn import masks
 from attn.checks import fail
+from attn.linear.front import CHUNK_SIZE
 from models.config import (
     AttentionConfig,
     check_bool,
@@ -53,7 +54,7 @@ class LinearConfig(AttentionConfig):
     form: str = "chunkwise"
     decay: float | tuple[float, ...] | str | None = None
     gating: bool = False
-    chunk_size: int = 64
+    chunk_size: int = CHUNK_SIZE
     normalize: bool = True
     num_features: int | None = None
 

@@ -19,6 +19,7 @@ from flax import nnx, struct
 import attn
 from attn import masks
 from attn.checks import fail
+from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.delta import decay_init
 from models.heads import Heads, dense
@@ -48,7 +49,7 @@ class Mamba2Config(AttentionConfig):
     groups: int = 1
     conv: int = 4
     form: str = "chunkwise"
-    chunk_size: int = 64
+    chunk_size: int = CHUNK_SIZE
     negative_eigenvalues: bool = False
 
     def check_fields(self) -> None:

@@ -27,6 +27,7 @@ from jax.sharding import AxisType, PartitionSpec
 
 import attn
 from attn import ring, scores
+from attn.checks import fail
 
 __all__ = [
     "BATCH_AXES",
@@ -83,17 +84,6 @@ def ring_layout(length: int, num_devices: int, in_order: bool = False) -> np.nda
     return ring.layout_order(length, num_devices, "zigzag" if zigzag else "contiguous")
 
 
-# The sharded form of each function a layer runs in array order (attn.linear.sharded).
-_SHARDED = {
-    attn.linear_attention: attn.sharded_linear_attention,
-    attn.delta_rule: attn.sharded_delta_rule,
-    attn.delta_product: attn.sharded_delta_product,
-    attn.dplr_delta_rule: attn.sharded_dplr_delta_rule,
-    attn.ssd: attn.sharded_ssd,
-    attn.short_conv: attn.sharded_short_conv,
-}
-
-
 def in_sequence(fn):
     """``fn`` (one of ``attn``'s recurrences or ``short_conv``), run the way the context mesh
     splits sequences.
@@ -106,11 +96,14 @@ def in_sequence(fn):
     devices = seq_devices()
     if devices is None or devices == 1:
         return fn
-    sharded = _SHARDED[fn]
+    family = next((f for f in attn.linear.FAMILIES.values() if f.fn is fn), None)
+    if family is None:
+        names = sorted(attn.linear.FAMILIES)
+        fail("fn", f"the function of a family in attn.linear.FAMILIES {names}", fn)
 
     def call(*args, **kwargs):
         rows = batch_axes(np.shape(args[0])[0])
-        return sharded(*args, axis_name=SEQ_AXIS, batch_axes=rows, **kwargs)
+        return family.sharded(*args, axis_name=SEQ_AXIS, batch_axes=rows, **kwargs)
 
     return call
 

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from attn.checks import fail
+from attn.linear.front import CHUNK_SIZE
 from attn.registry import Registry
 from models.config import KINDS, AttentionConfig
 from models.latent import LatentConfig
@@ -68,7 +69,7 @@ class PresetSizes:
     kv_rank: int = 8
     q_rank: int | None = 16
     rope_head_dim: int = 4
-    chunk_size: int = 64
+    chunk_size: int = CHUNK_SIZE
     short_conv: int = SHORT_CONV
     based_head_dim: int = BASED_HEAD_DIM
     state_dim: int = 16

@@ -23,6 +23,7 @@ import attn
 from attn import masks
 from attn.checks import fail
 from attn.linear.dplr import DPLR_FORMS
+from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_positive_int, register_kind
 from models.heads import Heads, dense
 from models.mesh import in_sequence
@@ -55,7 +56,7 @@ class Rwkv7Config(AttentionConfig):
     kind: str = "rwkv7"
     rope: bool = False
     form: str = "chunkwise"
-    chunk_size: int = 64
+    chunk_size: int = CHUNK_SIZE
     decay_rank: int = 8
     iclr_rank: int = 8
     gate_rank: int = 16

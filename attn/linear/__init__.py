@@ -12,7 +12,7 @@ Modules:
   ``delta_rule_step``;
 * ``dplr``: the DPLR delta rule (RWKV-7's diagonal-plus-low-rank transition):
   ``dplr_delta_rule`` (``DPLR_FORMS``, in ``dplr_forms``) and
-  ``dplr_delta_rule_step``; ``sharded_dplr``: ``sharded_dplr_delta_rule``, on ``chain``;
+  ``dplr_delta_rule_step``;
 * ``log_linear``: log-linear attention (Guo et al. 2025), gated linear attention
   over a Fenwick tree of states: ``log_linear_attention`` (``LOG_LINEAR_FORMS``,
   in ``log_linear_forms``) and ``log_linear_attention_step``; log-linear Gated
@@ -23,11 +23,16 @@ Modules:
   eigenvalues), ``ssd_step``;
 * ``product``: DeltaProduct, several delta-rule steps per token:
   ``delta_product``, ``delta_product_step``;
-* ``sharded``: every family (and ``attn.conv``'s short convolution) with the
-  sequence split over a mesh axis: ``sharded_linear_attention``,
-  ``sharded_delta_rule``, ``sharded_delta_product``, ``sharded_ssd``,
-  ``sharded_short_conv``; ``chain`` drives them (the states chained across
-  devices, a backward pass of its own) and ``drive`` takes whole arrays to it;
+* ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
+  once (``check_front``), and the one default ``CHUNK_SIZE``;
+* ``family``: a family as one record (``Family``) and the one driver that
+  shards any of them (``sharded``);
+* ``sharded``: the records (``FAMILIES``) and every family (and ``attn.conv``'s
+  short convolution) with the sequence split over a mesh axis:
+  ``sharded_linear_attention``, ``sharded_delta_rule``, ``sharded_delta_product``,
+  ``sharded_dplr_delta_rule``, ``sharded_ssd``, ``sharded_short_conv``; ``chain``
+  drives them (the states chained across devices, a backward pass of its own)
+  and ``drive`` takes whole arrays to it;
 * ``segments``: what segment ids (packing, padding) mean to a recurrence;
 * ``features``: the feature maps ``phi`` (the ``FEATURE_MAPS`` registry, which
   ``register_feature_map`` adds to) and FAVOR+'s projection.
@@ -54,6 +59,7 @@ from attn.linear.features import (
     relu,
     taylor,
 )
+from attn.linear.front import CHUNK_SIZE
 from attn.linear.log_linear import (
     LOG_LINEAR_DELTA_FORMS,
     LOG_LINEAR_FORMS,
@@ -67,18 +73,21 @@ from attn.linear.log_linear import (
 from attn.linear.mamba import SSD_FORMS, init_ssd_state, ssd, ssd_decay, ssd_step
 from attn.linear.product import delta_product, delta_product_step
 from attn.linear.sharded import (
+    FAMILIES,
     sharded_delta_product,
     sharded_delta_rule,
+    sharded_dplr_delta_rule,
     sharded_linear_attention,
     sharded_short_conv,
     sharded_ssd,
 )
-from attn.linear.sharded_dplr import sharded_dplr_delta_rule
 
 __all__ = [
+    "CHUNK_SIZE",
     "DELTA_FORMS",
     "DPLR_FORMS",
     "EXP_KERNEL_MAPS",
+    "FAMILIES",
     "FEATURE_MAPS",
     "LINEAR_FORMS",
     "LOG_LINEAR_DELTA_FORMS",

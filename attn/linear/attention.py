@@ -101,8 +101,9 @@ import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, concrete, fail, qkv_dims
-from attn.linear import forms, segments
+from attn.linear import forms, front, segments
 from attn.linear.features import output_dim, resolve, root_scale
+from attn.linear.front import CHUNK_SIZE, check_chunk, check_form, check_state
 from attn.masks import drop_padding
 
 __all__ = [
@@ -195,6 +196,8 @@ def _check_state(state, name: str, B: int, N: int, F: int, E: int):
     kv_shape, z_shape = np.shape(state[0]), np.shape(state[1])
     if kv_shape != (B, N, F, E) or z_shape != (B, N, F):
         fail(name, f"kv {(B, N, F, E)} and z {(B, N, F)}", f"kv {kv_shape}, z {z_shape}")
+    check_state(state[0], f"{name}.kv", (B, N, F, E), "[B,N,F,E]")
+    check_state(state[1], f"{name}.z", (B, N, F), "[B,N,F]")
 
 
 def _check_eps(eps):
@@ -202,16 +205,11 @@ def _check_eps(eps):
         fail("eps", "a non-negative Python number", repr(eps))
 
 
-def _check_options(form, chunk_size, eps):
-    if form not in LINEAR_FORMS:
-        fail("form", f"one of {LINEAR_FORMS}", repr(form))
-    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size <= 0:
-        fail("chunk_size", "a positive int", repr(chunk_size))
-    _check_eps(eps)
-
-
 def _check_segments(q_segment_ids, kv_segment_ids, B, T, S, causal, initial_state, return_state):
-    """Segment ids ``([B,T], [B,S])`` int32, or ``(None, None)``."""
+    """Segment ids ``([B,T], [B,S])`` int32, or ``(None, None)``; causal, those of one set
+    of tokens (``checks.same_token_segment_ids``)."""
+    if causal:
+        return checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
     q_seg = checks.segment_ids(q_segment_ids, "q_segment_ids", B, T)
     kv_seg = checks.segment_ids(kv_segment_ids, "kv_segment_ids", B, S)
     if (q_seg is None) != (kv_seg is None):
@@ -255,7 +253,7 @@ def linear_attention(
     normalize: bool = True,
     decay=None,
     log_gates=None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     initial_state: LinearState | None = None,
     return_state: bool = False,
     eps: float = 1e-6,
@@ -315,7 +313,9 @@ def linear_attention(
     """
     q, k, v = as_arrays(q, k, v)
     B, T, S, N, K, G, H, E = qkv_dims(q, k, v)
-    _check_options(form, chunk_size, eps)
+    check_form(form, LINEAR_FORMS)
+    check_chunk(chunk_size)
+    _check_eps(eps)
     if causal and T != S:
         fail("k", f"length S == T == {T} when causal=True", f"S={S}")
     phi = resolve(feature_map, projection, H)
@@ -338,7 +338,7 @@ def linear_attention(
         kv0 = jnp.zeros((B, K, G, F, E), jnp.float32)
         z0 = jnp.zeros((B, K, G, F), jnp.float32)
     log_a = _log_decay(decay, log_gates, B, T, N)
-    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    out_dtype = front.out_dtype(q, k, v)
     qg = q.astype(jnp.float32).reshape(B, T, K, G, H) * root
     kg = k.astype(jnp.float32) * root
     v32 = v.astype(jnp.float32)

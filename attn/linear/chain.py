@@ -68,10 +68,11 @@ EXCHANGES = ("gather", "scan")
 class Recurrence(NamedTuple):
     """One family's affine recurrence, as ``chain_over_axis`` drives it.
 
-    ``tokens`` (a dict of float ``[B,T_local,...]`` arrays, differentiated),
-    ``params`` (a dict of replicated float arrays, differentiated), ``aux``
-    (a dict of int or bool ``[B,T_local,...]`` arrays: segment ids, gate
-    signs; not differentiated) and a state pytree whose leaves lead with B.
+    ``tokens`` (a named tuple of float ``[B,T_local,...]`` arrays, differentiated),
+    ``params`` (a named tuple of replicated float arrays, differentiated), ``aux``
+    (``attn.linear.family.Ids``: segment ids, gate signs, ``[B,T_local,...]``;
+    not differentiated) and a state pytree whose leaves lead with B. None
+    fields are absent arrays.
 
     Attributes:
       run: ``(tokens, params, aux, state) -> (y, final state)``: the
@@ -218,9 +219,9 @@ def _stacked(tree):
 
 def chain_over_axis(
     rec: Recurrence,
-    tokens: dict,
-    params: dict,
-    aux: dict,
+    tokens,
+    params,
+    aux,
     state0,
     *,
     axis_name: str,
@@ -271,15 +272,13 @@ def chain_over_axis(
             check_vma=False,
         )
 
-    aux = {k: v for k, v in aux.items() if v is not None}
-
     if exchange not in EXCHANGES:
         fail("exchange", f"one of {EXCHANGES}", repr(exchange))
 
     def forward_local(tokens, params, aux, state0):
         me = lax.axis_index(axis_name)
         span, M = rec.transition(tokens, params, aux)
-        cs = continues(aux.get("seg"), axis_name, P)
+        cs = continues(aux.kv_seg, axis_name, P)
         if exchange == "scan":
             c = None if cs is None else cs[me]
             incoming, final = _scan_chain(rec, M, span, c, state0, me, axis_name, P)
@@ -299,7 +298,7 @@ def chain_over_axis(
         (_, final_local), vjp = jax.vjp(run, tokens, params, incoming)
         zero = jax.tree.map(jnp.zeros_like, final_local)
         D = vjp((dy, zero))[2]  # through the outputs alone; XLA drops the rest
-        cs = continues(aux.get("seg"), axis_name, P)
+        cs = continues(aux.kv_seg, axis_name, P)
         if exchange == "scan":
             c = None if cs is None else cs[me]
             G, d_state0 = _scan_chain_back(rec, M, D, c, d_final, me, axis_name, P)
@@ -341,7 +340,7 @@ def chain_over_axis(
         place(aux, token_spec),
         place(state0, row_spec),
     )
-    if explicit:  # back in the layout the tokens came in (a model's residual stream)
-        given = jax.typeof(next(iter(tokens.values()))).sharding
+    given = jax.typeof(jax.tree.leaves(tokens)[0]).sharding
+    if explicit and not given.mesh.empty:  # back in the layout the tokens came in
         y = jax.tree.map(lambda x: jax.sharding.reshard(x, given), y)
     return y, final

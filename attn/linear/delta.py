@@ -63,7 +63,8 @@ import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import delta_forms, segments
+from attn.linear import delta_forms, front, segments
+from attn.linear.front import CHUNK_SIZE
 from attn.masks import drop_padding
 
 __all__ = ["DELTA_FORMS", "delta_rule", "delta_rule_step", "init_delta_state"]
@@ -119,9 +120,8 @@ def check_values(beta, log_gates, lead: tuple, N: int, H: int, ids=None) -> None
 
 
 def check_state(state, name: str, B: int, N: int, H: int, E: int):
-    """Refuses a state unless it is ``[B,N,H,E]`` (the DPLR delta rule's too)."""
-    if np.shape(state) != (B, N, H, E):
-        fail(name, f"shape {(B, N, H, E)} = [B,N,H,E]", f"shape {np.shape(state)}")
+    """Refuses a state unless it is a float ``[B,N,H,E]`` (the DPLR delta rule's too)."""
+    front.check_state(state, name, (B, N, H, E), "[B,N,H,E]")
 
 
 # ----------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def delta_rule(
     *,
     log_gates=None,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     initial_state=None,
     return_state: bool = False,
@@ -171,20 +171,20 @@ def delta_rule(
     q, k, v, beta, log_gates, initial_state = as_arrays(q, k, v, beta, log_gates, initial_state)
     B, T, K, N, H, E = _dims(q, k, v, beta, step=False)
     G = N // K
-    if form not in DELTA_FORMS:
-        fail("form", f"one of {DELTA_FORMS}", repr(form))
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        fail("chunk_size", "a positive int", repr(chunk_size))
-    q_seg, kv_seg = checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
+    args = front.check_front(
+        DELTA_FORMS, batch=B, length=T, head_dim=H, form=form, chunk_size=chunk_size,
+        scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )  # fmt: skip
+    q_seg, kv_seg = args.q_seg, args.kv_seg
     check_values(beta, log_gates, (B, T), N, H, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v, beta = drop_padding(q, q_seg), *(drop_padding(x, kv_seg) for x in (k, v, beta))
     if initial_state is not None:
         check_state(initial_state, "initial_state", B, N, H, E)
         initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)
-    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    dtype = front.out_dtype(q, k, v)
 
-    q32 = q.astype(jnp.float32) * checks.query_scale(scale, H)
+    q32 = q.astype(jnp.float32) * args.scale
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
     beta32 = beta.astype(jnp.float32).reshape(B, T, K, G)
@@ -195,16 +195,15 @@ def delta_rule(
     if log_g is not None:
         log_g = log_g.reshape(B, T, K, G, *log_g.shape[3:])
 
-    if form == "recurrent":
+    if args.form == "recurrent":
         out, state = delta_forms.recurrent(q32, k32, v32, beta32, log_g, initial_state)
     else:
-        args = (q32, k32, v32, beta32, log_g, initial_state, chunk_size)
-        out, state = delta_forms.chunkwise(*args)
+        chunk = args.chunk_size
+        out, state = delta_forms.chunkwise(q32, k32, v32, beta32, log_g, initial_state, chunk)
     out = out.reshape(B, T, N, E)
     if q_read is not None:
         out = jnp.where(q_read[:, :, None, None], out, 0.0)
-    out = out.astype(out_dtype)
-    return (out, state.reshape(B, N, H, E)) if return_state else out
+    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), return_state)
 
 
 def _apply_segments(q_seg, kv_seg, log_g, N: int):

@@ -75,8 +75,9 @@ import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import dplr_forms, segments
+from attn.linear import dplr_forms, front, segments
 from attn.linear.delta import check_state
+from attn.linear.front import CHUNK_SIZE
 from attn.masks import drop_padding
 
 __all__ = ["DPLR_FORMS", "dplr_delta_rule", "dplr_delta_rule_step"]
@@ -152,7 +153,7 @@ def dplr_delta_rule(
     log_w,
     *,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     initial_state=None,
     return_state: bool = False,
@@ -188,11 +189,11 @@ def dplr_delta_rule(
     q, k, v, a, b, log_w, initial_state = as_arrays(q, k, v, a, b, log_w, initial_state)
     B, T, K, N, H, E = _dims(q, k, v, a, b, log_w, step=False)
     G = N // K
-    if form not in DPLR_FORMS:
-        fail("form", f"one of {DPLR_FORMS}", repr(form))
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        fail("chunk_size", "a positive int", repr(chunk_size))
-    q_seg, kv_seg = checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
+    args = front.check_front(
+        DPLR_FORMS, batch=B, length=T, head_dim=H, form=form, chunk_size=chunk_size,
+        scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+    )  # fmt: skip
+    q_seg, kv_seg = args.q_seg, args.kv_seg
     check_values(a, b, log_w, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q = drop_padding(q, q_seg)
@@ -200,9 +201,9 @@ def dplr_delta_rule(
     if initial_state is not None:
         check_state(initial_state, "initial_state", B, N, H, E)
         initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)
-    out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+    dtype = front.out_dtype(q, k, v)
 
-    q32 = q.astype(jnp.float32) * checks.query_scale(scale, H)
+    q32 = q.astype(jnp.float32) * args.scale
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
     a32, b32 = _per_value_head(a, K, G), _per_value_head(b, K, G)
@@ -211,16 +212,15 @@ def dplr_delta_rule(
     if q_seg is not None:
         a32, log_w32, q_read = _apply_segments(q_seg, kv_seg, a32, log_w32)
 
-    args = (q32, k32, v32, a32, b32, log_w32, initial_state)
-    if form == "recurrent":
-        out, state = dplr_forms.recurrent(*args)
+    arrays = (q32, k32, v32, a32, b32, log_w32, initial_state)
+    if args.form == "recurrent":
+        out, state = dplr_forms.recurrent(*arrays)
     else:
-        out, state = dplr_forms.chunkwise(*args, chunk_size)
+        out, state = dplr_forms.chunkwise(*arrays, args.chunk_size)
     out = out.reshape(B, T, N, E)
     if q_read is not None:
         out = jnp.where(q_read[:, :, None, None], out, 0.0)
-    out = out.astype(out_dtype)
-    return (out, state.reshape(B, N, H, E)) if return_state else out
+    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), return_state)
 
 
 def _apply_segments(q_seg, kv_seg, a, log_w):

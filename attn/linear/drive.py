@@ -20,7 +20,7 @@ from attn.checks import fail
 from attn.linear.chain import chain_over_axis
 from attn.masks import PADDING
 
-__all__ = ["abstract_mesh", "check_mesh", "check_whole", "drive", "finish"]
+__all__ = ["abstract_mesh", "check_mesh", "check_whole", "drive"]
 
 
 def abstract_mesh(mesh):
@@ -82,39 +82,36 @@ def check_mesh(mesh, axis_name, batch_axes, B: int) -> None:
         fail("batch_axes", want, f"{tuple(batch_axes)} of {devices} devices")
 
 
-def pad_time(tokens: dict, aux: dict, T: int, P: int):
+def pad_time(tokens, ids, T: int, P: int):
     """Pads every ``[B,T,...]`` array to a multiple of P: zeros, and padding ids.
 
+    ``tokens`` a named tuple of arrays, ``ids`` an ``attn.linear.family.Ids``.
     Without segment ids the real tokens get id 1, so the tail is padding,
     which neither writes nor decays a state and outputs 0.
     """
     pad = -T % P
     if not pad:
-        return tokens, aux
+        return tokens, ids
 
     def grow(x, value=0):
         widths = [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
         return jnp.pad(x, widths, constant_values=value)
 
-    aux = dict(aux)
-    for name in ("seg", "q_seg"):
-        if aux.get(name) is None:
-            B = next(iter(tokens.values())).shape[0]
-            aux[name] = jnp.ones((B, T), jnp.int32)
-        aux[name] = grow(jnp.asarray(aux[name]), PADDING)
-    aux = {
-        k: None if v is None else (v if k in ("seg", "q_seg") else grow(v)) for k, v in aux.items()
-    }
-    tokens = {k: None if v is None else grow(v) for k, v in tokens.items()}
-    return tokens, aux
+    B = jax.tree.leaves(tokens)[0].shape[0]
+    ones = jnp.ones((B, T), jnp.int32)
+    q_seg, kv_seg = (ones if x is None else jnp.asarray(x) for x in (ids.q_seg, ids.kv_seg))
+    extra = None if ids.extra is None else grow(jnp.asarray(ids.extra))
+    ids = ids._replace(q_seg=grow(q_seg, PADDING), kv_seg=grow(kv_seg, PADDING), extra=extra)
+    return jax.tree.map(grow, tokens), ids
 
 
-def drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
+def drive(rec, tokens, params, ids, state0, *, T, axis_name, mesh, batch_axes, exchange):
     """Pads T, runs ``chain_over_axis`` and cuts the padding off: ``(y, final)``.
 
-    ``tokens``, ``aux``: dicts of ``[B,T,...]`` arrays (or None); ``params``:
-    dicts of replicated arrays (or None); ``state0``: leaves ``[B,...]`` or None.
-    The mesh and its axes are checked already (``check_mesh``).
+    ``tokens``: a named tuple of ``[B,T,...]`` arrays (None fields absent);
+    ``params``: one of replicated arrays; ``ids``: ``attn.linear.family.Ids``;
+    ``state0``: leaves ``[B,...]`` or None. The mesh and its axes are checked
+    already (``check_mesh``).
     """
     run = functools.partial(
         _drive,
@@ -129,34 +126,17 @@ def drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, e
     # own specs (naming an axis the call never named), a reshard onto an
     # Explicit mesh needs a mesh context, and the chain runs op by op (20 s
     # instead of 1 s on 8 CPU devices). Under a caller's jit this is inlined.
-    return jax.jit(run)(tokens, params, aux, state0)
+    return jax.jit(run)(tokens, params, ids, state0)
 
 
-def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, exchange):
+def _drive(rec, tokens, params, ids, state0, *, T, axis_name, mesh, batch_axes, exchange):
     P = abstract_mesh(mesh).shape[axis_name]
     if T % P and is_explicit(mesh):  # an Explicit axis pads only whole: gather T first
         whole = rows_whole(mesh, batch_axes)
-        tokens, aux = (
-            {
-                k: None if v is None else jax.sharding.reshard(jnp.asarray(v), whole)
-                for k, v in d.items()
-            }
-            for d in (tokens, aux)
-        )
-    tokens, aux = pad_time(tokens, aux, T, P)
-    tokens = {k: v for k, v in tokens.items() if v is not None}
-    params = {k: v for k, v in params.items() if v is not None}
-    y, final = chain_over_axis(
-        rec,
-        tokens,
-        params,
-        aux,
-        state0,
-        axis_name=axis_name,
-        mesh=mesh,
-        batch_axes=batch_axes,
-        exchange=exchange,
-    )
+        tokens, ids = jax.tree.map(lambda x: jax.sharding.reshard(x, whole), (tokens, ids))
+    tokens, ids = pad_time(tokens, ids, T, P)
+    kw = dict(axis_name=axis_name, mesh=mesh, batch_axes=batch_axes, exchange=exchange)
+    y, final = chain_over_axis(rec, tokens, params, ids, state0, **kw)
     if y.shape[1] == T:
         return y, final
     if is_explicit(mesh):  # an Explicit axis cuts only at shard boundaries: gather T first
@@ -167,11 +147,6 @@ def _drive(rec, tokens, params, aux, state0, *, T, axis_name, mesh, batch_axes, 
 def rows_whole(mesh, batch_axes):
     """Arrays ``[B,T,...]`` split over ``batch_axes`` on B only, T whole."""
     return NamedSharding(abstract_mesh(mesh), PartitionSpec(tuple(batch_axes) or None))
-
-
-def finish(y, final, return_state: bool):
-    """``(y, final)`` with ``return_state``, else ``y``: the one-device functions' returns."""
-    return (y, final) if return_state else y
 
 
 def is_explicit(mesh) -> bool:

@@ -91,9 +91,10 @@ from jax import lax
 
 from attn import checks
 from attn.checks import as_arrays, fail
+from attn.linear import front, segments
 from attn.linear import log_linear_delta_forms as delta_forms
 from attn.linear import log_linear_forms as forms
-from attn.linear import segments
+from attn.linear.front import CHUNK_SIZE
 from attn.masks import PADDING, drop_padding
 
 __all__ = [
@@ -175,16 +176,6 @@ def _check_values(log_a, level_weights, ids, name="log_a") -> None:
     ok = lambda w: np.isfinite(w) & (w >= 0)  # noqa: E731
     want = "finite values >= 0 (one weight per level)"
     checks.check_values(level_weights, ok, "level_weights", want, ids)
-
-
-def _check_chunk(chunk_size) -> None:
-    if (
-        isinstance(chunk_size, bool)
-        or not isinstance(chunk_size, int)
-        or chunk_size < 1
-        or chunk_size & (chunk_size - 1)
-    ):
-        fail("chunk_size", "a power of 2 (the levels align with chunks)", repr(chunk_size))
 
 
 # ----------------------------------------------------------------------------
@@ -281,9 +272,8 @@ def _sequence(q_seg, kv_seg, log_a, B: int, T: int, N: int, start=None) -> _Sequ
 
 def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: int, T: int):
     """The form, the chunk size and the segment ids ``([B,T], [B,T])`` or ``(None, None)``."""
-    if form not in forms_:
-        fail("form", f"one of {forms_}", repr(form))
-    _check_chunk(chunk_size)
+    front.check_form(form, forms_)
+    front.check_chunk(chunk_size, power_of_two=True)
     return checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
 
 
@@ -350,6 +340,7 @@ def _check_state(state, B: int, N: int, L: int, H: int, E: int, name: str = "sta
     if np.shape(state[0]) != (B, N, L, H, E) or np.shape(state[1]) != (B,):
         want = f"levels {(B, N, L, H, E)} = [B,N,L,H,E] and length ({B},)"
         fail(name, want, f"levels {np.shape(state[0])}, length {np.shape(state[1])}")
+    front.check_state(state[0], f"{name}.levels", (B, N, L, H, E), "[B,N,L,H,E]")
 
 
 # ----------------------------------------------------------------------------
@@ -364,7 +355,7 @@ def log_linear_attention(
     level_weights,
     *,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     return_state: bool = False,
     q_segment_ids=None,
@@ -474,7 +465,7 @@ def log_linear_delta_rule(
     *,
     log_gates=None,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     return_state: bool = False,
     q_segment_ids=None,

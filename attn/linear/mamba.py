@@ -37,7 +37,9 @@ import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
+from attn.linear import front
 from attn.linear.attention import LinearState, linear_attention, linear_attention_step
+from attn.linear.front import CHUNK_SIZE
 from attn.masks import drop_padding
 
 __all__ = ["SSD_FORMS", "init_ssd_state", "ssd", "ssd_decay", "ssd_step"]
@@ -111,8 +113,7 @@ def check_inputs(x, dt, A, B, C, D, step: bool, ids=None):
 
 
 def _check_state(state, name: str, B: int, N: int, H: int, E: int):
-    if np.shape(state) != (B, N, H, E):
-        fail(name, f"shape {(B, N, H, E)} = [B,N,H,E]", f"shape {np.shape(state)}")
+    front.check_state(state, name, (B, N, H, E), "[B,N,H,E]")
 
 
 def _skip(y, x, D):
@@ -132,7 +133,7 @@ def ssd(
     D=None,
     negative_eigenvalues: bool = False,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     initial_state=None,
     return_state: bool = False,
     segment_ids=None,
@@ -163,8 +164,8 @@ def ssd(
     """
     x, dt, A, B, C, D, initial_state = as_arrays(x, dt, A, B, C, D, initial_state)
     batch, N, K, H, E = check_inputs(x, dt, A, B, C, D, step=False, ids=segment_ids)
-    if form not in SSD_FORMS:
-        fail("form", f"one of {SSD_FORMS}", repr(form))
+    front.check_form(form, SSD_FORMS)
+    front.check_chunk(chunk_size)
     seg = checks.segment_ids(segment_ids, "segment_ids", batch, x.shape[1])
     x, dt = drop_padding(x, seg), drop_padding(dt, seg)
     state = None

@@ -26,6 +26,7 @@ import numpy as np
 
 from attn.checks import as_arrays, fail
 from attn.linear.delta import delta_rule, delta_rule_step
+from attn.linear.front import CHUNK_SIZE
 
 __all__ = ["delta_product", "delta_product_step"]
 
@@ -64,7 +65,7 @@ def delta_product(
     *,
     log_gates=None,
     form: str = "chunkwise",
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     initial_state=None,
     return_state: bool = False,

@@ -391,6 +391,7 @@ def path_attention(
         fail("form", f"one of {PATH_FORMS}", repr(form))
     block_size = checks.positive_int(block_size, "block_size")
     mask = _check_mask(mask)
+    checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, d.B, d.T)
     call = check_call(q, k, v, mask=mask, scale=scale, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids)  # fmt: skip
     q_seg, kv_seg = call.q_segment_ids, call.kv_segment_ids
