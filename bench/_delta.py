@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from attn.linear import delta_rule, delta_rule_step, linear_attention
+from attn.linear.reference import delta_rule as delta_reference
 
 LENGTHS = (1024, 2048, 4096, 8192, 16384)
 QUICK_LENGTHS = (1024, 2048)
@@ -187,16 +188,7 @@ def oracle_errors(T: int = ORACLE_T) -> dict:
     state = jnp.asarray(np.random.default_rng(6).standard_normal((B, N, H, H), np.float32))
 
     def reference(q, k, v, beta, g, state):
-        def step(S, x):
-            q_t, k_t, v_t, b_t, g_t = x
-            a = jnp.exp(g_t)
-            S = S * (a[..., None] if a.ndim == 3 else a[..., None, None])
-            u = b_t[..., None] * (v_t - jnp.einsum("bnh,bnhe->bne", k_t, S))
-            S = S + jnp.einsum("bnh,bne->bnhe", k_t, u)
-            return S, jnp.einsum("bnh,bnhe->bne", q_t * H**-0.5, S)
-
-        S, out = jax.lax.scan(step, state, [jnp.moveaxis(x, 1, 0) for x in (q, k, v, beta, g)])
-        return jnp.moveaxis(out, 0, 1), S
+        return delta_reference(q, k, v, beta, g, initial_state=state)
 
     errors = {}
     for gate, g in (("head", g_head), ("channel", g_channel)):

@@ -518,219 +518,18 @@ def _reads(start, stop, S: int):
 # The oracles (jnp, in the arrays' dtype: float64 under _x64)
 
 
-def softmax_oracle(q, k, v, ok, *, scale, softcap=None, sinks=None):
-    """``softmax(q k^T scale)`` over the keys ``ok [B,1|N,T,S]`` allows, with Gemma's soft-cap
-    and gpt-oss's sink logits ``[N]`` (a logit in each denominator with no value); a row that
-    sees nothing gives zeros. GQA by repeating k and v."""
-    import jax
-    import jax.numpy as jnp
+def ref_linear():
+    """``attn.linear.reference`` (imported when a reference runs: JAX starts late here)."""
+    from attn.linear import reference
 
-    G = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    s = jnp.einsum("BTNH,BSNH->BNTS", q, k) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    s = jnp.where(ok, s, -jnp.inf)
-    m = s.max(-1, keepdims=True)
-    if sinks is not None:
-        m = jnp.maximum(m, sinks[None, :, None, None])
-    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.where(ok, jnp.exp(jnp.where(ok, s - m, 0.0)), 0.0)
-    den = p.sum(-1, keepdims=True)
-    if sinks is not None:
-        den = den + jnp.exp(sinks[None, :, None, None] - m)
-    return jnp.einsum("BNTS,BSNE->BTNE", p / jnp.where(den == 0, 1.0, den), v)
+    return reference
 
 
-def gated_linear_oracle(qf, kf, v, log_a, *, normalize: bool, eps: float = 1e-6):
-    """Causal linear attention with per-token gates, quadratic: ``out_t = sum_{s<=t}
-    (qf_t . kf_s) a_{s+1..t} v_s`` (over the same sum without v, plus eps, if normalized),
-    and the final state ``kv = sum_s a_{s+1..T} kf_s v_s^T``, ``z = sum_s a_{s+1..T} kf_s``.
+def ref_softmax():
+    """``attn.softmax.reference``, likewise."""
+    from attn.softmax import reference
 
-    qf, kf ``[B,T,N,F]`` (features, per head), v ``[B,T,N,E]``, log_a ``[B,T,N]``.
-    """
-    import jax.numpy as jnp
-
-    T = qf.shape[1]
-    cum = jnp.cumsum(log_a, axis=1)
-    causal = np.tril(np.ones((T, T), bool))[None, :, :, None]
-    decay = jnp.exp(jnp.where(causal, cum[:, :, None] - cum[:, None], -jnp.inf))  # [B,T,S,N]
-    a = jnp.einsum("BTNF,BSNF->BTSN", qf, kf) * decay
-    out = jnp.einsum("BTSN,BSNE->BTNE", a, v)
-    if normalize:
-        out = out / (a.sum(2)[..., None] + eps)
-    last = jnp.exp(cum[:, -1:] - cum)  # [B,S,N]
-    kv = jnp.einsum("BSN,BSNF,BSNE->BNFE", last, kf, v)
-    return out, kv, jnp.einsum("BSN,BSNF->BNF", last, kf)
-
-
-def delta_oracle(q, k, v, beta, log_gates, *, steps: int = 1):
-    """The (gated) delta rule as a scan over tokens, from ``attn.linear.delta``'s equations:
-    decay ``S`` by ``exp(g_t)`` (per head or per key channel), then for each of the token's
-    ``steps`` keys ``u = beta (v - S^T k)``, ``S += k u^T``, then read ``S^T (q / sqrt(H))``.
-
-    q ``[B,T,K,H]``; with ``steps`` > 1 (DeltaProduct) k ``[B,T,n,K,H]``, v ``[B,T,n,N,E]``,
-    beta ``[B,T,n,N]``, else without the n axis; value head n reads q/k head ``n // G``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    if steps == 1:
-        k, v, beta = k[:, :, None], v[:, :, None], beta[:, :, None]
-    B, _, K, H = q.shape
-    N, E = v.shape[-2:]
-    G = N // K
-    qn = jnp.repeat(q, G, axis=2) * H**-0.5
-    kn = jnp.repeat(k, G, axis=3)
-
-    def step(S, x):
-        q_t, k_t, v_t, b_t, g_t = x
-        if g_t is not None:
-            a = jnp.exp(g_t)
-            S = S * (a[..., None] if a.ndim == 3 else a[..., None, None])
-        for j in range(k_t.shape[1]):
-            u = b_t[:, j, :, None] * (v_t[:, j] - jnp.einsum("BNH,BNHE->BNE", k_t[:, j], S))
-            S = S + jnp.einsum("BNH,BNE->BNHE", k_t[:, j], u)
-        return S, jnp.einsum("BNH,BNHE->BNE", q_t, S)
-
-    xs = [None if x is None else jnp.moveaxis(x, 1, 0) for x in (qn, kn, v, beta, log_gates)]
-    S, out = jax.lax.scan(step, jnp.zeros((B, N, H, E), q.dtype), xs)
-    return jnp.moveaxis(out, 0, 1), S
-
-
-def dplr_oracle(q, k, v, a, b, log_w, *, scale: float):
-    """The DPLR delta rule as a scan over tokens, from ``attn.linear.dplr``'s equations:
-    ``S <- (diag(w) + b a^T) S + k v^T`` with ``w = exp(log_w)``, then read
-    ``S^T (scale q)``; returns the outputs and the final state ``[B,N,H,E]``.
-
-    q, k ``[B,T,K,H]``; v ``[B,T,N,E]``; a, b ``[B,T,K|N,H]``; log_w ``[B,T,N,H]``; value
-    head n reads and writes with q/k head ``n // G``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    B, _, _, H = q.shape
-    N, E = v.shape[-2:]
-    q, k, a, b = (jnp.repeat(x, N // x.shape[2], axis=2) for x in (q * scale, k, a, b))
-
-    def step(S, x):
-        q_t, k_t, v_t, a_t, b_t, lw_t = x
-        read = jnp.einsum("BNH,BNHE->BNE", a_t, S)  # a^T S
-        S = (jnp.exp(lw_t)[..., None] * S + jnp.einsum("BNH,BNE->BNHE", b_t, read)
-             + jnp.einsum("BNH,BNE->BNHE", k_t, v_t))  # fmt: skip
-        return S, jnp.einsum("BNH,BNHE->BNE", q_t, S)
-
-    xs = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, a, b, log_w)]
-    S, out = jax.lax.scan(step, jnp.zeros((B, N, H, E), q.dtype), xs)
-    return jnp.moveaxis(out, 0, 1), S
-
-
-def fenwick_levels(T: int, L: int, t=None):
-    """``level(t, s) = bit_length(t XOR s)`` clamped to ``L - 1``: ``[T, T]`` for every query
-    t (or ``[T]`` for the one ``t``); entries with s > t are meaningless (masked)."""
-    s = np.arange(T)
-    t = np.arange(T)[:, None] if t is None else np.asarray(t)
-    x = np.bitwise_xor(t, s)
-    bits = np.where(x > 0, np.floor(np.log2(np.maximum(x, 1))).astype(int) + 1, 0)
-    return np.minimum(bits, L - 1)
-
-
-def log_linear_oracle(q, k, v, log_a, lam, *, scale: float):
-    """Log-linear attention, the masked quadratic sum of ``attn.linear.log_linear``:
-    ``o_t = sum_{s<=t} lam_t^(level(t,s)) exp(sum_{r=s+1..t} log_a_r) (scale q_t . k_s)
-    v_s``, and the final Fenwick states: level l holds ``sum_s k_s v_s^T``, decayed to the
-    last token, over the s with ``level(T-1, s) = l``.
-
-    q, k ``[B,T,K,H]``, v ``[B,T,N,E]``, log_a ``[B,T,N]``, lam ``[B,T,N,L]``.
-    """
-    import jax.numpy as jnp
-
-    T, L = q.shape[1], lam.shape[-1]
-    G = v.shape[2] // q.shape[2]
-    q, k = jnp.repeat(q * scale, G, axis=2), jnp.repeat(k, G, axis=2)
-    cum = jnp.cumsum(log_a, axis=1)
-    causal = np.tril(np.ones((T, T), bool))[None, :, :, None]
-    decay = jnp.exp(jnp.where(causal, cum[:, :, None] - cum[:, None], -jnp.inf))  # [B,T,S,N]
-    onehot = np.eye(L)[fenwick_levels(T, L)]  # [T,S,L]
-    weight = jnp.einsum("BTNL,TSL->BTSN", lam, onehot)
-    out = jnp.einsum("BTSN,BTNH,BSNH,BSNE->BTNE", decay * weight, q, k, v)
-    last = jnp.exp(cum[:, -1:] - cum)  # [B,S,N]
-    top = np.eye(L)[fenwick_levels(T, L, T - 1)]  # [S,L]
-    levels = jnp.einsum("BSN,SL,BSNH,BSNE->BNLHE", last, top, k, v)
-    return out, levels
-
-
-def log_linear_delta_oracle(q, k, v, beta, lam, log_g, *, scale: float):
-    """Log-linear Gated DeltaNet from ``attn.linear.log_linear``'s equation
-    ``o_t = sum_{s<=t} lam_t^(level(t,s)) (q_t^T Phi(s->t) k_s) beta_s v_s`` with
-    ``Phi(s->t) = A_t ... A_{s+1}``, ``A_r = exp(g_r) (I - beta_r k_r k_r^T)``: a scan over
-    tokens applies ``A_t`` to every earlier key, row t of the scores is ``scale q_t`` against
-    them. The final Fenwick states: level l holds ``sum_s Phi(s->T-1) k_s beta_s v_s^T`` over
-    the s with ``level(T-1, s) = l``.
-
-    q, k ``[B,T,K,H]``; v ``[B,T,N,E]``; beta, log_g ``[B,T,N]``; lam ``[B,T,N,L]``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    T, L = q.shape[1], lam.shape[-1]
-    G = v.shape[2] // q.shape[2]
-    q, k = jnp.repeat(q * scale, G, axis=2), jnp.repeat(k, G, axis=2)
-    order = jnp.arange(T)
-
-    def step(keys, x):  # keys [B,S,N,H]: key s carried by A_{s+1} .. A_{t-1}
-        t, q_t, k_t, b_t, g_t = x
-        proj = jnp.einsum("BSNH,BNH->BSN", keys, k_t)
-        moved = jnp.exp(g_t)[:, None, :, None] * (keys - (b_t[:, None] * proj)[..., None]
-                                                  * k_t[:, None])  # fmt: skip
-        keys = jnp.where((order < t)[None, :, None, None], moved, keys)
-        return keys, jnp.einsum("BNH,BSNH->BSN", q_t, keys)
-
-    xs = (order, *(jnp.moveaxis(x, 1, 0) for x in (q, k, beta, log_g)))
-    keys, scores = jax.lax.scan(step, k, xs)  # scores [T,B,S,N]
-    causal = np.tril(np.ones((T, T), bool))[:, None, :, None]
-    onehot = np.eye(L)[fenwick_levels(T, L)]  # [T,S,L]
-    weight = jnp.einsum("BTNL,TSL->TBSN", lam, onehot)
-    scores = jnp.where(causal, scores * weight, 0.0)
-    out = jnp.einsum("TBSN,BSN,BSNE->BTNE", scores, beta, v)
-    top = np.eye(L)[fenwick_levels(T, L, T - 1)]  # [S,L]
-    levels = jnp.einsum("SL,BSNH,BSN,BSNE->BNLHE", top, keys, beta, v)
-    return out, levels
-
-
-def path_oracle(q, k, v, w, beta, log_forget, *, scale: float):
-    """PaTH attention from ``attn.softmax.path``'s equation: the logit of query i on key
-    ``j <= i`` is ``scale q_i^T H_i ... H_{j+1} k_j + sum_{l=j+1..i} log_forget_l`` with
-    ``H_s = I - beta_s w_s w_s^T`` (a scan over tokens applies ``H_t`` to every earlier
-    key), then causal softmax.
-
-    q ``[B,T,N,H]``; k, w ``[B,T,K,H]``; v ``[B,T,K,E]``; beta ``[B,T,K]``; log_forget
-    ``[B,T,N]``.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    T = q.shape[1]
-    G = q.shape[2] // k.shape[2]
-    order = jnp.arange(T)
-
-    def step(keys, x):  # keys [B,S,K,H]: key j carried by H_{j+1} .. H_{t-1}
-        t, w_t, b_t = x
-        proj = jnp.einsum("BSKH,BKH->BSK", keys, w_t)
-        moved = keys - (b_t[:, None] * proj)[..., None] * w_t[:, None]
-        keys = jnp.where((order < t)[None, :, None, None], moved, keys)
-        return keys, keys
-
-    xs = (order, *(jnp.moveaxis(x, 1, 0) for x in (w, beta)))
-    _, keys = jax.lax.scan(step, k, xs)  # [T,B,S,K,H]: the keys as query t reads them
-    keys = jnp.repeat(keys, G, axis=3)
-    s = jnp.einsum("BTNH,TBSNH->BNTS", q, keys) * scale
-    c = jnp.cumsum(log_forget, axis=1)  # [B,T,N]
-    s = s + jnp.moveaxis(c, 1, 2)[..., :, None] - jnp.moveaxis(c, 1, 2)[..., None, :]
-    causal = np.tril(np.ones((T, T), bool))
-    s = jnp.where(causal, s, -jnp.inf)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("BNTS,BSNE->BTNE", p, jnp.repeat(v, G, axis=2))
+    return reference
 
 
 def _elu1(x):
@@ -774,8 +573,8 @@ def _softmax(variant: str, dry_run: bool) -> Case:
         return attn.attention(a["q"], a["k"], a["v"], **kw)
 
     def oracle(a):
-        return softmax_oracle(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5, softcap=softcap,
-                              sinks=a.get("sinks"))  # fmt: skip
+        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5,
+                                     softcap=softcap, sinks=a.get("sinks"))  # fmt: skip
 
     return Case(f"softmax/{variant}", arrays, ("q", "k", "v"), ("q", "k", "v"),
                 run, oracle, reference_only=("ok",))  # fmt: skip
@@ -800,7 +599,9 @@ def _linear(dry_run: bool) -> Case:
     def oracle(a):
         G = N // K
         kf, v = (jnp.repeat(x, G, axis=2) for x in (_elu1(a["k"]), a["v"]))
-        out, kv, zs = gated_linear_oracle(_elu1(a["q"]), kf, v, a["log_gates"], normalize=True)
+        out, kv, zs = ref_linear().gated_linear(
+            _elu1(a["q"]), kf, v, a["log_gates"], normalize=True
+        )
         return out, (kv, zs)
 
     return Case("linear/gated", arrays, ("q", "k", "v"),
@@ -828,8 +629,7 @@ def _delta(variant: str, dry_run: bool) -> Case:
                   chunk_size=z["chunk"], return_state=True)  # fmt: skip
 
     def oracle(a):
-        return delta_oracle(a["q"], a["k"], a["v"], a["beta"], a.get("log_gates"),
-                            steps=z["steps"] if product else 1)  # fmt: skip
+        return ref_linear().delta_rule(a["q"], a["k"], a["v"], a["beta"], a.get("log_gates"))
 
     diff = ("q", "k", "v", "beta") + (("log_gates",) if "log_gates" in arrays else ())
     name = "product/gated" if product else f"delta/{variant}"
@@ -861,7 +661,7 @@ def _ssd(dry_run: bool) -> Case:
         G = N // K
         qf, kf = (jnp.repeat(a[name], G, axis=2) for name in ("C", "B"))
         v = a["x"] * a["dt"][..., None]
-        y, kv, _ = gated_linear_oracle(qf, kf, v, a["dt"] * a["A"], normalize=False)
+        y, kv, _ = ref_linear().gated_linear(qf, kf, v, a["dt"] * a["A"], normalize=False)
         return y + a["D"][:, None] * a["x"], kv
 
     return Case("ssd/mamba2", arrays, ("x", "B", "C"),
@@ -900,7 +700,7 @@ def _moba(dry_run: bool) -> Case:
         return {"reads": _reads(start, stop, T) & vis}
 
     def oracle(a):
-        return softmax_oracle(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
+        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
 
     return Case("moba/causal", arrays, ("q", "k", "v"), ("q", "k", "v"), run,
                 oracle, select=select)  # fmt: skip
@@ -948,9 +748,9 @@ def _nsa(dry_run: bool) -> Case:
 
     def oracle(a):
         scale = H**-0.5
-        o_cmp = softmax_oracle(a["q"], a["ck"], a["cv"], a["cmp_ok"], scale=scale)
-        o_slc = softmax_oracle(a["q"], a["k"], a["v"], a["slc_ok"], scale=scale)
-        o_win = softmax_oracle(a["q"], a["k"], a["v"], a["win_ok"], scale=scale)
+        o_cmp = ref_softmax().softmax(a["q"], a["ck"], a["cv"], a["cmp_ok"], scale=scale)
+        o_slc = ref_softmax().softmax(a["q"], a["k"], a["v"], a["slc_ok"], scale=scale)
+        o_win = ref_softmax().softmax(a["q"], a["k"], a["v"], a["win_ok"], scale=scale)
         g = a["gates"]
         return sum(g[..., i, None] * o for i, o in enumerate((o_cmp, o_slc, o_win)))
 
@@ -988,7 +788,7 @@ def _dsa(dry_run: bool) -> Case:
         return {"reads": _reads(start, stop, T) & vis}
 
     def oracle(a):
-        return softmax_oracle(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
+        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
 
     return Case("dsa/causal", arrays, ("q", "k", "v"), ("q", "k", "v"), run,
                 oracle, select=select)  # fmt: skip
@@ -1031,7 +831,7 @@ def _decode(dry_run: bool) -> Case:
                                            num_splits=z["splits"], mask=mask)  # fmt: skip
 
     def oracle(a):
-        return softmax_oracle(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5)
+        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5)
 
     return Case("decode/causal", arrays, ("q", "k", "v"), (), run, oracle,
                 reference_only=("ok",))  # fmt: skip
@@ -1059,7 +859,9 @@ def _dplr(dry_run: bool) -> Case:
                                     return_state=True)  # fmt: skip
 
     def oracle(a):
-        return dplr_oracle(a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"], scale=scale)
+        return ref_linear().dplr_delta_rule(
+            a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"], scale=scale
+        )
 
     return Case("dplr/rwkv7", arrays, ("q", "k", "v", "a", "b"),
                 ("q", "k", "v", "a", "b", "log_w"), run, oracle)  # fmt: skip
@@ -1094,9 +896,11 @@ def _log_linear(variant: str, dry_run: bool) -> Case:
 
     def oracle(a):
         if delta:
-            return log_linear_delta_oracle(a["q"], a["k"], a["v"], a["beta"], a["lam"],
-                                           a["log_a"], scale=scale)  # fmt: skip
-        return log_linear_oracle(a["q"], a["k"], a["v"], a["log_a"], a["lam"], scale=scale)
+            args = (a["q"], a["k"], a["v"], a["beta"], a["lam"], a["log_a"])
+            return ref_linear().log_linear_delta_rule(*args, scale=scale)
+        return ref_linear().log_linear_attention(
+            a["q"], a["k"], a["v"], a["log_a"], a["lam"], scale=scale
+        )
 
     diff = ("q", "k", "v", "log_a", "lam") + (("beta",) if delta else ())
     return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
@@ -1120,8 +924,8 @@ def _path(dry_run: bool) -> Case:
                                    scale=scale)  # fmt: skip
 
     def oracle(a):
-        return path_oracle(a["q"], a["k"], a["v"], a["w"], a["beta"], a["log_forget"],
-                           scale=scale)  # fmt: skip
+        args = (a["q"], a["k"], a["v"], a["w"], a["beta"], a["log_forget"])
+        return ref_softmax().path_attention(*args, scale=scale)
 
     return Case("path/fox", arrays, ("q", "k", "v", "w"),
                 ("q", "k", "v", "w", "beta", "log_forget"), run, oracle)  # fmt: skip

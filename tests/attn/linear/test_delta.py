@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn.linear import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state
+from attn.linear import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state, reference
 from tests.util import rel_err
 
 RTOL = 1e-5  # outputs and states, float32 against float64
@@ -76,21 +76,8 @@ def np_delta(q, k, v, beta, g, state, scale=H**-0.5):
 
 
 def jnp_delta(q, k, v, beta, g, state, scale=H**-0.5):
-    """The same recurrence as a ``lax.scan`` (run in float64 for the gradient oracle)."""
-    qn, kn = (jnp.repeat(x, G, axis=2) for x in (q, k))  # value head n reads q/k head n // G
-
-    def step(S, x):
-        q_t, k_t, v_t, b_t, g_t = x
-        if g_t is not None:
-            a = jnp.exp(g_t)
-            S = S * (a[..., None] if a.ndim == 3 else a[..., None, None])
-        u = b_t[..., None] * (v_t - jnp.einsum("bnh,bnhe->bne", k_t, S))
-        S = S + jnp.einsum("bnh,bne->bnhe", k_t, u)
-        return S, jnp.einsum("bnh,bnhe->bne", q_t * scale, S)
-
-    xs = [None if x is None else jnp.moveaxis(x, 1, 0) for x in (qn, kn, v, beta, g)]
-    S, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, 1), S
+    """The library's reference (``attn.linear.reference``), run in float64 for the gradients."""
+    return reference.delta_rule(q, k, v, beta, g, initial_state=state, scale=scale)
 
 
 def oracle_grads(args, cotangents):

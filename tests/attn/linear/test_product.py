@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn.linear import DELTA_FORMS, delta_product, delta_product_step, delta_rule
+from attn.linear import DELTA_FORMS, delta_product, delta_product_step, delta_rule, reference
 from tests.util import rel_err
 
 RTOL = 1e-5
@@ -61,20 +61,8 @@ def np_product(q, k, v, beta, g, state, scale=H**-0.5):
 
 
 def jnp_product(q, k, v, beta, g, state, scale=H**-0.5):
-    qn, kn = jnp.repeat(q, G, axis=2), jnp.repeat(k, G, axis=3)
-
-    def step(S, xs):
-        q_t, k_t, v_t, b_t, g_t = xs  # k_t [B,n,N,H]
-        S = S * jnp.exp(g_t)[..., None, None]
-        for j in range(k_t.shape[1]):
-            kj, bj = k_t[:, j], b_t[:, j, :, None]
-            wrong = jnp.einsum("bnh,bnhe->bne", kj, S)[:, :, None] - v_t[:, j, :, None, :]
-            S = S - bj[..., None] * kj[..., :, None] * wrong
-        return S, jnp.einsum("bnh,bnhe->bne", q_t * scale, S)
-
-    xs = [jnp.moveaxis(x, 1, 0) for x in (qn, kn, v, beta, g)]
-    S, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, 1), S
+    """The library's reference (``attn.linear.reference``), run in float64 for the gradients."""
+    return reference.delta_rule(q, k, v, beta, g, initial_state=state, scale=scale)
 
 
 def _loss(run, do, dS):
