@@ -304,6 +304,16 @@ SHARDED = {  # a family of ``family`` for each sharded function
 }
 
 
+def in_mode(run, arrays, mesh, mode: str):
+    """``run(arrays, mesh=...)`` eagerly, jitted, or in ``jax.set_mesh(mesh)`` with no mesh."""
+    if mode == "eager":
+        return run(arrays, mesh=mesh)
+    if mode == "jit":
+        return jax.jit(functools.partial(run, mesh=mesh))(arrays)
+    with jax.set_mesh(mesh):
+        return run(arrays)
+
+
 def forward_errors(name: str, mesh, mode: str) -> dict:
     """Relative errors of the output and final state against one device, forward only.
 
@@ -312,13 +322,7 @@ def forward_errors(name: str, mesh, mode: str) -> dict:
     """
     arrays, call, (_, sharded), _ = family(name, True)
     run = functools.partial(call, fn=sharded, axis_name=AXIS)
-    if mode == "eager":
-        out, final = run(arrays, mesh=mesh)
-    elif mode == "jit":
-        out, final = jax.jit(functools.partial(run, mesh=mesh))(arrays)
-    else:
-        with jax.set_mesh(mesh):
-            out, final = run(arrays)
+    out, final = in_mode(run, arrays, mesh, mode)
     want_out, want_final, _ = reference(name, True)
     errors = {"out": rel_err(out, want_out)}
     for i, (s, w) in enumerate(

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 import attn
 from tests.devices.test_sharded_dplr import inputs as dplr_inputs
-from tests.devices.test_sharded_linear import AXIS, CHUNK, FORWARD_TOL, B, T, family
+from tests.devices.test_sharded_linear import AXIS, CHUNK, FORWARD_TOL, B, T, family, in_mode
 from tests.util import mesh_of, rel_err
 
 pytestmark = pytest.mark.devices
@@ -89,13 +89,7 @@ def test_every_mesh_kind_layout_and_mode_equals_one_device(cell):
             for n, x in arrays.items()
         }
     run = functools.partial(call, fn=sharded, axis_name=AXIS, batch_axes=rows)
-    if mode == "eager":
-        out, final = run(arrays, mesh=mesh)
-    elif mode == "jit":
-        out, final = jax.jit(functools.partial(run, mesh=mesh))(arrays)
-    else:
-        with jax.set_mesh(mesh):
-            out, final = run(arrays)
+    out, final = in_mode(run, arrays, mesh, mode)
     assert rel_err(out, want_out) <= FORWARD_TOL
     for got, want in zip(jax.tree.leaves(final), jax.tree.leaves(want_final), strict=True):
         assert rel_err(got, want) <= FORWARD_TOL
