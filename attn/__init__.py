@@ -31,12 +31,13 @@ The families, each a package whose docstring lists its pieces:
 
     softmax/   the call contract every softmax implementation shares (call.py),
                the dense reference, and blockwise attention on the shared
-               tiling layer (schedule, tiles, kernels)
+               tiling layer (schedule, tiles, kernels); PaTH attention
     ring/      ring attention over a mesh axis, layouts, sharded_attention, work counts
     pallas/    fused accelerator kernels on the same contract and schedule; splash on TPU
-    linear/    linear attention in three forms, segments, feature maps; the delta rule
-               and DeltaProduct; Mamba-2's SSD; all of them (and the short conv)
-               with the sequence sharded over a mesh axis (sharded, chain)
+    linear/    linear attention in three forms, segments, feature maps; the delta rule,
+               DeltaProduct, the DPLR rule (RWKV-7) and Comba; Mamba-2's SSD;
+               log-linear attention; each a record (family.py), sharded over a mesh
+               axis by one driver (and the short conv); float64 references
     sparse/    trainable sparse attention: MoBA, NSA, DSA's indexed top-k, each query
                reading a few blocks or tokens exactly
 
@@ -63,6 +64,7 @@ from attn.functions import sigmoid_attention, softpick_attention
 from attn.interop import flax_attention_fn
 from attn.latent import LATENT_FORMS, latent_attention
 from attn.linear import (
+    COMBA_FORMS,
     DELTA_FORMS,
     DPLR_FORMS,
     FEATURE_MAPS,
@@ -72,6 +74,8 @@ from attn.linear import (
     SSD_FORMS,
     LinearState,
     LogLinearState,
+    comba,
+    comba_step,
     delta_product,
     delta_product_step,
     delta_rule,
@@ -91,6 +95,7 @@ from attn.linear import (
     log_linear_delta_rule,
     log_linear_delta_rule_step,
     register_feature_map,
+    sharded_comba,
     sharded_delta_product,
     sharded_delta_rule,
     sharded_dplr_delta_rule,
@@ -118,6 +123,7 @@ from attn.softmax import (
 from attn.sparse import indexed_topk_attention, moba_attention, nsa_attention
 
 __all__ = [
+    "COMBA_FORMS",
     "DELTA_FORMS",
     "DPLR_FORMS",
     "FEATURE_MAPS",
@@ -137,6 +143,8 @@ __all__ = [
     "attention",
     "blockwise_attention",
     "checks",
+    "comba",
+    "comba_step",
     "decode_attention",
     "delta_product",
     "delta_product_step",
@@ -181,6 +189,7 @@ __all__ = [
     "ring_attention",
     "scores",
     "sharded_attention",
+    "sharded_comba",
     "sharded_delta_product",
     "sharded_delta_rule",
     "sharded_dplr_delta_rule",

@@ -50,6 +50,7 @@ __all__ = [
     "Compose",
     "Entries",
     "Forgetting",
+    "GateSums",
     "RelativeBias",
     "ScoreMod",
     "Softcap",
@@ -61,6 +62,7 @@ __all__ = [
     "check_type",
     "compose",
     "forgetting",
+    "gate_sums",
     "relative_bias",
     "relative_buckets",
     "softcap",
@@ -117,14 +119,19 @@ class ScoreMod:
         raise NotImplementedError  # abstract: every modifier defines it
 
     def roles(self) -> tuple[str, ...]:
-        """The role of each leaf, in ``jax.tree.leaves`` order."""
-        return tuple(self.leaves[f.name] for f in dataclasses.fields(self) if f.name in self.leaves)
+        """The role of each leaf, in ``jax.tree.leaves`` order (a None field has no leaf)."""
+        return tuple(self.leaves[name] for name in self._arrays())
+
+    def _arrays(self) -> list[str]:
+        """The names of the array fields that hold an array, in field order."""
+        names = [f.name for f in dataclasses.fields(self) if f.name in self.leaves]
+        return [name for name in names if getattr(self, name) is not None]
 
     def check(self, dims: Dims) -> None:
         """Raises a ``ValueError`` naming the leaf whose shape does not fit the call."""
         want = {"q": (dims.B, dims.T, dims.N), "k": (dims.B, dims.S, dims.N)}
-        for name, role in self.leaves.items():
-            x = getattr(self, name)
+        for name in self._arrays():
+            role, x = self.leaves[name], getattr(self, name)
             shape = tuple(jnp.shape(x))
             where = f"{type(self).__name__}.{name}"
             if role == "head" and shape[:1] != (dims.N,):
@@ -225,15 +232,54 @@ class Forgetting(ScoreMod):
 
     With ``c`` the running sum of per-token log forget gates, ``c_i - c_j`` is
     ``sum_{l=j+1..i} log f_l``; both sides are given, since a decode step's
-    queries and its cached keys come from different places.
+    queries and its cached keys come from different places. A gate of 0 (log
+    gate ``-inf``) forgets everything before it: ``gate_sums`` keeps the finite
+    logs' sum apart from the count of zero gates (``q_zeros``, ``kv_zeros``; None
+    where no gate is 0), and a key with fewer zero gates than its query is
+    weighted 0 (logit ``-inf``) instead of ``-inf - (-inf)``, a NaN.
     """
 
     q_cumulative: jax.Array  # [B,T,N] float32
     kv_cumulative: jax.Array  # [B,S,N] float32
-    leaves: ClassVar[dict[str, str]] = {"q_cumulative": "q", "kv_cumulative": "k"}
+    q_zeros: jax.Array | None = None  # [B,T,N] float32 counts
+    kv_zeros: jax.Array | None = None  # [B,S,N] float32 counts
+    leaves: ClassVar[dict[str, str]] = {
+        "q_cumulative": "q", "kv_cumulative": "k", "q_zeros": "q", "kv_zeros": "k",
+    }  # fmt: skip
 
     def apply(self, s, q_pos, k_pos):
-        return s + (self.q_cumulative - self.kv_cumulative)
+        decay = self.q_cumulative - self.kv_cumulative
+        if self.q_zeros is not None:
+            decay = jnp.where(self.q_zeros > self.kv_zeros, -jnp.inf, decay)
+        return s + decay
+
+    @classmethod
+    def between(cls, q: GateSums, kv: GateSums) -> Forgetting:
+        """The decay from the queries' running sums to the keys'."""
+        return cls(q.finite, kv.finite, q.zeros, kv.zeros)
+
+
+class GateSums(NamedTuple):
+    """Running sums of log forget gates along the sequence, a gate of 0 counted apart.
+
+    Attributes:
+      finite: float32, the sum of the finite log gates up to and including each token.
+      zeros: float32, how many gates up to and including each token are 0 (log ``-inf``).
+    """
+
+    finite: jax.Array
+    zeros: jax.Array
+
+
+def gate_sums(log_forget, start: GateSums | None = None, axis: int = 1) -> GateSums:
+    """``GateSums`` of log gates (each <= 0) along ``axis``, continuing ``start``'s totals
+    (their shape without ``axis``) when given."""
+    g = jnp.asarray(log_forget).astype(jnp.float32)
+    zero = jnp.isneginf(g)
+    sums = GateSums(jnp.cumsum(jnp.where(zero, 0.0, g), axis), jnp.cumsum(zero, axis, jnp.float32))
+    if start is None:
+        return sums
+    return GateSums(*(x + jnp.expand_dims(s, axis) for x, s in zip(sums, start, strict=True)))
 
 
 class Softcap(ScoreMod):
@@ -346,17 +392,19 @@ def relative_bias(table, *, num_buckets: int = 32, max_distance: int = 128,
 def forgetting(log_forget) -> Forgetting:
     """FoX's decay from per-token log forget gates ``[B,T,N]`` (each <= 0), for T == S.
 
-    The running sum over the sequence is both sides' data. For a decode step
-    or a prefill chunk over a cache, build ``Forgetting(q_cumulative,
-    kv_cumulative)`` from the running sums the cache keeps.
+    The running sums over the sequence (``gate_sums``) are both sides' data; a
+    gate of 0 (log ``-inf``) hides every key before it. For a decode step or a
+    prefill chunk over a cache, build ``Forgetting.between(q_sums, kv_sums)``
+    from the sums the cache keeps (or ``Forgetting(q_cumulative, kv_cumulative)``
+    where no gate can be 0).
     """
     if log_forget is None:
         fail("log_forget", "per-token log forget gates [B,T,N] (FoX needs its data)", None)
     log_forget = jnp.asarray(log_forget)
     if log_forget.ndim != 3:
         fail("log_forget", "a rank-3 array [B,T,N]", f"shape {log_forget.shape}")
-    c = jnp.cumsum(log_forget.astype(jnp.float32), axis=1)
-    return Forgetting(c, c)
+    sums = gate_sums(log_forget)
+    return Forgetting.between(sums, sums)
 
 
 def softcap(cap: float) -> Softcap:

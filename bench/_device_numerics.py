@@ -16,16 +16,15 @@ are therefore small jnp functions written from each family's equations (their
 modules' docstrings) and run in float64 under ``jax.enable_x64`` (float32 at
 ``"highest"`` matmul precision on a device without float64, a TPU): masked
 softmax attention (softmax, decoding, and the sparse methods over the keys
-their selection reads), gated linear attention in its quadratic form (linear
-attention, and SSD, which is that call plus the skip), and the delta rule and
-DeltaProduct as a scan over tokens, the DPLR delta rule as a scan of ``S <- (diag(w) +
-b a^T) S + k v^T``, log-linear attention as the masked quadratic sum with the Fenwick
-levels ``bit_length(t XOR s)`` (clamped to L - 1), and PaTH and log-linear Gated DeltaNet
-as scans applying each token's transform to every earlier key (the explicit products),
-then a causal softmax or the level-weighted sum. What they share with the library: the mask
-algebra (``Mask.allowed``, tested on its own) and, for MoBA, NSA and DSA, the
-selection, computed by the library's selection functions on the item's own
-inputs and then read as a boolean mask (a discrete choice has no float64
+their selection reads), gated linear attention (elu+1 features), Mamba-2's SSD,
+the delta rule and DeltaProduct as scans over tokens, the DPLR delta rule as a scan
+of ``S <- (diag(w) + b a^T) S + k v^T``, log-linear attention as the masked quadratic
+sum with the Fenwick levels ``bit_length(t XOR s)`` (clamped to L - 1), and PaTH and
+log-linear Gated DeltaNet as scans applying each token's transform to every earlier key
+(the explicit products), then a causal softmax or the level-weighted sum. What they
+share with the library: the mask algebra (``Mask.allowed``, tested on its own) and, for
+MoBA, NSA and DSA, the selection, computed by the library's selection functions on the
+item's own inputs and then read as a boolean mask (a discrete choice has no float64
 version; the attention over it does). NSA's selection ranks float32
 probabilities, so a near tie could go the other way in the form's own program:
 a rare difference, which the table would show as that item's error. Every input
@@ -532,12 +531,6 @@ def ref_softmax():
     return reference
 
 
-def _elu1(x):
-    import jax.numpy as jnp
-
-    return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
-
-
 # The builders: one per family, its cases by name in CASES
 
 
@@ -598,10 +591,9 @@ def _linear(dry_run: bool) -> Case:
 
     def oracle(a):
         G = N // K
-        kf, v = (jnp.repeat(x, G, axis=2) for x in (_elu1(a["k"]), a["v"]))
-        out, kv, zs = ref_linear().gated_linear(
-            _elu1(a["q"]), kf, v, a["log_gates"], normalize=True
-        )
+        qf, kf = (ref_linear().feature_map("elu1", a[x]) for x in ("q", "k"))
+        kf, v = (jnp.repeat(x, G, axis=2) for x in (kf, a["v"]))
+        out, kv, zs = ref_linear().gated_linear(qf, kf, v, a["log_gates"], normalize=True)
         return out, (kv, zs)
 
     return Case("linear/gated", arrays, ("q", "k", "v"),
@@ -637,8 +629,6 @@ def _delta(variant: str, dry_run: bool) -> Case:
 
 
 def _ssd(dry_run: bool) -> Case:
-    import jax.numpy as jnp
-
     import attn
 
     z = SIZES[dry_run]
@@ -658,11 +648,7 @@ def _ssd(dry_run: bool) -> Case:
                         chunk_size=z["chunk"], return_state=True)  # fmt: skip
 
     def oracle(a):
-        G = N // K
-        qf, kf = (jnp.repeat(a[name], G, axis=2) for name in ("C", "B"))
-        v = a["x"] * a["dt"][..., None]
-        y, kv, _ = ref_linear().gated_linear(qf, kf, v, a["dt"] * a["A"], normalize=False)
-        return y + a["D"][:, None] * a["x"], kv
+        return ref_linear().ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"])
 
     return Case("ssd/mamba2", arrays, ("x", "B", "C"),
                 ("x", "dt", "A", "B", "C", "D"), run, oracle)  # fmt: skip

@@ -11,8 +11,8 @@ chunks of 64:
    plus the ``dt`` scaling and the ``D`` skip, so the two should be close.
 2. Forward + backward temporary memory of the compiled programs.
 3. Decode: ``ssd_step`` tokens per second (64 steps per call).
-4. Float32 against a float64 recurrence of the paper's equations at T = 1000,
-   decays in (0, 1] and in (-1, 1].
+4. Float32 against the library's float64 recurrence of the paper's equations
+   (``attn.linear.reference.ssd``) at T = 1000, decays in (0, 1] and in (-1, 1].
 5. Achieved FLOP/s beside the machine's jitted float32 matmul rate.
 """
 
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.linear import linear_attention, ssd, ssd_step
+from attn.linear import linear_attention, reference, ssd, ssd_step
 from bench import _delta
 from bench._delta import oracle_and_target_lines, plot_lengths, rel, with_grads
 
@@ -105,30 +105,22 @@ def decode_rate(cfg, best_times) -> float:
     return steps / seconds
 
 
+def _reference(x, dt, A, b, c, D, h, negative):
+    """The library's float64 reference (``attn.linear.reference.ssd``) from the state h."""
+    return reference.ssd(x, dt, A, b, c, D, initial_state=h, negative_eigenvalues=negative)
+
+
 def oracle_errors(T: int = ORACLE_T) -> dict:
     """Relative errors of every form against a float64 recurrence at T, both decay ranges."""
     B, N, E, H = 1, 4, 16, 16
     args = ssd_inputs(B, T, N, E, H, seed=5)
     h0 = jnp.asarray(np.random.default_rng(6).standard_normal((B, N, H, E)), jnp.float32)
 
-    def reference(x, dt, A, b, c, D, h, negative):
-        def step(h, xs):
-            x_t, dt_t, b_t, c_t = xs
-            a = jnp.exp(dt_t * A)
-            a = 2 * a - 1 if negative else a
-            h = a[..., None, None] * h + b_t[..., None] * (dt_t[..., None] * x_t)[..., None, :]
-            return h, jnp.einsum("bnh,bnhe->bne", c_t, h) + D[:, None] * x_t
-
-        bn, cn = (jnp.broadcast_to(m, (*m.shape[:2], N, H)) for m in (b, c))
-        xs = [jnp.moveaxis(a, 1, 0) for a in (x, dt, bn, cn)]
-        h, y = jax.lax.scan(step, h, xs)
-        return jnp.moveaxis(y, 0, 1), h
-
     errors = {}
     for negative in (False, True):
         with jax.enable_x64(True):
             x64 = [jnp.asarray(np.asarray(a), jnp.float64) for a in (*args, h0)]
-            ref = partial(reference, negative=negative)
+            ref = partial(_reference, negative=negative)
             want, want_grads = jax.tree.map(np.asarray, with_grads(ref, 7)(*x64))
         for form in ("chunkwise", "recurrent", "quadratic"):
 

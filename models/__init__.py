@@ -21,13 +21,14 @@ F linear feature dim, L layers, V vocabulary.
 
 Files, one per layer kind: ``heads.py`` (what every attention module shares:
 projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
-``CrossAttention``), ``latent.py`` (``LatentAttention``), ``linear.py``
-(``LinearAttention``), ``delta.py`` (the delta rule, DeltaProduct), ``mamba.py``
-(``Mamba2``), ``sparse.py`` (MoBA, NSA, DSA), ``rwkv7.py`` (RWKV-7), ``path.py`` (PaTH),
-``log_linear.py`` (log-linear Mamba-2 and Gated DeltaNet), ``block.py`` (``MLP``, ``ShortConv``,
-``Block``), ``transformer.py`` (the three models), ``taps.py`` (weights, gates,
-importance), ``cache.py``, ``config.py`` / ``patterns.py`` (presets), ``generate.py``
-and ``serving.py`` (continuous batching over a paged cache: ``serve``).
+``CrossAttention``), ``latent.py`` (``LatentAttention``), ``recurrent.py`` (the
+fixed-state kinds' base), ``linear.py`` (``LinearAttention``), ``delta.py`` (the
+delta rule, DeltaProduct), ``comba.py`` (Comba), ``mamba.py`` (``Mamba2``),
+``rwkv7.py`` (RWKV-7), ``log_linear.py`` and ``levels.py`` (log-linear Mamba-2 and
+Gated DeltaNet), ``sparse.py`` (MoBA, NSA, DSA), ``path.py`` (PaTH), ``block.py``
+(``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the three models), ``taps.py``
+(weights, gates, importance), ``cache.py``, ``config.py`` / ``patterns.py`` (presets),
+``generate.py`` and ``serving.py`` (continuous batching over a paged cache: ``serve``).
 
 Extending without editing the package (``docs/extending.md``): ``register_kind``
 adds a layer kind (its module class, the config fields it reads, optionally a
@@ -41,8 +42,8 @@ modules and their per-kind configs, the kind registry, presets and patterns,
 (``capture_weights``, head gates and importance, ``packed_positions``,
 ``cache_bytes``). The building blocks live in their submodules, each name in
 one: ``models.cache`` (``DecodeCache``, ``KVCache``, ``LatentCache``, ...,
-``set_block_tables``, ``clear_rows``), a kind's own cache in the kind's module
-(``models.delta.DeltaCache``, ``models.mamba.Mamba2Cache``, ``models.sparse``'s),
+``set_block_tables``, ``clear_rows``), the fixed-state kinds' base and cache
+(``models.recurrent``: ``Recurrent``, ``RecurrentCache``), ``models.sparse``'s caches,
 ``models.heads`` (``Heads``, ``HeadGate``, ``Buffer``), ``models.block`` (``MLP``,
 ``Block``, ``ShortConv``), ``models.taps`` (``attention_modules``),
 ``models.config`` (``COMMON_FIELDS``); the cache sizes of one layer
@@ -63,6 +64,7 @@ one pool of pages per layer, shared by the rows through block tables.
 """
 
 from models.cache import cache_bytes
+from models.comba import CombaAttention, CombaConfig
 from models.config import (
     KINDS,
     AttentionConfig,
@@ -77,9 +79,7 @@ from models.generate import generate
 from models.latent import LatentAttention, LatentConfig
 from models.linear import LinearAttention, LinearConfig
 from models.log_linear import (
-    LogLinearDeltaAttention,
     LogLinearDeltaConfig,
-    LogLinearMamba2,
     LogLinearMamba2Config,
 )
 from models.mamba import Mamba2, Mamba2Config
@@ -112,6 +112,8 @@ __all__ = [
     "KINDS",
     "PRESET_REGISTRY",
     "AttentionConfig",
+    "CombaAttention",
+    "CombaConfig",
     "CrossAttention",
     "DSAAttention",
     "DSAConfig",
@@ -129,9 +131,7 @@ __all__ = [
     "LayerKind",
     "LinearAttention",
     "LinearConfig",
-    "LogLinearDeltaAttention",
     "LogLinearDeltaConfig",
-    "LogLinearMamba2",
     "LogLinearMamba2Config",
     "Mamba2",
     "Mamba2Config",

@@ -17,16 +17,17 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 import attn
-from attn import masks
 from attn.checks import fail
 from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
-from models.heads import HeadGate, Heads, dense
+from models.heads import HeadGate, dense
+from models.levels import init_levels, level_weights, num_levels
 from models.mesh import in_sequence
 from models.patterns import PresetSizes, register_preset
+from models.recurrent import Recurrent, one_hot_values
 
 GATES = ("none", "head", "channel")
 # Mamba-2's initialization of the decay rates A (uniform in [1, 16]) and of the
@@ -94,15 +95,6 @@ class DeltaConfig(AttentionConfig):
             fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
 
 
-@struct.dataclass
-class DeltaCache:
-    """Decode cache of a delta layer: the state ``[B,N,H,E]`` float32 and the last
-    W-1 inputs of the q/k/v convolution ``[B,W-1,2KH+NE]`` (None without one)."""
-
-    state: jax.Array
-    conv: jax.Array | None
-
-
 def _inverse_softplus(y):
     return y + jnp.log(-jnp.expm1(-y))
 
@@ -123,7 +115,7 @@ def decay_init(heads: int, channels: int, key):
     sequence_parallel=True,
     in_order=True,
 )
-class DeltaAttention(Heads):
+class DeltaAttention(Recurrent):
     """The delta rule (``attn.delta_rule``) with the layer the papers put around it.
 
     Per token, from the layer input x: ``q, k, v = SiLU(conv(x W_qkv))`` (one
@@ -136,7 +128,7 @@ class DeltaAttention(Heads):
     ``[E]`` weight shared by the heads), gated by ``SiLU(x W_g)``, and projected
     back: ``o_proj [N*E, D]``. E = H; N = ``value_heads``.
 
-    The decode cache (``DeltaCache``) is the state and the convolution's last
+    The decode cache (``models.recurrent.RecurrentCache``) is the state and the convolution's last
     W-1 inputs. Padding and packing are segment ids, passed to the convolution
     and to ``attn.delta_rule`` (padding writes nothing; a new segment starts
     from a zero state). Captured weights (``sow_weights``) are the matrix M
@@ -146,9 +138,8 @@ class DeltaAttention(Heads):
 
     def __init__(self, cfg: DeltaConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
         if not causal:
-            fail(
-                "cfg.kind", "a causal layer for 'delta' (a recurrence needs an order)", "an encoder"
-            )
+            why = "a recurrence needs an order"
+            fail("cfg.kind", f"a causal layer for {cfg.kind!r} ({why})", "an encoder")
         self._init_heads(cfg, causal=causal, dtype=dtype)
         K, H, N = cfg.num_heads, cfg.head_dim, cfg.num_value_heads
         n = cfg.householder_steps
@@ -178,8 +169,32 @@ class DeltaAttention(Heads):
             H, epsilon=NORM_EPS, dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs
         )
         self.o_proj = linear(N * H, width)
+        self.levels = num_levels(cfg)
+        if self.levels:  # log-linear Gated DeltaNet (models.log_linear): the level weights
+            init_levels(self, width, N, self.levels, param_dtype=param_dtype, rngs=rngs)
 
-    # Pieces ------------------------------------------------------------------
+    # Pieces (models.recurrent.Recurrent's) -----------------------------------
+
+    def _front(self, x, positions, segment_ids):
+        """The q/k/v projection (convolved next, if the layer has a convolution), and x."""
+        del positions, segment_ids  # the recurrence orders the tokens
+        return self.qkv_proj(x), x
+
+    def _conv_params(self):
+        return None if self.conv is None else (self.conv[...], None)
+
+    def _conv_shape(self):
+        return None if self.conv is None else (self.cfg.qkv_conv, self.channels)
+
+    def _inputs(self, x, mixed, ctx) -> dict:
+        """q ``[B,T,K,H]``, k ``[B,T,(n,)K,H]`` (unit norm), v ``[B,T,(n,)N,H]``, beta and
+        the log gates (and a log-linear layer's level weights ``[B,T,N,L]``)."""
+        q, k, v = self._split(mixed)
+        beta, log_g = self._beta_and_gates(x)
+        inputs = dict(q=q, k=k, v=v, beta=beta, log_g=log_g)
+        if self.levels:
+            inputs["lam"] = level_weights(self, x)
+        return inputs
 
     def _split(self, mixed):
         """``[B,T,KH+n(KH+NH)]`` -> q ``[B,T,K,H]``, k ``[B,T,(n,)K,H]`` (unit norm) and
@@ -191,7 +206,7 @@ class DeltaAttention(Heads):
         mixed = jax.nn.silu(mixed)
         n = cfg.householder_steps
         q, k, v = jnp.split(mixed, [K * H, (n + 1) * K * H], axis=-1)
-        unit = functools.partial(_l2_normalize, eps=NORM_EPS)
+        unit = functools.partial(l2_normalize, eps=NORM_EPS)
         k, v = k.reshape(B, T, *steps, K, H), v.reshape(B, T, *steps, N, H)
         return unit(q.reshape(B, T, K, H)), unit(k), v
 
@@ -214,115 +229,54 @@ class DeltaAttention(Heads):
             return beta, -rate[:, None] * jax.nn.softplus(raw.reshape(B, T, N, H))
         return beta, -rate * jax.nn.softplus(raw)
 
-    def _finish(self, out, x):
+    def _mix(self, p, *, segment_ids=None, sharded=False, **options):
+        """The delta rule (DeltaProduct for several steps; the sharded form with
+        ``sharded``, under a mesh), or its log-linear form with the level weights."""
+        ids = dict(q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+        args = (p["q"], p["k"], p["v"], p["beta"])
+        if self.levels:
+            return attn.log_linear_delta_rule(*args, p["lam"], log_gates=p["log_g"], **ids,
+                                              **options)  # fmt: skip
+        rule = attn.delta_rule if self.cfg.householder_steps == 1 else attn.delta_product
+        rule = in_sequence(rule) if sharded else rule
+        return rule(*args, log_gates=p["log_g"], **ids, **options)
+
+    def _mix_step(self, p, state):
+        args = (p["q"], p["k"], p["v"], p["beta"])
+        if self.levels:
+            return attn.log_linear_delta_rule_step(*args, p["lam"], state, log_gates=p["log_g"])
+        one = self.cfg.householder_steps == 1
+        step = attn.delta_rule_step if one else attn.delta_product_step
+        return step(*args, state, log_gates=p["log_g"])
+
+    def _extend_options(self) -> dict:
+        """A log-linear prefill continues the cached levels in the recurrent form (the
+        chunkwise form's levels need the sequence to start at position 0)."""
+        if self.levels:
+            return dict(form="recurrent", chunk_size=self.cfg.chunk_size)
+        return self._options()
+
+    def _one_hot(self, p) -> dict:
+        """The value ``e_s`` at token s (at each of its steps, for DeltaProduct)."""
+        return {**p, "v": one_hot_values(p["v"])}
+
+    def _zero_state(self, batch: int):
+        """The state ``[B,N,H,E]`` float32 (log-linear: the Fenwick states ``[B,N,L,H,E]``)."""
+        cfg = self.cfg
+        N, H = cfg.num_value_heads, cfg.head_dim
+        if self.levels:
+            return attn.init_log_linear_state(batch, N, H, H, self.levels)
+        return attn.init_delta_state(batch, N, H, H)
+
+    def _finish(self, out, inputs, x):
         """Per-head RMSNorm, the SiLU output gate, the head gates and ``o_proj``."""
         B, T, N, E = out.shape
         normed = self.out_norm(out.astype(jnp.float32)).astype(x.dtype)
         gate = jax.nn.silu(self.out_gate(x)).reshape(B, T, N, E)
         return self._output(normed * gate)
 
-    def _options(self) -> dict:
-        return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size)
 
-    def _extend_options(self) -> dict:
-        """The options of a prefill's call from a cached state (a subclass's form may differ)."""
-        return self._options()
-
-    def _rule_for(self, x):
-        """``rule(q, k, v, beta, **options)`` over a sequence with input ``x``: ``attn.delta_rule``,
-        or ``attn.delta_product`` for several steps per token (a subclass's reads more of x)."""
-        del x
-        return attn.delta_rule if self.cfg.householder_steps == 1 else attn.delta_product
-
-    def _step_for(self, x):
-        """``step(q, k, v, beta, state, *, log_gates)`` for one token with input ``x [B,1,D]``."""
-        del x
-        return attn.delta_rule_step if self.cfg.householder_steps == 1 else attn.delta_product_step
-
-    # Surface -----------------------------------------------------------------
-
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
-        del positions  # the recurrence orders the tokens
-        mixed = self.qkv_proj(x)
-        if self.conv is not None:
-            mixed = in_sequence(attn.short_conv)(mixed, self.conv[...], segment_ids=segment_ids)[0]
-        q, k, v = self._split(mixed)
-        beta, log_g = self._beta_and_gates(x)
-        call = functools.partial(
-            in_sequence(self._rule_for(x)),
-            log_gates=log_g,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            **self._options(),
-        )
-        if self.sow_weights:
-            self._sow(self._weights(call, q, k, beta))
-        return self._finish(call(q, k, v, beta), x)
-
-    def _weights(self, call, q, k, beta):
-        """``[B,N,T,S]`` float32: the outputs for one-hot values ``e_s`` (M of ``out = M V``;
-        for DeltaProduct, the value ``e_s`` at each of token s's steps)."""
-        B, S = q.shape[:2]
-        N = self.cfg.num_value_heads
-        steps = k.shape[2:-2]
-        eye = jnp.eye(S, dtype=jnp.float32).reshape(1, S, *(1,) * len(steps), 1, S)
-        one_hot = jnp.broadcast_to(eye, (B, S, *steps, N, S))
-        return jnp.transpose(call(q, k, one_hot, beta), (0, 2, 1, 3))
-
-    def init_cache(self, batch: int, max_len: int) -> DeltaCache:
-        """Zero state ``[B,N,H,E]`` float32 and convolution inputs ``[B,W-1,2KH+NE]``."""
-        del max_len
-        cfg = self.cfg
-        state = attn.init_delta_state(batch, cfg.num_value_heads, cfg.head_dim, cfg.head_dim)
-        conv = None
-        if self.conv is not None:
-            conv = jnp.zeros((batch, cfg.qkv_conv - 1, self.channels), self.dtype)
-        return DeltaCache(state=state, conv=conv)
-
-    def extend(self, x, cache: DeltaCache, start, lengths=None):
-        """Continues over T new tokens. Arguments as ``SelfAttention.extend``."""
-        del start
-        T = x.shape[1]
-        step = T == 1 and lengths is None
-        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-        mixed, conv = self.qkv_proj(x), cache.conv
-        if self.conv is not None and step:
-            mixed, conv = attn.short_conv_step(conv, mixed[:, 0], self.conv[...])
-            mixed = mixed[:, None]
-        elif self.conv is not None:
-            mixed, conv = attn.short_conv(
-                mixed, self.conv[...], state=conv, segment_ids=segment_ids
-            )
-        q, k, v = self._split(mixed)
-        beta, log_g = self._beta_and_gates(x)
-        if step:
-            out, state = self._step_for(x)(
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                beta[:, 0],
-                cache.state,
-                log_gates=None if log_g is None else log_g[:, 0],
-            )
-            out = out[:, None]
-        else:
-            out, state = self._rule_for(x)(
-                q,
-                k,
-                v,
-                beta,
-                log_gates=log_g,
-                initial_state=cache.state,
-                return_state=True,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-                **self._extend_options(),
-            )
-        return self._finish(out, x), cache.replace(state=state, conv=conv)
-
-
-def _l2_normalize(x, eps: float):
+def l2_normalize(x, eps: float):
     """``x / ||x||`` over the last axis, in float32 (``eps`` keeps a zero vector finite)."""
     x32 = x.astype(jnp.float32)
     return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 
 import jax
@@ -11,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import attn
-from attn import masks
 from attn.checks import fail
 from attn.linear.front import CHUNK_SIZE
 from models.config import (
@@ -21,8 +19,9 @@ from models.config import (
     check_rotary,
     register_kind,
 )
-from models.heads import Buffer, Heads, dense, step_positions
+from models.heads import Buffer, dense
 from models.mesh import in_sequence
+from models.recurrent import Recurrent, one_hot_values
 
 # Gated linear attention: gates are sigmoid(x W + b) ** (1 / 16) (Yang et al.
 # 2023), so they start close to 1 (long memory) and learn to forget.
@@ -118,14 +117,15 @@ class LinearConfig(AttentionConfig):
     sequence_parallel=True,
     in_order=True,
 )
-class LinearAttention(Heads):
+class LinearAttention(Recurrent):
     """Linear attention ``phi(q).phi(k)`` (``attn.linear``), any feature map, form and decay.
 
     Parameters: q ``[D, N*H]``, k and v ``[D, K*H]``, o ``[N*H, D]``; with gating a
     gate projection ``[D, N]`` (+ bias) giving log-gates
     ``log_sigmoid(x W_g + b) / GATE_TEMPERATURE`` ``[B,T,N]``; for ``"favor"`` fixed
     random features ``[H, F]`` (a ``Buffer``, not trained). Fixed decay gammas
-    are static config. The decode cache is the recurrent ``LinearState``.
+    are static config. The decode cache (``models.recurrent.RecurrentCache``) holds
+    the recurrent ``LinearState``.
 
     Padding and packing are segment ids, handled by ``attn.linear_attention``
     itself: a padding token (id 0) adds nothing to the state and does not
@@ -166,7 +166,7 @@ class LinearAttention(Heads):
         proj = None if self.projection is None else self.projection[...]
         return attn.linear_feature_dim(self.cfg.feature_map, self.cfg.head_dim, projection=proj)
 
-    def _options(self) -> dict:
+    def _features(self) -> dict:
         """The keyword arguments ``linear_attention`` and its step share."""
         gammas = self.cfg.decay_values()
         return dict(
@@ -182,72 +182,43 @@ class LinearAttention(Heads):
             return None
         return jax.nn.log_sigmoid(self.gate_proj(x.astype(jnp.float32))) / GATE_TEMPERATURE
 
-    def _sequence(self, q, k, v, log_gates, segment_ids, **kwargs):
-        """``linear_attention`` over T tokens with this layer's options."""
-        cfg = self.cfg
-        # A causal layer follows the mesh (sharded over "seq"); a bidirectional
-        # one reads global sums, which XLA partitions.
+    # Pieces (models.recurrent.Recurrent's) -----------------------------------
+
+    def _front(self, x, positions, segment_ids):
+        """No convolution: q, k, v (RoPE at ``positions``) are the context."""
+        del segment_ids  # attn.linear_attention takes them
+        return None, self._qkv(x, positions)
+
+    def _inputs(self, x, u, qkv) -> dict:
+        q, k, v = qkv
+        return dict(q=q, k=k, v=v, log_gates=self._log_gates(x))
+
+    def _mix(self, p, *, segment_ids=None, sharded=False, **options):
+        """``linear_attention`` over T tokens with this layer's options. A causal layer
+        follows the mesh (sharded over "seq"), in a prefill too; a bidirectional one reads
+        global sums, which XLA partitions."""
+        del sharded
         fn = in_sequence(attn.linear_attention) if self.causal else attn.linear_attention
-        call = functools.partial(
-            fn,
-            causal=self.causal,
-            chunk_size=cfg.chunk_size,
-            log_gates=log_gates,
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            **self._options(),
-        )
-        return call(q, k, v, **{"form": cfg.form, **kwargs})
+        out = fn(p["q"], p["k"], p["v"], causal=self.causal, log_gates=p["log_gates"],
+                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids, **self._features(),
+                 **options)  # fmt: skip
+        return (out[0], attn.LinearState(*out[1])) if isinstance(out, tuple) else out
 
-    def _weights(self, q, k, log_gates, segment_ids):
-        """``[B,N,T,S]`` float32: the parallel form's outputs for one-hot values ``e_s``."""
-        B, S, K, _ = k.shape
-        one_hot = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None], (B, S, K, S))
-        out = self._sequence(q, k, one_hot, log_gates, segment_ids, form="parallel")
-        return jnp.transpose(out, (0, 2, 1, 3)).astype(jnp.float32)
+    def _mix_step(self, p, state):
+        return attn.linear_attention_step(state, p["q"], p["k"], p["v"], log_gate=p["log_gates"],
+                                          **self._features())  # fmt: skip
 
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """Linear attention over the whole sequence.
+    def _weight_options(self) -> dict:
+        """The parallel form: its weights are the ``[B,N,T,S]`` matrix of the outputs."""
+        return dict(form="parallel", chunk_size=self.cfg.chunk_size)
 
-        Args:
-          x: ``[B,T,D]``.
-          positions: ``[B,T]`` ints for RoPE (if ``cfg.rope``); default ``arange(T)``.
-          segment_ids: ``[B,T]`` ints (packing and padding; id 0 is padding), or None.
+    def _one_hot(self, p) -> dict:
+        return {**p, "v": one_hot_values(p["v"])}
 
-        Returns:
-          ``y [B,T,D]``.
-        """
-        q, k, v = self._qkv(x, jnp.arange(x.shape[1]) if positions is None else positions)
-        log_gates = self._log_gates(x)
-        out = self._sequence(q, k, v, log_gates, segment_ids)
-        if self.sow_weights:
-            self._sow(self._weights(q, k, log_gates, segment_ids))
-        return self._output(out)
-
-    def init_cache(self, batch: int, max_len: int) -> attn.LinearState:
-        """Zero ``LinearState``: kv ``[B,N,F,E]``, z ``[B,N,F]`` float32 (no length axis)."""
-        del max_len
+    def _zero_state(self, batch: int) -> attn.LinearState:
+        """Zero ``LinearState``: kv ``[B,N,F,E]``, z ``[B,N,F]`` float32."""
         cfg = self.cfg
         return attn.init_linear_state(batch, cfg.num_heads, self.feature_dim, cfg.value_dim)
 
-    def extend(self, x, cache: attn.LinearState, start, lengths=None):
-        """Continues the recurrence over T new tokens. Arguments as ``SelfAttention.extend``."""
-        T = x.shape[1]
-        q, k, v = self._qkv(x, step_positions(start, T))
-        log_gates = self._log_gates(x)
-        if T == 1 and lengths is None:
-            out, state = attn.linear_attention_step(
-                cache,
-                q[:, 0],
-                k[:, 0],
-                v[:, 0],
-                log_gate=None if log_gates is None else log_gates[:, 0],
-                **self._options(),
-            )
-            out = out[:, None]
-        else:
-            segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-            out, state = self._sequence(
-                q, k, v, log_gates, segment_ids, initial_state=cache, return_state=True
-            )
-        return self._output(out), attn.LinearState(*state)
+    def _finish(self, out, inputs, ctx):
+        return self._output(out)

@@ -14,7 +14,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
 import attn
 from attn import masks
@@ -22,9 +22,11 @@ from attn.checks import fail
 from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
 from models.delta import decay_init
-from models.heads import Heads, dense
+from models.heads import dense
+from models.levels import init_levels, level_weights, num_levels
 from models.mesh import in_sequence
 from models.patterns import PresetSizes, register_preset
+from models.recurrent import Recurrent, one_hot_values
 
 NORM_EPS = 1e-5  # Mamba-2's gated RMSNorm epsilon
 
@@ -74,15 +76,6 @@ class Mamba2Config(AttentionConfig):
         return self.num_heads * self.head_dim
 
 
-@struct.dataclass
-class Mamba2Cache:
-    """Decode cache: the SSD state ``[B,N,H,E]`` float32 and the convolution's last
-    W-1 inputs ``[B,W-1,NE+2RH]`` (x, B and C before the convolution)."""
-
-    state: jax.Array
-    conv: jax.Array
-
-
 @register_kind(
     "mamba2",
     config=Mamba2Config,
@@ -90,7 +83,7 @@ class Mamba2Cache:
     sequence_parallel=True,
     in_order=True,
 )
-class Mamba2(Heads):
+class Mamba2(Recurrent):
     """Mamba-2's block as its paper and reference code build it.
 
     From the layer input: one projection to ``(z, x, B, C, dt_raw)``; a causal
@@ -102,8 +95,8 @@ class Mamba2(Heads):
     Initialization: A uniform in [1, 16], dt log-uniform in [1e-3, 1e-1]
     (through softplus's inverse), D = 1, as the reference.
 
-    The decode cache (``Mamba2Cache``) is the SSD state and the
-    convolution's last W-1 inputs. Padding and packing are segment ids, for
+    The decode cache (``models.recurrent.RecurrentCache``) is the SSD state
+    and the convolution's last W-1 inputs. Padding and packing are segment ids, for
     the convolution and for ``attn.ssd``. Captured weights (``sow_weights``)
     are M with ``y = M x`` before the norm (SSD is linear in x for given dt,
     B and C), found as the outputs for one-hot x.
@@ -112,7 +105,7 @@ class Mamba2(Heads):
     def __init__(self, cfg: Mamba2Config, width: int, *, causal: bool, dtype, param_dtype, rngs):
         if not causal:
             why = "a recurrence needs an order"
-            fail("cfg.kind", f"a causal layer for 'mamba2' ({why})", "an encoder")
+            fail("cfg.kind", f"a causal layer for {cfg.kind!r} ({why})", "an encoder")
         self._init_heads(cfg, causal=causal, dtype=dtype)
         N, R, H = cfg.num_heads, cfg.groups, cfg.state_dim
         linear = functools.partial(dense, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -129,120 +122,103 @@ class Mamba2(Heads):
         self.D = nnx.Param(jnp.ones((N,), param_dtype))
         self.norm_weight = nnx.Param(jnp.ones((cfg.inner,), param_dtype))
         self.o_proj = linear(cfg.inner, width)
+        self.levels = num_levels(cfg)
+        if self.levels:  # log-linear Mamba-2 (models.log_linear): the level weights
+            init_levels(self, width, N, self.levels, param_dtype=param_dtype, rngs=rngs)
 
-    # Pieces ------------------------------------------------------------------
+    # Pieces (models.recurrent.Recurrent's) -----------------------------------
 
-    def _split(self, x):
-        """The projection's ``z [B,T,NE]``, unconvolved ``xBC`` and ``dt [B,T,N]`` float32."""
+    def _front(self, x, positions, segment_ids):
+        """The projection's unconvolved ``xBC`` and ``(z [B,T,NE], dt [B,T,N] float32)``."""
+        del positions, segment_ids  # the recurrence orders the tokens
         cfg = self.cfg
         z, xbc, dt_raw = jnp.split(self.in_proj(x), [cfg.inner, cfg.inner + self.channels], -1)
         dt = jax.nn.softplus(dt_raw.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
-        return z, xbc, dt
+        return xbc, (z, dt)
 
-    def _ssd_inputs(self, xbc):
-        """Convolved ``xBC`` -> x ``[B,T,N,E]``, B and C ``[B,T,R,H]``."""
+    def _conv_params(self):
+        return self.conv_weight[...], self.conv_bias[...]
+
+    def _conv_shape(self):
+        return self.cfg.conv, self.channels
+
+    def _inputs(self, x, xbc, ctx) -> dict:
+        """Convolved ``xBC`` -> x ``[B,T,N,E]``, B and C ``[B,T,R,H]``, with dt (and the
+        level weights ``[B,T,N,L]`` of a log-linear layer)."""
         cfg = self.cfg
         B, T, _ = xbc.shape
         R, H = cfg.groups, cfg.state_dim
         xbc = jax.nn.silu(xbc)
-        x, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + R * H], axis=-1)
+        xs, b, c = jnp.split(xbc, [cfg.inner, cfg.inner + R * H], axis=-1)
         shape = (B, T, R, H)
-        return x.reshape(B, T, cfg.num_heads, cfg.head_dim), b.reshape(shape), c.reshape(shape)
+        inputs = dict(x=xs.reshape(B, T, cfg.num_heads, cfg.head_dim), dt=ctx[1],
+                      b=b.reshape(shape), c=c.reshape(shape))  # fmt: skip
+        if self.levels:
+            inputs["lam"] = level_weights(self, x)
+        return inputs
 
-    def _params(self) -> dict:
-        """``A [N]`` and ``D [N]`` float32, and the layer's SSD options."""
-        cfg = self.cfg
-        return dict(
-            A=-jnp.exp(self.A_log[...].astype(jnp.float32)),
-            D=self.D[...].astype(jnp.float32),
-            negative_eigenvalues=cfg.negative_eigenvalues,
-        )
+    def _params(self) -> tuple:
+        """``A [N]`` and ``D [N]`` float32."""
+        return -jnp.exp(self.A_log[...].astype(jnp.float32)), self.D[...].astype(jnp.float32)
 
-    def _sequence(self, x, *, dt, b, c, segment_ids=None, sharded=False, **options):
-        """``f(xs) -> y [B,T,N,E]`` (``(y, state)`` with ``return_state``): the mixer over a
-        sequence with layer input ``x``, ``attn.ssd`` here (its sharded form with
-        ``sharded``, under a mesh); ``options`` are the form's. Subclasses read more of x."""
-        del x
+    def _mix(self, p, *, segment_ids=None, sharded=False, **options):
+        """``attn.ssd`` (its sharded form with ``sharded``, under a mesh), or log-linear
+        attention plus ``D x`` for a log-linear layer (no sharded form)."""
+        A, D = self._params()
+        if self.levels:
+            out = attn.log_linear_attention(
+                p["c"], p["b"], p["x"].astype(jnp.float32) * p["dt"][..., None], p["dt"] * A,
+                p["lam"], scale=1.0, q_segment_ids=segment_ids, kv_segment_ids=segment_ids,
+                **options,
+            )  # fmt: skip
+            y, state = out if isinstance(out, tuple) else (out, None)
+            skip = masks.drop_padding(p["x"], segment_ids).astype(jnp.float32)
+            y = (y + D[:, None] * skip).astype(p["x"].dtype)
+            return y if state is None else (y, state)
         ssd = in_sequence(attn.ssd) if sharded else attn.ssd
-        return functools.partial(
-            ssd, dt=dt, B=b, C=c, segment_ids=segment_ids, **self._params(), **options
-        )
+        return ssd(p["x"], p["dt"], A, p["b"], p["c"], D=D, segment_ids=segment_ids,
+                   negative_eigenvalues=self.cfg.negative_eigenvalues, **options)  # fmt: skip
 
-    def _step(self, x, state, xs, *, dt, b, c):
-        """``(y [B,N,E], state)``: the mixer advanced by one token with input ``x [B,1,D]``."""
-        del x
-        return attn.ssd_step(state, xs, dt, B=b, C=c, **self._params())
+    def _mix_step(self, p, state):
+        """``(y [B,N,E], state)``: the mixer advanced by one token."""
+        A, D = self._params()
+        if self.levels:
+            xs = p["x"].astype(jnp.float32)
+            y, state = attn.log_linear_attention_step(
+                p["c"], p["b"], xs * p["dt"][..., None], p["dt"] * A, p["lam"], state, scale=1.0
+            )
+            return (y + D[:, None] * xs).astype(p["x"].dtype), state
+        return attn.ssd_step(state, p["x"], p["dt"], A=A, B=p["b"], C=p["c"], D=D,
+                             negative_eigenvalues=self.cfg.negative_eigenvalues)  # fmt: skip
 
     def _extend_options(self) -> dict:
-        """The form of a prefill's call from a cached state (a subclass's may differ)."""
-        return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size)
+        """A log-linear prefill continues the cached levels in the recurrent form (the
+        chunkwise form's levels need the sequence to start at position 0)."""
+        if self.levels:
+            return dict(form="recurrent", chunk_size=self.cfg.chunk_size)
+        return self._options()
 
-    def _finish(self, y, z):
+    def _one_hot(self, p) -> dict:
+        return {**p, "x": one_hot_values(p["x"])}
+
+    def _zero_state(self, batch: int):
+        """The SSD state ``[B,N,H,E]`` (log-linear: the Fenwick states ``[B,N,L,H,E]``)."""
+        cfg = self.cfg
+        N, H, E = cfg.num_heads, cfg.state_dim, cfg.head_dim
+        if self.levels:
+            return attn.init_log_linear_state(batch, N, H, E, self.levels)
+        return attn.init_ssd_state(batch, N, H, E)
+
+    def _finish(self, y, inputs, ctx):
         """``norm(y * silu(z))`` per group of channels, the head gates and ``o_proj``."""
         cfg = self.cfg
+        z = ctx[0]
         B, T, N, E = y.shape
         gated = y.astype(jnp.float32).reshape(B, T, -1) * jax.nn.silu(z.astype(jnp.float32))
         groups = gated.reshape(B, T, cfg.groups, -1)
         normed = groups * jax.lax.rsqrt(jnp.mean(groups**2, axis=-1, keepdims=True) + NORM_EPS)
         normed = normed.reshape(B, T, -1) * self.norm_weight[...].astype(jnp.float32)
         return self._output(normed.reshape(B, T, N, E).astype(self.dtype))
-
-    # Surface -----------------------------------------------------------------
-
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
-        del positions  # the recurrence orders the tokens
-        z, xbc, dt = self._split(x)
-        conv = in_sequence(attn.short_conv)(
-            xbc, self.conv_weight[...], self.conv_bias[...], segment_ids=segment_ids
-        )[0]
-        xs, b, c = self._ssd_inputs(conv)
-        call = self._sequence(
-            x, dt=dt, b=b, c=c, segment_ids=segment_ids, sharded=True,
-            form=self.cfg.form, chunk_size=self.cfg.chunk_size,
-        )  # fmt: skip
-        if self.sow_weights:
-            self._sow(self._weights(call, xs))
-        return self._finish(call(xs), z)
-
-    def _weights(self, call, xs):
-        """``[B,N,T,S]`` float32: the outputs for one-hot x ``e_s`` (M of ``y = M x``)."""
-        B, S, N, _ = xs.shape
-        one_hot = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None], (B, S, N, S))
-        return jnp.transpose(call(one_hot), (0, 2, 1, 3))
-
-    def init_cache(self, batch: int, max_len: int) -> Mamba2Cache:
-        """Zero SSD state ``[B,N,H,E]`` float32 and convolution inputs ``[B,W-1,NE+2RH]``."""
-        del max_len
-        cfg = self.cfg
-        state = attn.init_ssd_state(batch, cfg.num_heads, cfg.state_dim, cfg.head_dim)
-        conv = jnp.zeros((batch, cfg.conv - 1, self.channels), self.dtype)
-        return Mamba2Cache(state=state, conv=conv)
-
-    def extend(self, x, cache: Mamba2Cache, start, lengths=None):
-        """Continues over T new tokens. Arguments as ``SelfAttention.extend``."""
-        del start
-        T = x.shape[1]
-        step = T == 1 and lengths is None
-        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-        z, xbc, dt = self._split(x)
-        weight, bias = self.conv_weight[...], self.conv_bias[...]
-        if step:
-            conv, conv_state = attn.short_conv_step(cache.conv, xbc[:, 0], weight, bias)
-            xs, b, c = self._ssd_inputs(conv[:, None])
-            y, state = self._step(x, cache.state, xs[:, 0], dt=dt[:, 0], b=b[:, 0], c=c[:, 0])
-            y = y[:, None]
-        else:
-            conv, conv_state = attn.short_conv(
-                xbc, weight, bias, state=cache.conv, segment_ids=segment_ids
-            )
-            xs, b, c = self._ssd_inputs(conv)
-            call = self._sequence(
-                x, dt=dt, b=b, c=c, segment_ids=segment_ids, initial_state=cache.state,
-                return_state=True, **self._extend_options(),
-            )  # fmt: skip
-            y, state = call(xs)
-        return self._finish(y, z), cache.replace(state=state, conv=conv_state)
 
 
 def _sized(negative: bool):

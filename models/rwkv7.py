@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 import attn
 from attn import masks
@@ -25,12 +25,14 @@ from attn.checks import fail
 from attn.linear.dplr import DPLR_FORMS
 from attn.linear.front import CHUNK_SIZE
 from models.config import AttentionConfig, check_positive_int, register_kind
-from models.heads import Heads, dense
+from models.heads import dense
 from models.mesh import in_sequence
 from models.patterns import PresetSizes, register_preset
+from models.recurrent import Recurrent, one_hot_values
 
 # The six token-shift mixes, in the order of ``Rwkv7Attention.mix``'s rows.
 MIXES = ("r", "w", "k", "v", "a", "g")
+RULE_ARGS = ("r", "k", "v", "a", "b", "log_w")  # attn.dplr_delta_rule's q, k, v, a, b, log_w
 # log w = -exp(-1/2) sigmoid(d): decays in (exp(-e^{-1/2}), 1) = (0.545, 1), as the paper.
 DECAY_SCALE = math.exp(-0.5)
 # RWKV-7's ln_x: GroupNorm epsilon of 1e-5 per head channel (64e-5 at its head dim 64).
@@ -75,15 +77,6 @@ class Rwkv7Config(AttentionConfig):
             fail("num_kv_heads", f"None for kind='rwkv7' ({why})", repr(self.num_kv_heads))
 
 
-@struct.dataclass
-class Rwkv7Cache:
-    """Decode cache of an RWKV-7 layer: the state ``[B,N,H,E]`` float32 and the last input
-    ``x [B,D]`` (compute dtype; zeros before the first token), the next token's shift."""
-
-    state: jax.Array
-    shift: jax.Array
-
-
 def init_values(width: int, heads: int, head_dim: int) -> dict:
     """The initial per-channel parameters, float64 NumPy: fla's RWKV-7 scheme (after the
     paper's) at a middle layer (its layer ratios both 1/2), the same in every layer.
@@ -124,7 +117,7 @@ def init_values(width: int, heads: int, head_dim: int) -> dict:
     sequence_parallel=True,
     in_order=True,
 )
-class Rwkv7Attention(Heads):
+class Rwkv7Attention(Recurrent):
     """RWKV-7's time mixing, its value residual left out.
 
     Per token, with x the layer input ``[B,T,D]`` and ``x_prev`` the previous
@@ -156,7 +149,8 @@ class Rwkv7Attention(Heads):
     and gradients flow from the first step; the GroupNorm weight 1, bias 0;
     r, k, v and o projections as every layer's (``models.heads.dense``).
 
-    The decode cache (``Rwkv7Cache``) is the state and the last input. The
+    The decode cache (``models.recurrent.RecurrentCache``) is the state and the
+    last input (the token shift's window). The
     token shift is ``attn.short_conv`` with the fixed taps ``[1, 0]`` (the
     previous token, its state the last input), so padding and packing are
     segment ids passed to it and to ``attn.dplr_delta_rule`` (padding writes
@@ -201,17 +195,28 @@ class Rwkv7Attention(Heads):
         self.norm_bias = nnx.Param(jnp.zeros((C,), param_dtype))
         self.o_proj = linear(C, width)
 
-    # Pieces ------------------------------------------------------------------
+    # Pieces (models.recurrent.Recurrent's) -----------------------------------
 
-    def _taps(self, width: int):
-        """The token shift as ``attn.short_conv`` taps ``[2, D]``: the previous token, exactly."""
-        return jnp.zeros((2, width), jnp.float32).at[0].set(1.0)
+    def _front(self, x, positions, segment_ids):
+        """x with its padding zeroed (it may hold NaN), twice: the token shift's input and
+        what the projections read."""
+        del positions  # the recurrence orders the tokens
+        x = masks.drop_padding(x, segment_ids)
+        return x, x
 
-    def _inputs(self, x, prev) -> dict:
+    def _conv_params(self):
+        """The token shift as ``attn.short_conv`` taps ``[2, D]``: the previous token, exactly
+        (its window, the decode cache's ``conv``, is the last input)."""
+        return jnp.zeros((2, self.o_proj.out_features), jnp.float32).at[0].set(1.0), None
+
+    def _conv_shape(self):
+        return 2, self.o_proj.out_features
+
+    def _inputs(self, x, prev, xd) -> dict:
         """The DPLR rule's inputs from x and the shifted ``prev`` (both ``[B,T,D]``): r, k
         ``[B,T,N,H]`` and v ``[B,T,N,E]`` (compute dtype), a, b and log_w ``[B,T,N,H]``
         float32, and the gate ``g [B,T,N,E]`` float32."""
-        cfg = self.cfg
+        cfg, x = self.cfg, xd  # x with its padding zeroed (_front)
         B, T, _ = x.shape
         N, H = cfg.num_heads, cfg.head_dim
         heads = lambda y: y.reshape(B, T, N, H)  # noqa: E731
@@ -232,7 +237,7 @@ class Rwkv7Attention(Heads):
         g = heads(self.gate_up(jax.nn.sigmoid(self.gate_down(xg))).astype(jnp.float32))
         return dict(r=r, k=k, v=v, a=-kappa, b=kappa * a_in, log_w=log_w, g=g)
 
-    def _finish(self, o, p):
+    def _finish(self, o, p, ctx):
         """``ln_x`` (GroupNorm per head), the bonus, the gate, the head gates and ``o_proj``."""
         N, E = o.shape[-2:]
         eps = NORM_EPS_PER_CHANNEL * self.cfg.head_dim
@@ -246,85 +251,24 @@ class Rwkv7Attention(Heads):
         bonus = jnp.sum(r * k * self.r_k[...].astype(jnp.float32), axis=-1, keepdims=True) * v
         return self._output(((normed + bonus) * p["g"]).astype(self.dtype))
 
-    def _rule_args(self, p) -> tuple:
-        return tuple(p[n] for n in ("r", "k", "v", "a", "b", "log_w"))
-
     def _options(self) -> dict:
         return dict(form=self.cfg.form, chunk_size=self.cfg.chunk_size, scale=1.0)
 
-    # Surface -----------------------------------------------------------------
+    def _mix(self, p, *, segment_ids=None, sharded=False, **options):
+        rule = in_sequence(attn.dplr_delta_rule) if sharded else attn.dplr_delta_rule
+        return rule(*(p[n] for n in RULE_ARGS), q_segment_ids=segment_ids,
+                    kv_segment_ids=segment_ids, **options)  # fmt: skip
 
-    def __call__(self, x, *, positions=None, segment_ids=None):
-        """``x [B,T,D] -> [B,T,D]``; segment_ids ``[B,T]`` (id 0 padding) or None."""
-        del positions  # the recurrence orders the tokens
-        x = masks.drop_padding(x, segment_ids)  # padding may hold NaN: zeroed where it enters
-        shift = in_sequence(attn.short_conv)
-        prev = shift(x, self._taps(x.shape[-1]), segment_ids=segment_ids)[0]
-        p = self._inputs(x, prev)
-        call = functools.partial(
-            in_sequence(attn.dplr_delta_rule),
-            q_segment_ids=segment_ids,
-            kv_segment_ids=segment_ids,
-            **self._options(),
-        )
-        r, k, v, a, b, log_w = self._rule_args(p)
-        if self.sow_weights:
-            self._sow(self._weights(call, r, k, a, b, log_w))
-        return self._finish(call(r, k, v, a, b, log_w), p)
+    def _mix_step(self, p, state):
+        return attn.dplr_delta_rule_step(*(p[n] for n in RULE_ARGS), state, scale=1.0)
 
-    def _weights(self, call, r, k, a, b, log_w):
-        """``[B,N,T,S]`` float32: the outputs for one-hot values ``e_s`` (M of ``o = M v``)."""
-        B, S, N, _ = r.shape
-        one_hot = jnp.broadcast_to(jnp.eye(S, dtype=jnp.float32)[None, :, None], (B, S, N, S))
-        return jnp.transpose(call(r, k, one_hot, a, b, log_w), (0, 2, 1, 3)).astype(jnp.float32)
+    def _one_hot(self, p) -> dict:
+        return {**p, "v": one_hot_values(p["v"])}
 
-    def init_cache(self, batch: int, max_len: int) -> Rwkv7Cache:
-        """Zero state ``[B,N,H,E]`` float32 and a zero last input ``[B,D]``."""
-        del max_len
-        cfg = self.cfg
-        N, H = cfg.num_heads, cfg.head_dim
-        width = self.o_proj.out_features
-        state = attn.init_delta_state(batch, N, H, H)
-        return Rwkv7Cache(state=state, shift=jnp.zeros((batch, width), self.dtype))
-
-    def extend(self, x, cache: Rwkv7Cache, start, lengths=None):
-        """Continues over T new tokens. Arguments as ``SelfAttention.extend``."""
-        del start
-        T = x.shape[1]
-        step = T == 1 and lengths is None
-        segment_ids = None if lengths is None else masks.segment_ids_from_lengths(lengths, T)
-        x = masks.drop_padding(x, segment_ids)
-        past = cache.shift[:, None].astype(x.dtype)
-        if step:
-            prev, shift = past, x[:, 0]
-        else:
-            prev, last = attn.short_conv(
-                x, self._taps(x.shape[-1]), state=past, segment_ids=segment_ids
-            )
-            shift = last[:, 0]
-        p = self._inputs(x, prev)
-        r, k, v, a, b, log_w = self._rule_args(p)
-        if step:
-            o, state = attn.dplr_delta_rule_step(
-                r[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], log_w[:, 0], cache.state, scale=1.0
-            )
-            o = o[:, None]
-        else:
-            o, state = attn.dplr_delta_rule(
-                r,
-                k,
-                v,
-                a,
-                b,
-                log_w,
-                initial_state=cache.state,
-                return_state=True,
-                q_segment_ids=segment_ids,
-                kv_segment_ids=segment_ids,
-                **self._options(),
-            )
-        new = Rwkv7Cache(state=state, shift=shift.astype(cache.shift.dtype))
-        return self._finish(o, p), new
+    def _zero_state(self, batch: int):
+        """The state ``[B,N,H,E]`` float32."""
+        N, H = self.cfg.num_heads, self.cfg.head_dim
+        return attn.init_delta_state(batch, N, H, H)
 
 
 def _rank(channels: int, factor: float) -> int:

@@ -197,7 +197,7 @@ MODELS_ALL = {
     *("SelfAttention", "CrossAttention", "LatentAttention", "LinearAttention"),
     *("DeltaAttention", "DiffAttention", "Mamba2", "FunctionAttention"),
     *("MobaAttention", "NSAAttention", "DSAAttention"),
-    *("Rwkv7Attention", "PathAttention", "LogLinearMamba2", "LogLinearDeltaAttention"),
+    *("Rwkv7Attention", "PathAttention", "CombaAttention", "CombaConfig"),
     *("AttentionConfig", "MaskedConfig", "SoftmaxConfig", "LatentConfig", "LinearConfig"),
     *("DeltaConfig", "DiffConfig", "Mamba2Config", "FunctionConfig"),
     *("MobaConfig", "NSAConfig", "DSAConfig"),

@@ -4,14 +4,14 @@
 
 What it shows: the compiled gradient of ``attn.path_attention(form="blockwise")``
 at T = 256, blocks of 64 (8 heads of 64), run again and again on the same inputs,
-with the block's UT form computed as ``path._ut`` first did: one
+with the block's UT form computed as ``path.ut`` first did: one
 ``jax.scipy.linalg.solve_triangular`` (LAPACK's trsm on the CPU) per block. On
 jaxlib 0.10.1 the first run takes 0.1 s and a later one never returns: every
 thread waits on a futex, the process at 0% CPU. Neither ``jax.checkpoint`` on the
 query-block body nor the ``lax.cond`` that skips later key blocks is the cause
 (the hang stays without either), nor XLA's thunk runtime, async dispatch or
 multi-threaded Eigen (flags off: it stays). At T = 64 (two blocks) it does not
-hang. The library's ``path._ut`` now inverts with matmuls
+hang. The library's ``path.ut`` now inverts with matmuls
 (``attn.linear.delta_forms.unit_lower_inverse``, written for the same hang in
 the delta rule's backward): without this script's patch all 8 runs finish.
 
@@ -33,7 +33,7 @@ from jax.scipy.linalg import solve_triangular
 import attn
 from attn.softmax import path
 
-def lapack_ut(w, beta, k=None):  # path._ut as it was: LAPACK's triangular solve
+def lapack_ut(w, beta, k=None):  # path.ut as it was: LAPACK's triangular solve
     C, H = w.shape[-2:]
     strict = np.tril(np.ones((C, C), bool), -1)
     bw = beta[..., None] * w
@@ -44,7 +44,7 @@ def lapack_ut(w, beta, k=None):  # path._ut as it was: LAPACK's triangular solve
     y = solve_triangular(a, jnp.concatenate(rhs, -1), lower=True, unit_diagonal=True)
     return y[..., :H], (y[..., H:] if k is not None else None)
 
-path._ut = lapack_ut
+path.ut = lapack_ut
 B, T, N, H = 1, 256, 8, 64
 rng = np.random.default_rng(0)
 q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32) for _ in range(3))

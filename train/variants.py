@@ -138,6 +138,7 @@ for _name, _description, _layers in (
     ("moba", "block-sparse softmax, top-k key blocks per query (MoBA)", "moba"),
     ("nsa", "compressed, selected and window branches (NSA)", "nsa"),
     ("rwkv7", "RWKV-7: the DPLR delta rule, token shift, LoRA decay", "rwkv7"),
+    ("comba", "Comba: the delta rule with closed-loop control (a feedback key)", "comba"),
     ("path", "softmax positioned by Householder-like transforms (PaTH), no RoPE", "path"),
     ("path_fox", "PaTH with a forget gate (PaTH-FoX)", "path_fox"),
     (

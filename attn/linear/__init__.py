@@ -13,6 +13,8 @@ Modules:
 * ``dplr``: the DPLR delta rule (RWKV-7's diagonal-plus-low-rank transition):
   ``dplr_delta_rule`` (``DPLR_FORMS``, in ``dplr_forms``) and
   ``dplr_delta_rule_step``;
+* ``comba``: Comba (the delta rule with closed-loop control) as the DPLR rule
+  it is: ``comba``, ``comba_step``, ``sharded_comba`` (its record is its own);
 * ``log_linear``: log-linear attention (Guo et al. 2025), gated linear attention
   over a Fenwick tree of states: ``log_linear_attention`` (``LOG_LINEAR_FORMS``,
   in ``log_linear_forms``) and ``log_linear_attention_step``; log-linear Gated
@@ -25,9 +27,9 @@ Modules:
   ``delta_product``, ``delta_product_step``;
 * ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
   once (``check_front``), and the one default ``CHUNK_SIZE``;
-* ``family``: a family as one record (``Family``) and the one driver that
-  shards any of them (``sharded``);
-* ``sharded``: the records (``FAMILIES``) and every family (and ``attn.conv``'s
+* ``family``: a family as one record (``Family``), the registry of them
+  (``FAMILIES``) and the one driver that shards any of them (``sharded``);
+* ``sharded``: the first six records and every family (and ``attn.conv``'s
   short convolution) with the sequence split over a mesh axis:
   ``sharded_linear_attention``, ``sharded_delta_rule``, ``sharded_delta_product``,
   ``sharded_dplr_delta_rule``, ``sharded_ssd``, ``sharded_short_conv``; ``chain``
@@ -45,6 +47,7 @@ from attn.linear.attention import (
     linear_attention,
     linear_attention_step,
 )
+from attn.linear.comba import COMBA_FORMS, comba, comba_step, sharded_comba
 from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state
 from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
 from attn.linear.features import (
@@ -84,6 +87,7 @@ from attn.linear.sharded import (
 
 __all__ = [
     "CHUNK_SIZE",
+    "COMBA_FORMS",
     "DELTA_FORMS",
     "DPLR_FORMS",
     "EXP_KERNEL_MAPS",
@@ -95,6 +99,8 @@ __all__ = [
     "SSD_FORMS",
     "LinearState",
     "LogLinearState",
+    "comba",
+    "comba_step",
     "delta_product",
     "delta_product_step",
     "delta_rule",
@@ -118,6 +124,7 @@ __all__ = [
     "log_linear_delta_rule_step",
     "register_feature_map",
     "relu",
+    "sharded_comba",
     "sharded_delta_product",
     "sharded_delta_rule",
     "sharded_dplr_delta_rule",

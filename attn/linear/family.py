@@ -36,8 +36,9 @@ from jax.sharding import Mesh
 from attn.checks import same_token_segment_ids, segment_values
 from attn.linear.chain import Recurrence
 from attn.linear.drive import check_mesh, check_whole, drive
+from attn.registry import Registry
 
-__all__ = ["MESH_ARGS", "Family", "Ids", "MeshArgs", "sharded", "widen"]
+__all__ = ["FAMILIES", "MESH_ARGS", "Family", "Ids", "MeshArgs", "run_sharded", "sharded", "widen"]
 
 
 class Ids(NamedTuple):
@@ -206,3 +207,17 @@ def sharded(
         return family.run(family.fn, tokens, params, ids, state, options)  # no state to chain
     y, final = drive(recurrence(family, options), tokens, params, ids, state, T=T, **mesh_args)
     return (y, final) if return_state else y
+
+
+def run_sharded(family, tokens, params, ids, state, return_state, axis_name, kwargs):
+    """``sharded`` with a public function's keywords split: the mesh's (``MeshArgs``) and the
+    form's."""
+    mesh_args = {name: kwargs.pop(name) for name in MESH_ARGS if name in kwargs}
+    mesh_args["axis_name"] = axis_name
+    return sharded(family, tokens, params, ids, state, return_state=return_state,
+                   options=kwargs, mesh_args=mesh_args)  # fmt: skip
+
+
+# The fixed-state families by name, each with its public sharded function (``models.mesh``
+# reads them): ``attn.linear.sharded`` adds the first six, a family's own module the others.
+FAMILIES: Registry[Family] = Registry("fixed-state family", "family")

@@ -87,13 +87,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import front, segments
+from attn.linear import front
 from attn.linear import log_linear_delta_forms as delta_forms
 from attn.linear import log_linear_forms as forms
+from attn.linear import log_linear_segments as layout
 from attn.linear.front import CHUNK_SIZE
 from attn.masks import PADDING, drop_padding
 
@@ -178,98 +178,6 @@ def _check_values(log_a, level_weights, ids, name="log_a") -> None:
     checks.check_values(level_weights, ok, "level_weights", want, ids)
 
 
-# ----------------------------------------------------------------------------
-# Segments
-
-
-class _Segments(NamedTuple):
-    key_real: jax.Array  # [B,T] bool: the token writes
-    log_a: jax.Array  # [B,T,N]: 0 at padding, -inf where a later segment starts
-    q_read: jax.Array  # [B,T] bool: the query reads its segment
-    starts: jax.Array  # [B,T] bool: the first real token of every segment
-    pos: jax.Array  # [B,T] int32: position in the segment (0 at padding)
-
-
-def _segments(q_seg, kv_seg, log_a, N: int) -> _Segments:
-    rules = segments.causal(q_seg, kv_seg, log_a, N)
-    real = rules.key_real
-    T = real.shape[1]
-    last = lax.cummax(jnp.where(real, jnp.arange(T), -1), axis=1)
-    held = jnp.where(last >= 0, jnp.take_along_axis(kv_seg, jnp.maximum(last, 0), 1), PADDING)
-    held_before = jnp.pad(held[:, :-1], ((0, 0), (1, 0)), constant_values=PADDING)
-    starts = real & (kv_seg != held_before)
-    count = jnp.cumsum(real.astype(jnp.int32), axis=1)  # real tokens up to t
-    before = lax.cummax(jnp.where(starts, count - 1, 0), axis=1)  # ... before t's segment
-    pos = jnp.where(real, count - 1 - before, 0)
-    return _Segments(real, rules.log_a, rules.q_read, starts, pos)
-
-
-class _Layout(NamedTuple):
-    src: jax.Array  # [B,M] int32: the token at each buffer slot, T where empty
-    dest: jax.Array  # [B,T] int32: the slot of each real token (M for padding)
-
-
-def _aligned_layout(seg: _Segments) -> _Layout:
-    """Each segment at an offset that is a multiple of its size (its length rounded up to
-    a power of 2): the sizes sorted largest first and laid end to end, in M = 2T - 1 slots
-    (a size is below twice the length, so they fit)."""
-    real, pos = seg.key_real, seg.pos
-    B, T = real.shape
-    M = 2 * T - 1
-    rows = jnp.arange(B)[:, None]
-    index = jnp.maximum(jnp.cumsum(seg.starts.astype(jnp.int32), axis=1) - 1, 0)  # [B,T]
-    counts = jnp.zeros((B, T), jnp.int32).at[rows, index].add(real.astype(jnp.int32))
-    sizes = jnp.where(counts > 0, 1 << forms.bit_length(jnp.maximum(counts - 1, 0)), 0)
-    order = jnp.argsort(-sizes, axis=1, stable=True)
-    placed = jnp.take_along_axis(sizes, order, axis=1)
-    starts_sorted = jnp.cumsum(placed, axis=1) - placed  # exact: whole numbers
-    offsets = jnp.zeros((B, T), jnp.int32).at[rows, order].set(starts_sorted)
-    dest = jnp.where(real, jnp.take_along_axis(offsets, index, axis=1) + pos, M)
-    src = jnp.full((B, M), T, jnp.int32).at[rows, dest].set(jnp.arange(T), mode="drop")
-    return _Layout(src, dest)
-
-
-def _to_slots(x, src):
-    """``x [B,T,...]`` gathered to the buffer ``[B,M,...]`` (zeros at empty slots)."""
-    x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    return jnp.take_along_axis(x, src.reshape(*src.shape, *(1,) * (x.ndim - 2)), axis=1)
-
-
-def _last_real(real):
-    """``(index [B] of the last real token (0 if none), any real [B])``."""
-    T = real.shape[1]
-    last = jnp.max(jnp.where(real, jnp.arange(T), -1), axis=1)
-    return jnp.maximum(last, 0), last >= 0
-
-
-class _Sequence(NamedTuple):
-    """What segment ids (or their absence) mean to the forms."""
-
-    pos: jax.Array  # [B,T] int32: each token's position in its segment
-    key_real: jax.Array | None  # [B,T] bool, None: all real
-    q_read: jax.Array | None  # [B,T] bool, None: all read
-    log_a: jax.Array  # [B,T,N] float32 with the segment rules applied
-    last: jax.Array  # [B] int32: the last real token
-    length: jax.Array  # [B] int32: the last segment's real tokens
-    seg: _Segments | None
-
-
-def _sequence(q_seg, kv_seg, log_a, B: int, T: int, N: int, start=None) -> _Sequence:
-    """``start [B]`` int32 (an initial state's length) or None: the first segment's
-    positions continue from it (a row without real tokens keeps it as its length)."""
-    start = jnp.zeros((B,), jnp.int32) if start is None else start
-    if q_seg is None:
-        pos = jnp.arange(T, dtype=jnp.int32)[None, :] + start[:, None]
-        last = jnp.full((B,), T - 1, jnp.int32)
-        return _Sequence(pos, None, None, log_a, last, start + T, None)
-    seg = _segments(q_seg, kv_seg, log_a, N)
-    first = seg.key_real & (jnp.cumsum(seg.starts.astype(jnp.int32), axis=1) == 1)
-    pos = seg.pos + jnp.where(first, start[:, None], 0)
-    last, any_real = _last_real(seg.key_real)
-    length = jnp.where(any_real, _take(pos, last) + 1, start)
-    return _Sequence(pos, seg.key_real, seg.q_read, seg.log_a, last, length, seg)
-
-
 def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: int, T: int):
     """The form, the chunk size and the segment ids ``([B,T], [B,T])`` or ``(None, None)``."""
     front.check_form(form, forms_)
@@ -290,7 +198,7 @@ def _initial(initial_state, form: str, B: int, K: int, G: int, L: int, H: int, E
     return levels, jnp.asarray(initial_state[1], jnp.int32)
 
 
-def _finish(out, levels, sequence: _Sequence, dtype, return_state: bool):
+def _finish(out, levels, sequence: layout.Sequence, dtype, return_state: bool):
     """``out [B,T,K,G,E]`` to ``[B,T,N,E]`` in ``dtype`` (zero where not read), with the state."""
     B, T, K, G, E = out.shape
     out = out.reshape(B, T, K * G, E)
@@ -300,38 +208,6 @@ def _finish(out, levels, sequence: _Sequence, dtype, return_state: bool):
     if not return_state:
         return out
     return out, LogLinearState(levels.reshape(B, K * G, *levels.shape[3:]), sequence.length)
-
-
-def _on_aligned_layout(run, arrays, log_index: int, seg: _Segments, last):
-    """A chunkwise form with segment ids, run over the aligned layout (``_aligned_layout``).
-
-    In the buffer every segment starts at a multiple of its size, so a token's
-    level is a function of its slot; the first slot of each segment gets a log
-    decay of ``-inf`` (``arrays[log_index]``: nothing crosses it) and empty
-    slots hold zeros (they write nothing). ``run(*arrays, filled, last)`` is the
-    form on the buffer; its outputs are read back at each token's slot.
-    """
-    T = seg.pos.shape[1]
-    layout = _aligned_layout(seg)
-    slotted = [_to_slots(x, layout.src) for x in arrays]
-    filled = layout.src < T
-    first = filled & (_to_slots(seg.pos, layout.src) == 0)
-    slotted[log_index] = jnp.where(first[:, :, None, None], -jnp.inf, slotted[log_index])
-    last = None if last is None else jnp.minimum(_take(layout.dest, last), 2 * T - 2)
-    out, levels = run(*slotted, filled, last)
-    return _to_slots_back(out, layout.dest), levels
-
-
-def _take(x, index):
-    """``x[b, index[b]]`` for ``x [B,T]`` and ``index [B]``."""
-    return jnp.take_along_axis(x, index[:, None], axis=1)[:, 0]
-
-
-def _to_slots_back(x, dest):
-    """The buffer ``x [B,M,...]`` read back at each token's slot ``dest [B,T]`` (padding,
-    whose slot is M, reads zeros)."""
-    x = jnp.concatenate([x, jnp.zeros_like(x[:, :1])], axis=1)
-    return jnp.take_along_axis(x, dest.reshape(*dest.shape, *(1,) * (x.ndim - 2)), axis=1)
 
 
 def _check_state(state, B: int, N: int, L: int, H: int, E: int, name: str = "state") -> None:
@@ -401,7 +277,7 @@ def log_linear_attention(
     # Padding holds anything, NaN included: selected away where it enters.
     q = drop_padding(q, q_seg)
     k, v, log_a, level_weights = (drop_padding(x, kv_seg) for x in (k, v, log_a, level_weights))
-    sequence = _sequence(q_seg, kv_seg, log_a.astype(jnp.float32), B, T, N, start)
+    sequence = layout.sequence(q_seg, kv_seg, log_a.astype(jnp.float32), B, T, N, start)
     q32 = q.astype(jnp.float32) * root
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
@@ -423,7 +299,7 @@ def log_linear_attention(
             return forms.chunkwise(*xs[:5], chunk_size, top, *xs[5:])
 
         arrays = (q32, k32, v32, la, lam)
-        out, levels = _on_aligned_layout(run, arrays, 3, sequence.seg, last)
+        out, levels = layout.on_aligned_layout(run, arrays, 3, sequence.seg, last)
     return _finish(out, levels, sequence, out_dtype, return_state)
 
 
@@ -518,7 +394,7 @@ def log_linear_delta_rule(
     k, v, beta, log_gates, level_weights = (
         drop_padding(x, kv_seg) for x in (k, v, beta, log_gates, level_weights)
     )
-    sequence = _sequence(q_seg, kv_seg, log_gates.astype(jnp.float32), B, T, N, start)
+    sequence = layout.sequence(q_seg, kv_seg, log_gates.astype(jnp.float32), B, T, N, start)
     q32 = q.astype(jnp.float32) * root
     k32 = k.astype(jnp.float32)
     v32 = v.astype(jnp.float32).reshape(B, T, K, G, E)
@@ -537,7 +413,7 @@ def log_linear_delta_rule(
         def run(*xs):  # the empty slots hold beta 0 and k 0: they write nothing
             return delta_forms.chunkwise(*xs[:6], chunk_size, xs[7])
 
-        out, levels = _on_aligned_layout(run, arrays, 4, sequence.seg, last)
+        out, levels = layout.on_aligned_layout(run, arrays, 4, sequence.seg, last)
     return _finish(out, levels, sequence, out_dtype, return_state)
 
 

@@ -14,7 +14,7 @@ Auto axes (``jax.sharding.Mesh``) or Explicit ones (``jax.make_mesh``), of one
 axis or several, passed or the context mesh of ``jax.set_mesh``; the arrays
 come whole or already laid out, and the call is eager or jitted.
 
-Each family is one record here (``FAMILIES``, ``attn.linear.family.Family``):
+Each family is one record here (added to ``attn.linear.family.FAMILIES``):
 its arrays as named tuples, how a span runs, its zero state and how its
 transition is read; every public function is one call of
 ``attn.linear.family.sharded``, which checks the call as the one-device form
@@ -39,7 +39,7 @@ from attn.linear.attention import (
 )
 from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step
 from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
-from attn.linear.family import MESH_ARGS, Family, Ids, sharded, widen
+from attn.linear.family import FAMILIES, Family, Ids, run_sharded, widen
 from attn.linear.mamba import SSD_FORMS, ssd, ssd_step
 from attn.linear.product import delta_product, delta_product_step
 
@@ -132,7 +132,7 @@ def sharded_linear_attention(
     decay = None if decay is None else jnp.asarray(decay, jnp.float32)
     tokens, params = LinearTokens(q, k, v, log_gates), LinearParams(decay, projection)
     ids = Ids(q_segment_ids, kv_segment_ids, negative_gates)
-    return _call(LINEAR, tokens, params, ids, initial_state, return_state, axis_name, options)
+    return run_sharded(LINEAR, tokens, params, ids, initial_state, return_state, axis_name, options)
 
 
 class SsdTokens(NamedTuple):
@@ -185,7 +185,7 @@ def sharded_ssd(
     """
     tokens, params = SsdTokens(x, dt, B, C), SsdParams(A, D)
     ids = Ids(kv_seg=segment_ids)
-    return _call(SSD, tokens, params, ids, initial_state, return_state, axis_name, options)
+    return run_sharded(SSD, tokens, params, ids, initial_state, return_state, axis_name, options)
 
 
 # ----------------------------------------------------------------------------
@@ -257,7 +257,9 @@ def sharded_delta_rule(
       out ``[B,T,N,E]``, or ``(out, state [B,N,H,E])`` with ``return_state``.
     """
     tokens, ids = DeltaTokens(q, k, v, beta, log_gates), Ids(q_segment_ids, kv_segment_ids)
-    return _call(DELTA, tokens, NoParams(), ids, initial_state, return_state, axis_name, options)
+    return run_sharded(
+        DELTA, tokens, NoParams(), ids, initial_state, return_state, axis_name, options
+    )
 
 
 def sharded_delta_product(
@@ -266,7 +268,9 @@ def sharded_delta_product(
 ):  # fmt: skip
     """``attn.delta_product`` with T sharded over ``axis_name`` (as ``sharded_delta_rule``)."""
     tokens, ids = DeltaTokens(q, k, v, beta, log_gates), Ids(q_segment_ids, kv_segment_ids)
-    return _call(PRODUCT, tokens, NoParams(), ids, initial_state, return_state, axis_name, options)
+    return run_sharded(
+        PRODUCT, tokens, NoParams(), ids, initial_state, return_state, axis_name, options
+    )
 
 
 def sharded_dplr_delta_rule(
@@ -290,7 +294,9 @@ def sharded_dplr_delta_rule(
       out ``[B,T,N,E]``, or ``(out, state [B,N,H,E])`` with ``return_state``.
     """
     tokens, ids = DplrTokens(q, k, v, a, b, log_w), Ids(q_segment_ids, kv_segment_ids)
-    return _call(DPLR, tokens, NoParams(), ids, initial_state, return_state, axis_name, options)
+    return run_sharded(
+        DPLR, tokens, NoParams(), ids, initial_state, return_state, axis_name, options
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -347,26 +353,15 @@ def sharded_short_conv(
     """
     tokens, params = ConvTokens(x), ConvParams(weight, bias)
     ids = Ids(kv_seg=segment_ids)
-    return _call(CONV, tokens, params, ids, state, True, axis_name, options)
+    return run_sharded(CONV, tokens, params, ids, state, True, axis_name, options)
 
 
-def _call(family, tokens, params, ids, state, return_state, axis_name, kwargs):
-    """``sharded`` with the keywords split: the mesh's (``MeshArgs``) and the form's."""
-    mesh_args = {name: kwargs.pop(name) for name in MESH_ARGS if name in kwargs}
-    mesh_args["axis_name"] = axis_name
-    return sharded(family, tokens, params, ids, state, return_state=return_state,
-                   options=kwargs, mesh_args=mesh_args)  # fmt: skip
-
-
-# The records with their public sharded functions (``models.mesh`` reads them).
-FAMILIES = {
-    family.name: family._replace(sharded=fn)
-    for family, fn in (
-        (LINEAR, sharded_linear_attention),
-        (SSD, sharded_ssd),
-        (DELTA, sharded_delta_rule),
-        (PRODUCT, sharded_delta_product),
-        (DPLR, sharded_dplr_delta_rule),
-        (CONV, sharded_short_conv),
-    )
-}
+for _family, _fn in (
+    (LINEAR, sharded_linear_attention),
+    (SSD, sharded_ssd),
+    (DELTA, sharded_delta_rule),
+    (PRODUCT, sharded_delta_product),
+    (DPLR, sharded_dplr_delta_rule),
+    (CONV, sharded_short_conv),
+):
+    FAMILIES.add(_family.name, _family._replace(sharded=_fn))

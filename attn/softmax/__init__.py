@@ -18,7 +18,7 @@ Modules, in the order a reader needs them:
 * ``kernels``: the online-softmax forward and the FlashAttention-2 backward;
 * ``blockwise``: ``blockwise_attention`` and ``count_blocks``;
 * ``path``: PaTH attention (Householder-like transforms as position encoding),
-  naive and blockwise, and its decode-cache updates.
+  naive and blockwise; ``path_decode``: its decode-cache updates.
 
 Ring attention (``attn.ring``) and the Pallas kernels (``attn.pallas``) build
 on the same contract and schedule.
@@ -33,13 +33,8 @@ from attn.softmax.blockwise import (
 )
 from attn.softmax.call import Call, CallArgs, check_call
 from attn.softmax.dense import dot_product_attention, logits
-from attn.softmax.path import (
-    PATH_FORMS,
-    path_attention,
-    path_transform_keys,
-    path_transform_queries,
-    path_update_keys,
-)
+from attn.softmax.path import PATH_FORMS, path_attention
+from attn.softmax.path_decode import path_transform_keys, path_transform_queries, path_update_keys
 
 __all__ = [
     "DEFAULT_BLOCK_K",

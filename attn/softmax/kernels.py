@@ -227,7 +227,8 @@ def forward(config: TileConfig, q, kT, v, sink, mod: ScoreTiles, inputs: KernelI
             if masked:
                 ok = _tile_mask(config, inputs, q_pos_i, q_seg_i, (group, i, j), keys_major=False)
                 s = jnp.where(ok, s, MASKED)
-            m_j = s.max(-1)
+            # At least MASKED: a row whose keys here are all past a gate of 0 (-inf) has p = 0.
+            m_j = jnp.maximum(s.max(-1), MASKED)
             # Masked logits give exp(MASKED - m_j) = 0, except in rows with no
             # visible key in this tile (m_j = MASKED): those are zeroed per row below.
             p = jnp.exp(s - m_j[..., None])

@@ -72,8 +72,8 @@ transforms between them never crosses a segment boundary, and packed
 segments compute what each computes alone (an id that comes back after
 another segment starts a new segment, as in ``attn.delta_rule``).
 
-Decoding keeps the cache's keys transformed as tokens arrive
-(``path_update_keys``): a cached key j holds ``H_{t-1} ... H_{j+1} k_j``, token
+Decoding (``attn.softmax.path_decode``) keeps the cache's keys transformed as
+tokens arrive (``path_update_keys``): a cached key j holds ``H_{t-1} ... H_{j+1} k_j``, token
 t applies ``H_t`` to every cached key and is stored as it is, and plain
 softmax attention of ``q_t`` over the cache (``attn.attention``,
 ``attn.decode_attention``) is PaTH's row t. ``path_transform_keys`` gives the
@@ -100,13 +100,7 @@ from attn.masks import PADDING, And, Band, Causal, Mask, Or, SlidingWindow, drop
 from attn.merge import merge_unnormalized
 from attn.softmax.call import MASKED, check_call, visible
 
-__all__ = [
-    "PATH_FORMS",
-    "path_attention",
-    "path_transform_keys",
-    "path_transform_queries",
-    "path_update_keys",
-]
+__all__ = ["PATH_FORMS", "path_attention"]
 
 PATH_FORMS = ("blockwise", "naive")
 
@@ -137,7 +131,7 @@ def _check_mask(mask) -> Mask:
     return mask
 
 
-def _check_float(x, name: str, shape: tuple, layout: str):
+def check_float(x, name: str, shape: tuple, layout: str):
     if getattr(x, "ndim", None) is None:
         fail(name, f"an array {layout}", type(x).__name__)
     if tuple(x.shape) != tuple(shape):
@@ -146,7 +140,7 @@ def _check_float(x, name: str, shape: tuple, layout: str):
         fail(name, "a real floating-point array", f"dtype {x.dtype}")
 
 
-def _check_beta(beta, ids=None):
+def check_beta(beta, ids=None):
     ok = lambda b: (b >= 0) & (b <= 2)  # noqa: E731  NaN is refused too
     expected = "values in [0, 2] (H = I - beta w w^T; 2 with a unit w is a reflection)"
     checks.check_values(beta, ok, "beta", expected, ids)
@@ -156,7 +150,7 @@ def _check_beta(beta, ids=None):
 # The compact form of a block's transforms
 
 
-def _ut(w, beta, k=None):
+def ut(w, beta, k=None):
     """The UT form of one block's transforms ``H_1 .. H_C`` (the block's tokens in order).
 
     Args:
@@ -186,7 +180,7 @@ def _ut(w, beta, k=None):
     return y[..., :H], (y[..., H:] if k is not None else None)
 
 
-def _pass_block(x, w, xt):
+def pass_block(x, w, xt):
     """Rows ``x [..., R, H]`` times the block product ``I - W^T X`` (rows r: ``x_r^T P``)."""
     return x - jnp.einsum("...rs,...sh->...rh", jnp.einsum("...rh,...sh->...rs", x, w), xt)
 
@@ -198,9 +192,10 @@ def _pass_block(x, w, xt):
 def _tile(s, ok, v):
     """The unnormalized softmax partial ``(m, l, acc)`` of logits ``s [B,K,G,R,S]`` where
     ``ok`` (broadcastable) allows, over values ``v [B,K,S,E]``; m is not differentiated
-    (the result does not depend on it)."""
+    (the result does not depend on it). A key past a gate of 0 (logit ``-inf``) weighs 0,
+    even in a tile that has only such keys (its max is then kept at ``MASKED``)."""
     s = jnp.where(ok, s, MASKED)
-    m = lax.stop_gradient(s.max(-1))
+    m = lax.stop_gradient(jnp.maximum(s.max(-1), MASKED))
     p = jnp.where(ok, jnp.exp(s - m[..., None]), 0.0)
     return m, p.sum(-1), jnp.einsum("bkgrs,bkse->bkgre", p, v)
 
@@ -237,16 +232,19 @@ def _visible(mask, q_pos, k_pos, seg):
 
 
 def _fox(s, cq, ck):
-    """FoX's modifier on logits ``[B,K,G,R,S]`` from running sums ``cq [B,K,G,R]``,
-    ``ck [B,K,G,S]`` (None: no gate)."""
+    """FoX's modifier on logits ``[B,K,G,R,S]`` from ``scores.GateSums`` ``cq`` of
+    ``[B,K,G,R]`` and ``ck`` of ``[B,K,G,S]`` (None: no gate)."""
     if cq is None:
         return s
-    return scores.Forgetting(cq[..., :, None], ck[..., None, :]).apply(s, None, None)
+    q, kv = (
+        jax.tree.map(lambda x, at=at: jnp.expand_dims(x, at), c) for c, at in ((cq, -1), (ck, -2))
+    )
+    return scores.Forgetting.between(q, kv).apply(s, None, None)
 
 
 # ----------------------------------------------------------------------------
 # The forms. Arrays: q [B,T,K,G,H], k and w [B,T,K,H], v [B,T,K,E], beta [B,T,K],
-# c [B,T,K,G] or None (FoX's running sums), seg None or (q_seg, kv_seg, run, run) [B,T].
+# c GateSums of [B,T,K,G] or None (FoX), seg None or (q_seg, kv_seg, run, run) [B,T].
 
 
 def _naive(q, k, v, w, beta, c, seg, mask, scale):
@@ -261,13 +259,13 @@ def _naive(q, k, v, w, beta, c, seg, mask, scale):
 
     xs = (order, *(jnp.moveaxis(x, 1, 0) for x in (q, w, beta)))
     s = jnp.moveaxis(lax.scan(step, k, xs)[1], 0, 3) * scale  # [B,K,G,T,S]
-    c = None if c is None else jnp.moveaxis(c, 1, -1)
+    c = None if c is None else jax.tree.map(lambda x: jnp.moveaxis(x, 1, -1), c)
     s = _fox(s, c, c)
     out, lse = _finish(*_tile(s, _visible(mask, order, order, seg), jnp.moveaxis(v, 1, 2)))
     return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1)
 
 
-def _blocks(x, n: int, C: int, heads: int):
+def blocks(x, n: int, C: int, heads: int):
     """``[B,T,...]`` padded to ``n C`` tokens as ``[n,B,...,C,rest]``: the block axis first,
     the ``heads`` axes after T moved before the block's C tokens."""
     B, T = x.shape[:2]
@@ -276,8 +274,8 @@ def _blocks(x, n: int, C: int, heads: int):
     return jnp.moveaxis(x, 2, 2 + heads)
 
 
-def _unblock(x, axis: int):
-    """The inverse of ``_blocks``: ``[n,B,...]`` with the block's tokens at ``axis`` as
+def unblock(x, axis: int):
+    """The inverse of ``blocks``: ``[n,B,...]`` with the block's tokens at ``axis`` as
     ``[B, n C, ...]`` (padding included)."""
     x = jnp.moveaxis(jnp.moveaxis(x, 0, 1), axis, 2)  # [B,n,C,...]
     return x.reshape(x.shape[0], -1, *x.shape[3:])
@@ -286,9 +284,9 @@ def _unblock(x, axis: int):
 def _blockwise(q, k, v, w, beta, c, seg, mask, scale, C: int):
     T = q.shape[1]
     n = -(-T // C)
-    qb = _blocks(q, n, C, 2)  # [n,B,K,G,C,H]
-    kb, wb, vb = (_blocks(x, n, C, 1) for x in (k, w, v))  # [n,B,K,C,H|E]
-    xb, d = _ut(wb, _blocks(beta, n, C, 1), kb)  # X [n,B,K,C,H], D [n,B,K,C,C]
+    qb = blocks(q, n, C, 2)  # [n,B,K,G,C,H]
+    kb, wb, vb = (blocks(x, n, C, 1) for x in (k, w, v))  # [n,B,K,C,H|E]
+    xb, d = ut(wb, blocks(beta, n, C, 1), kb)  # X [n,B,K,C,H], D [n,B,K,C,C]
     incl = np.tril(np.ones((C, C), bool))
     qw = jnp.where(incl, jnp.einsum("nbkgih,nbkth->nbkgit", qb, wb), 0)  # q_i . w_t, t <= i
     # Each query carried back to its block's start, each key to its block's end.
@@ -296,8 +294,8 @@ def _blockwise(q, k, v, w, beta, c, seg, mask, scale, C: int):
     k_end = kb - jnp.einsum("nbktj,nbkth->nbkjh", d, wb)
     # The diagonal block: q_i^T H_i ... H_{j+1} k_j for j <= i (the mask hides j > i).
     s_diag = jnp.einsum("nbkgih,nbkjh->nbkgij", qb, kb) - jnp.einsum("nbkgit,nbktj->nbkgij", qw, d)
-    cb = None if c is None else _blocks(c, n, C, 2)  # [n,B,K,G,C]
-    sb = None if seg is None else tuple(_blocks(x, n, C, 0) for x in seg)  # [n,B,C]
+    cb = None if c is None else jax.tree.map(lambda x: blocks(x, n, C, 2), c)  # [n,B,K,G,C]
+    sb = None if seg is None else tuple(blocks(x, n, C, 0) for x in seg)  # [n,B,C]
     pos = jnp.arange(n * C).reshape(n, C)
     index = jnp.arange(n)
 
@@ -318,7 +316,7 @@ def _blockwise(q, k, v, w, beta, c, seg, mask, scale, C: int):
                 s = _fox(jnp.einsum("bkgrh,bksh->bkgrs", q_c, k_j) * scale, c_i, c_j)
                 ids = None if seg_i is None else (seg_i[0], seg_j[1], seg_i[2], seg_j[3])
                 part = _tile(s, _visible(mask, pos_i, pos_j, ids), v_j)
-                return (_pass_block(q_c, w_j[:, :, None], x_j[:, :, None]),
+                return (pass_block(q_c, w_j[:, :, None], x_j[:, :, None]),
                         *merge_unnormalized(m, l, acc, *part))  # fmt: skip
 
             return lax.cond(j < i, visit, lambda state: state, state), None
@@ -328,7 +326,7 @@ def _blockwise(q, k, v, w, beta, c, seg, mask, scale, C: int):
 
     xs = (index, q_start, s_diag, vb, pos, cb, sb)
     out, lse = lax.scan(query_block, None, xs)[1]  # [n,B,K,G,C,E], [n,B,K,G,C]
-    return _unblock(out, 4)[:, :T], _unblock(lse, 4)[:, :T]
+    return unblock(out, 4)[:, :T], unblock(lse, 4)[:, :T]
 
 
 # ----------------------------------------------------------------------------
@@ -385,8 +383,8 @@ def path_attention(
     if d.S != d.T:
         want = f"length T={d.T} like q (PaTH is self-attention over one sequence)"
         fail("k", want, f"shape {tuple(k.shape)}")
-    _check_float(w, "w", k.shape, "[B,T,K,H] like k")
-    _check_float(beta, "beta", (d.B, d.T, d.K), "[B,T,K], one per token and kv head")
+    check_float(w, "w", k.shape, "[B,T,K,H] like k")
+    check_float(beta, "beta", (d.B, d.T, d.K), "[B,T,K], one per token and kv head")
     if form not in PATH_FORMS:
         fail("form", f"one of {PATH_FORMS}", repr(form))
     block_size = checks.positive_int(block_size, "block_size")
@@ -395,14 +393,14 @@ def path_attention(
     call = check_call(q, k, v, mask=mask, scale=scale, q_segment_ids=q_segment_ids,
                       kv_segment_ids=kv_segment_ids)  # fmt: skip
     q_seg, kv_seg = call.q_segment_ids, call.kv_segment_ids
-    _check_beta(beta, kv_seg)
+    check_beta(beta, kv_seg)
     c = None
     if log_forget is not None:
-        _check_float(log_forget, "log_forget", (d.B, d.T, d.N), "[B,T,N], one per query head")
+        check_float(log_forget, "log_forget", (d.B, d.T, d.N), "[B,T,N], one per query head")
         ok = lambda g: g <= 0  # noqa: E731  NaN is refused too
         checks.check_values(log_forget, ok, "log_forget", "values <= 0 (logs of gates)", kv_seg)
-        fox = scores.forgetting(drop_padding(log_forget, kv_seg))  # padding forgets nothing
-        c = fox.q_cumulative.reshape(d.B, d.T, d.K, d.G)
+        sums = scores.gate_sums(drop_padding(log_forget, kv_seg))  # padding forgets nothing
+        c = jax.tree.map(lambda x: x.reshape(d.B, d.T, d.K, d.G), sums)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v = call.isolate(q, k, v)
     w, beta = drop_padding(w, kv_seg), drop_padding(beta, kv_seg)
@@ -419,138 +417,3 @@ def path_attention(
         out, lse = _blockwise(q32, k32, v32, w32, b32, c, seg, mask, call.scale, block_size)
     out = out.reshape(d.B, d.T, d.N, d.E).astype(q.dtype)
     return (out, lse.reshape(d.B, d.T, d.N)) if return_lse else out
-
-
-def path_update_keys(k_cache, w, beta, *, segment_ids=None):
-    """Cached keys carried through the transforms of arriving tokens (PaTH's decoding).
-
-    A cache of keys ``k_cache [B,S,K,H]`` whose key j holds ``H_{t-1} ... H_{j+1} k_j``
-    (each key carried up to the last token that arrived, t - 1) becomes ``H_t
-    ... H_{j+1} k_j`` for token t's ``w [B,K,H]``, ``beta [B,K]``: every slot is
-    transformed (a slot is one key: what unused slots hold stays in them).
-    Decoding token t: update the cache, store ``k_t`` as it is, and attend with
-    plain softmax (``attn.attention`` or ``attn.decode_attention``, FoX as
-    ``scores.Forgetting`` over the running gate sums): the logits are PaTH's.
-
-    Several tokens at once (a chunk, in order): ``w [B,C,K,H]``, ``beta [B,C,K]``
-    apply ``H_{t+C-1} ... H_t`` (the compact form: one C x C triangular solve).
-
-    Args:
-      k_cache: ``[B,S,K,H]``.
-      w, beta: one token's ``[B,K,H]``, ``[B,K]`` or a chunk's ``[B,C,K,H]``, ``[B,C,K]``.
-      segment_ids: None, or ``[B]`` (one token) / ``[B,C]`` ints: id 0 marks a
-        padding token, whose transform is the identity (its w and beta may hold
-        anything).
-
-    Returns:
-      The cache in its dtype (computed in float32).
-    """
-    k_cache, w, beta, segment_ids = as_arrays(k_cache, w, beta, segment_ids)
-    if getattr(k_cache, "ndim", None) != 4 or not jnp.issubdtype(k_cache.dtype, jnp.floating):
-        got = f"{getattr(k_cache, 'dtype', type(k_cache).__name__)} {np.shape(k_cache)}"
-        fail("k_cache", "a floating-point array [B,S,K,H]", got)
-    B, _, K, H = k_cache.shape
-    one = getattr(w, "ndim", None) == 3
-    lead = (B,) if one else (B, np.shape(w)[1] if getattr(w, "ndim", 0) == 4 else 0)
-    layout = "[B,K,H] (one token) or [B,C,K,H] (a chunk)"
-    if getattr(w, "ndim", None) not in (3, 4):
-        fail("w", layout, f"shape {np.shape(w)}")
-    _check_float(w, "w", (*lead, K, H), layout)
-    _check_float(beta, "beta", (*lead, K), "[B,K] or [B,C,K] like w")
-    ids = None
-    if segment_ids is not None:
-        ids = checks.segment_ids(segment_ids, "segment_ids", B, None if one else lead[1])
-    _check_beta(beta, ids)
-    if one:  # one token as a chunk of one
-        w, beta, ids = w[:, None], beta[:, None], None if ids is None else ids[:, None]
-    w32 = drop_padding(w, ids).astype(jnp.float32)
-    b32 = drop_padding(beta, ids).astype(jnp.float32)
-    w32, b32 = jnp.moveaxis(w32, 1, 2), jnp.moveaxis(b32, 1, 2)  # [B,K,C,H], [B,K,C]
-    x, _ = _ut(w32, b32)
-    keys = k_cache.astype(jnp.float32)  # [B,S,K,H]; (I - W^T X) k = k - sum_s (x_s . k) w_s
-    keys = keys - jnp.einsum("bksc,bkch->bskh", jnp.einsum("bskh,bkch->bksc", keys, x), w32)
-    return keys.astype(k_cache.dtype)
-
-
-def path_transform_keys(k, w, beta, *, block_size: int = 64, segment_ids=None):
-    """Each key carried through the transforms of every later token: ``H_{T-1} ...
-    H_{j+1} k_j`` ``[B,T,K,H]``, what a PaTH cache holds after a prefill of T tokens
-    (``path_update_keys`` then continues it).
-
-    Blocks of ``block_size`` in the compact form of ``path_attention``'s blockwise
-    form: a key leaves its block in one solve, then a scan from the last block
-    to the first carries the product of the blocks after it (``[H,H]`` per head).
-
-    Args:
-      k, w: ``[B,T,K,H]``; beta: ``[B,T,K]`` in [0, 2].
-      block_size: the blocks' length.
-      segment_ids: None or ``[B,T]`` ints: id 0 marks padding, whose transform is the
-        identity and whose key is 0 (w, beta and k there may hold anything).
-
-    Returns:
-      ``[B,T,K,H]`` in k's dtype.
-    """
-    k, w, beta, segment_ids = as_arrays(k, w, beta, segment_ids)
-    if getattr(k, "ndim", None) != 4 or not jnp.issubdtype(k.dtype, jnp.floating):
-        got = f"{getattr(k, 'dtype', type(k).__name__)} {np.shape(k)}"
-        fail("k", "a floating-point array [B,T,K,H]", got)
-    B, T, K, H = k.shape
-    _check_float(w, "w", k.shape, "[B,T,K,H] like k")
-    _check_float(beta, "beta", (B, T, K), "[B,T,K]")
-    C = checks.positive_int(block_size, "block_size")
-    ids = checks.segment_ids(segment_ids, "segment_ids", B, T)
-    _check_beta(beta, ids)
-    k32, w32, b32 = (drop_padding(x, ids).astype(jnp.float32) for x in (k, w, beta))
-    n = -(-T // C)
-    kb, wb = (_blocks(x, n, C, 1) for x in (k32, w32))  # [n,B,K,C,H]
-    xb, d = _ut(wb, _blocks(b32, n, C, 1), kb)
-    k_end = kb - jnp.einsum("nbktj,nbkth->nbkjh", d, wb)
-
-    def block(m, x):  # m [B,K,H,H]: the product of the blocks after this one
-        k_j, w_j, x_j = x
-        out = jnp.einsum("bkjh,bkgh->bkjg", k_j, m)
-        return _pass_block(m, w_j, x_j), out  # rows of m: m P_j
-
-    eye = jnp.broadcast_to(jnp.eye(H, dtype=jnp.float32), (B, K, H, H))
-    out = lax.scan(block, eye, (k_end, wb, xb), reverse=True)[1]  # [n,B,K,C,H]
-    return _unblock(out, 3)[:, :T].astype(k.dtype)
-
-
-def path_transform_queries(q, w, beta, *, segment_ids=None):
-    """Each query of a chunk carried back to the chunk's start: ``(H_i ... H_0)^T q_i``.
-
-    Query i of a chunk of tokens ``0 .. C-1`` (in order, following a cache whose
-    keys are carried up to the token before the chunk, ``path_update_keys``)
-    reaches a cached key through its chunk's transforms up to its own,
-    ``q_i^T H_i ... H_0 k~_j``: the returned ``q'_i = H_0 ... H_i q_i`` (each
-    ``H`` is symmetric) against the cached keys gives PaTH's logits. The compact
-    form: ``H_i ... H_0 = I - sum_{s<=i} w_s x_s^T`` (one C x C triangular solve).
-
-    Args:
-      q: queries ``[B,C,N,H]``, N a multiple of K.
-      w, beta: the chunk's ``[B,C,K,H]``, ``[B,C,K]`` (beta in [0, 2]).
-      segment_ids: None, or ``[B,C]`` ints: id 0 marks a padding token, whose
-        transform is the identity (its w and beta may hold anything).
-
-    Returns:
-      ``[B,C,N,H]`` in q's dtype (computed in float32).
-    """
-    q, w, beta, segment_ids = as_arrays(q, w, beta, segment_ids)
-    if getattr(q, "ndim", None) != 4 or not jnp.issubdtype(q.dtype, jnp.floating):
-        got = f"{getattr(q, 'dtype', type(q).__name__)} {np.shape(q)}"
-        fail("q", "a floating-point array [B,C,N,H]", got)
-    B, C, N, H = q.shape
-    K = np.shape(w)[2] if getattr(w, "ndim", None) == 4 else 0
-    if not K or N % K:
-        fail("w", f"shape [B,C,K,H] = ({B}, {C}, K, {H}) with K dividing N={N}", np.shape(w))
-    _check_float(w, "w", (B, C, K, H), "[B,C,K,H]")
-    _check_float(beta, "beta", (B, C, K), "[B,C,K]")
-    ids = checks.segment_ids(segment_ids, "segment_ids", B, C)
-    _check_beta(beta, ids)
-    w32, b32 = (jnp.moveaxis(drop_padding(x, ids).astype(jnp.float32), 1, 2) for x in (w, beta))
-    x, _ = _ut(w32, b32)  # [B,K,C,H]
-    q32 = q.astype(jnp.float32).reshape(B, C, K, N // K, H)
-    incl = np.tril(np.ones((C, C), bool))
-    qw = jnp.where(incl, jnp.einsum("bikgh,bkth->bkgit", q32, w32), 0)  # q_i . w_t, t <= i
-    out = q32 - jnp.einsum("bkgit,bkth->bikgh", qw, x)
-    return out.reshape(B, C, N, H).astype(q.dtype)

@@ -12,14 +12,24 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
 import attn
 from tests.devices.test_sharded_dplr import inputs as dplr_inputs
-from tests.devices.test_sharded_linear import AXIS, CHUNK, FORWARD_TOL, B, T, family, in_mode
-from tests.util import mesh_of, rel_err
+from tests.devices.test_sharded_linear import (
+    AXIS,
+    CHUNK,
+    FORWARD_TOL,
+    GRAD_TOL,
+    B,
+    T,
+    family,
+    in_mode,
+)
+from tests.util import mesh_of, normal, rel_err
 
 pytestmark = pytest.mark.devices
 
@@ -108,3 +118,34 @@ def test_the_grid_covers_every_mesh_kind_mode_and_layout():
         ("presharded", ("data",)),
     }
     assert {24, 27} == {c[5] for c in GRID}
+
+
+@pytest.mark.parametrize("kind, mode", [("make_mesh_2", "jit"), ("Mesh_1", "set_mesh")])
+def test_comba_through_its_record_equals_one_device_forward_and_gradients(kind, mode):
+    """A family added by its own module (``attn.linear.comba``): packed segments across the
+    devices, an initial state, outputs, final state and every gradient."""
+    from tests.attn.linear.test_comba import make_inputs
+
+    mesh, rows = grid_mesh(kind), ("data",) if kind.endswith("_2") else ()
+    q, k, v, p, beta, log_g, s0 = (jnp.asarray(x) for x in make_inputs(5, 24))
+    seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 11 + [0] * 3], 2, axis=0), jnp.int32)
+    cot = normal(9, v.shape)
+
+    def loss(arrays, fn, **kw):
+        out, S = fn(*arrays[:5], log_gates=arrays[5], initial_state=arrays[6], chunk_size=CHUNK,
+                    return_state=True, q_segment_ids=seg, kv_segment_ids=seg, **kw)  # fmt: skip
+        return jnp.sum(out * cot) + jnp.sum(S), (out, S)
+
+    arrays = (q, k, v, p, beta, log_g, s0)
+    grad = jax.grad(loss, has_aux=True)
+    want_grads, want = jax.jit(functools.partial(grad, fn=attn.comba))(arrays)
+
+    def run(a, mesh=None):
+        return grad(a, attn.sharded_comba, axis_name=AXIS, batch_axes=rows, mesh=mesh)
+
+    grads, got = in_mode(run, arrays, mesh, mode)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) <= FORWARD_TOL
+    names = ("q", "k", "v", "p", "beta", "log_g", "s0")
+    for name, g, w in zip(names, grads, want_grads, strict=True):
+        assert rel_err(g, w) <= GRAD_TOL, name

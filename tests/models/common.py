@@ -99,6 +99,7 @@ REGISTRY["log_linear_mamba2_small"] = dataclasses.replace(
 REGISTRY["log_linear_gdn_grouped"] = dataclasses.replace(
     REGISTRY["log_linear_gated_deltanet"], num_levels=4, value_heads=8, form="recurrent"
 )
+REGISTRY["comba_grouped"] = dataclasses.replace(REGISTRY["comba"], chunk_size=4, value_heads=8)
 REGISTRY["path_fox_small"] = dataclasses.replace(
     REGISTRY["path_fox"], num_kv_heads=2, block_size=4, w_rank=8
 )
@@ -135,6 +136,7 @@ KINDS = {
         "path_fox_small",
         "log_linear_mamba2_small",
         "log_linear_gdn_grouped",
+        "comba_grouped",
     ),
 }
 

@@ -18,7 +18,6 @@ from flax import nnx
 
 import attn
 import models
-from models.log_linear import LogLinearMamba2
 from tests.util import rel_err
 
 WIDTH, B, T = 16, 2, 7
@@ -28,7 +27,7 @@ def mamba(**fields):
     cfg = models.LogLinearMamba2Config(
         num_heads=4, head_dim=4, state_dim=6, groups=2, chunk_size=2, num_levels=3, **fields
     )
-    return LogLinearMamba2(
+    return models.Mamba2(
         cfg, WIDTH, causal=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
 
@@ -37,7 +36,7 @@ def delta(**fields):
     cfg = models.LogLinearDeltaConfig(
         num_heads=2, head_dim=4, value_heads=4, chunk_size=2, num_levels=3, **fields
     )
-    m = models.LogLinearDeltaAttention(
+    m = models.DeltaAttention(
         cfg, WIDTH, causal=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
     m.level_scale.set_value(jnp.linspace(0.5, 2.0, 12).reshape(4, 3))  # not all ones
@@ -134,8 +133,8 @@ def test_unit_level_weights_give_mamba2(monkeypatch):
         models.Mamba2Config(**cfg), WIDTH, causal=True, dtype=jnp.float32,
         param_dtype=jnp.float32, rngs=nnx.Rngs(0),
     )  # fmt: skip
-    ones = lambda self, x: jnp.ones((*x.shape[:2], 4, 3), jnp.float32)  # noqa: E731
-    monkeypatch.setattr(LogLinearMamba2, "_level_weights", ones)
+    ones = lambda layer, x: jnp.ones((*x.shape[:2], 4, 3), jnp.float32)  # noqa: E731
+    monkeypatch.setattr(models.mamba, "level_weights", ones)
     run = nnx.jit(lambda m, x: m(x))  # traced here, with the patch (not forward's cache)
     x = inputs(1)
     assert rel_err(run(m, x), run(parent, x)) <= 1e-5
@@ -161,15 +160,15 @@ def test_configs_refuse_what_their_layers_cannot_take(config, change, field):
 
 def test_kinds_and_presets_are_registered():
     for name, module in (
-        ("log_linear_mamba2", LogLinearMamba2),
-        ("log_linear_gated_deltanet", models.LogLinearDeltaAttention),
+        ("log_linear_mamba2", models.Mamba2),
+        ("log_linear_gated_deltanet", models.DeltaAttention),
     ):
         kind = models.KINDS[name]
         assert kind.module is module and kind.family == "linear" and kind.in_order
         assert isinstance(kind.sequence_parallel, str)
         assert models.presets()[name].kind == name
     with pytest.raises(ValueError, match=r"^cfg\.kind: expected"):
-        LogLinearMamba2(
+        models.Mamba2(
             models.LogLinearMamba2Config(), 8, causal=False, dtype=jnp.float32,
             param_dtype=jnp.float32, rngs=nnx.Rngs(0),
         )  # fmt: skip
@@ -218,11 +217,10 @@ def test_captured_weights_give_the_mixer_output():
 
     @nnx.jit
     def run(m, x):
-        _, xbc, dt = m._split(x)
-        xs, b, c = m._ssd_inputs(attn.short_conv(xbc, m.conv_weight[...], m.conv_bias[...])[0])
-        lam = m._level_weights(x)
-        y = m._mix(xs, dt=dt, b=b, c=c, lam=lam, form="chunkwise", chunk_size=2)
-        return y, xs, models.capture_weights(m, x)
+        xbc, ctx = m._front(x, None, None)
+        p = m._inputs(x, attn.short_conv(xbc, m.conv_weight[...], m.conv_bias[...])[0], ctx)
+        y = m._mix(p, form="chunkwise", chunk_size=2)
+        return y, p["x"], models.capture_weights(m, x)
 
     y, xs, (_, (weights,)) = run(m, x)
     assert weights.shape == (B, 4, T, T)

@@ -64,10 +64,11 @@ def test_captured_weights_give_the_ssd_output():
     m = layer()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 6, WIDTH)), jnp.float32)
     _, (weights,) = models.capture_weights(m, x)
-    _, xbc, dt = m._split(x)
-    conv = attn.short_conv(xbc, m.conv_weight[...], m.conv_bias[...])[0]
-    xs, b, c = m._ssd_inputs(conv)
-    y = attn.ssd(xs, dt, B=b, C=c, **m._params())
+    xbc, ctx = m._front(x, None, None)
+    p = m._inputs(x, attn.short_conv(xbc, m.conv_weight[...], m.conv_bias[...])[0], ctx)
+    A, D = m._params()
+    xs = p["x"]
+    y = attn.ssd(xs, p["dt"], A, B=p["b"], C=p["c"], D=D)
     assert weights.shape == (1, 4, 6, 6)
     np.testing.assert_array_equal(np.triu(np.asarray(weights), 1), 0.0)  # causal
     assert rel_err(jnp.einsum("bnts,bsne->btne", weights, xs), y) <= 1e-5

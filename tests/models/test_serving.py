@@ -35,7 +35,7 @@ EVERY_KIND = (
     "gqa_softcap_sink_logits_conv", "mla_conv", "fox", "t5_gqa", "streaming_conv",
     "diff_window_gqa", "linear_decay_gated_conv", "gated_deltanet_grouped", "kda_recurrent_conv",
     "mamba2_groups_negative", "moba_small", "nsa_small", "dsa_small", "rwkv7_chunks",
-    "path_fox_small", "log_linear_mamba2_small", "log_linear_gdn_grouped",
+    "path_fox_small", "log_linear_mamba2_small", "log_linear_gdn_grouped", "comba_grouped",
 )  # fmt: skip
 PROMPTS = (1, 6, 3, 9, 2, 5, 4, 7, 3)  # prompt lengths of the requests
 PAGE = 4

@@ -84,8 +84,9 @@ def test_softmax_weights_equal_dense_weights_recomputed():
 def _linear_weights_and_output(state, x):
     layer = nnx.merge(*state)
     _, (w,) = models.capture_weights(layer, x)
-    q, k, v = layer._qkv(x, jnp.arange(x.shape[1]))
-    return w, v, layer._sequence(q, k, v, layer._log_gates(x), None)
+    _, ctx = layer._front(x, jnp.arange(x.shape[1]), None)
+    p = layer._inputs(x, None, ctx)
+    return w, p["v"], layer._mix(p, **layer._options())
 
 
 def test_linear_weights_times_values_are_the_output():

@@ -1,13 +1,13 @@
 """The delta rule: both forms against a float64 recurrence, forward and gradients.
 
-Oracles, written from the equations of ``attn.linear.delta``'s docstring (per
-head: decay the state, ``u = beta (v - S^T k)``, ``S += k u^T``, read
-``S^T (scale q)``): a float64 NumPy loop over tokens and heads for outputs and
-states, and the same recurrence as a float64 ``lax.scan`` whose ``jax.grad`` is
-the gradient oracle; the two agree to float64 rounding (checked). Every case
-has grouped value heads (G = 2), a non-zero initial state and a length that
-is a multiple of no chunk size tried. Compiles dominate, so each test builds
-few programs.
+The oracle is the library's reference (``attn.linear.reference.delta_rule``,
+written from the equations of ``attn.linear.delta``'s docstring: per head, decay
+the state, ``u = beta (v - S^T k)``, ``S += k u^T``, read ``S^T (scale q)``, as a
+``lax.scan`` over tokens) run in float64 for outputs and states; its
+``jax.grad`` is the gradient oracle, and ``reference.each_segment_jnp`` runs it
+on each packed segment alone. Every case has grouped value heads (G = 2), a
+non-zero initial state and a length that is a multiple of no chunk size tried.
+Compiles dominate, so each test builds few programs.
 """
 
 from __future__ import annotations
@@ -57,27 +57,18 @@ def make_inputs(seed, T, gate, *, b=B, beta_max=0.95):
 # float64 oracles
 
 
-def np_delta(q, k, v, beta, g, state, scale=H**-0.5):
-    """The recurrence as a float64 NumPy loop over tokens and value heads."""
-    q, k, v, beta = (np.asarray(x, np.float64) for x in (q, k, v, beta))
-    S = np.array(state, np.float64)
-    Bx, T = q.shape[:2]
-    out = np.zeros((Bx, T, N, E))
-    for t in range(T):
-        for n in range(N):
-            kt, qt = k[:, t, n // G], q[:, t, n // G] * scale
-            if g is not None:
-                a = np.exp(np.asarray(g, np.float64)[:, t, n])  # [B] or [B,H]
-                S[:, n] *= a[:, :, None] if a.ndim == 2 else a[:, None, None]
-            u = beta[:, t, n, None] * (v[:, t, n] - np.einsum("bh,bhe->be", kt, S[:, n]))
-            S[:, n] += np.einsum("bh,be->bhe", kt, u)
-            out[:, t, n] = np.einsum("bh,bhe->be", qt, S[:, n])
-    return out, S
-
-
 def jnp_delta(q, k, v, beta, g, state, scale=H**-0.5):
     """The library's reference (``attn.linear.reference``), run in float64 for the gradients."""
     return reference.delta_rule(q, k, v, beta, g, initial_state=state, scale=scale)
+
+
+def np_oracle(q, k, v, beta, g, state):
+    """``jnp_delta``'s float64 outputs and final state as NumPy."""
+    with jax.enable_x64(True):
+        x64 = [
+            None if a is None else jnp.asarray(a, jnp.float64) for a in (q, k, v, beta, g, state)
+        ]
+        return tuple(np.asarray(a) for a in jax.jit(jnp_delta)(*x64))
 
 
 def oracle_grads(args, cotangents):
@@ -125,12 +116,7 @@ def test_forms_match_float64_forward_and_gradients(gate, beta_max):
     rng = np.random.default_rng(1)
     cotangents = (rng.standard_normal((B, T_LONG, N, E)), rng.standard_normal((B, N, H, E)))
     cotangents = tuple(c.astype(np.float32) for c in cotangents)
-    want_out, want_S = np_delta(*args)
-    with jax.enable_x64(True):
-        x64 = [None if a is None else jnp.asarray(a, jnp.float64) for a in args]
-        scan_out, scan_S = jnp_delta(*x64)
-    assert rel_err(scan_out, want_out) <= 1e-12  # the two oracles agree
-    assert rel_err(scan_S, want_S) <= 1e-12
+    want_out, want_S = np_oracle(*args)
     want_grads = oracle_grads(args, cotangents)
     # C = 16 is one substitution block; C = 64 > T merges four by halves, over padding.
     for form, chunk in (("recurrent", 64), ("chunkwise", 16), ("chunkwise", 64)):
@@ -149,7 +135,7 @@ def test_beta_near_two_over_long_sequences():
     T = 2048
     q, k, v, beta, _, state = make_inputs(9, T, "none", b=1)
     beta = np.random.default_rng(10).uniform(1.9, 2.0, beta.shape).astype(np.float32)
-    want_out, want_S = np_delta(q, k, v, beta, None, state[:1])
+    want_out, want_S = np_oracle(q, k, v, beta, None, state[:1])
 
     def loss(q, k, v, beta):
         out, S = delta_rule(q, k, v, beta, initial_state=state[:1], return_state=True)
@@ -166,7 +152,7 @@ def test_one_token_and_the_step():
     T = 5
     for gate in GATES:
         q, k, v, beta, g, state = make_inputs(2, T, gate)
-        want_out, want_S = np_delta(q, k, v, beta, g, state)
+        want_out, want_S = np_oracle(q, k, v, beta, g, state)
         step = jax.jit(delta_rule_step)
         S = jnp.asarray(state)
         for t in range(T):
@@ -176,7 +162,7 @@ def test_one_token_and_the_step():
         assert rel_err(S, want_S) <= RTOL, gate
         one = [x[:, :1] for x in (q, k, v, beta)]
         g_1 = None if g is None else g[:, :1]
-        first, first_S = np_delta(*one, g_1, state)
+        first, first_S = np_oracle(*one, g_1, state)
         for form in DELTA_FORMS:
             run = jax.jit(partial(delta_rule, form=form, return_state=True))
             out, S1 = run(*one, log_gates=g_1, initial_state=state)
@@ -210,7 +196,7 @@ def test_zero_gates_erase_without_nan():
         q, k, v, beta, g, state = make_inputs(4, 20, gate)
         g = g.copy()
         g[:, 7] = -np.inf
-        want_out, want_S = np_delta(q, k, v, beta, g, state)
+        want_out, want_S = np_oracle(q, k, v, beta, g, state)
         for form in DELTA_FORMS:
             run = partial(delta_rule, log_gates=g, form=form, chunk_size=8, return_state=True)
 
@@ -240,10 +226,8 @@ IDS = np.array(
 
 @pytest.mark.parametrize("gate", ["head", "channel"])
 def test_packed_equals_each_segment_alone(gate):
-    """Forward and gradients: a packed, padded batch is each segment run by itself.
-
-    The initial state is the first segment's past, the final state the last's.
-    """
+    """Forward and gradients: a packed, padded batch is each segment run by itself (by the
+    float64 reference). The initial state is the first segment's past."""
     T = IDS.shape[1]
     q, k, v, beta, g, state = make_inputs(5, T, gate)
     rng = np.random.default_rng(6)
@@ -268,28 +252,22 @@ def test_packed_equals_each_segment_alone(gate):
         (b, np.flatnonzero(IDS[b] == seg)) for b in range(B) for seg in dict.fromkeys(IDS[b]) if seg
     ]
 
-    def alone(q, k, v, beta, g, state):
-        outs, total = [], 0.0
-        for b, where in segments:
-            first = where[0] == np.flatnonzero(IDS[b])[0]  # the row's first segment
-            rows = [x[b : b + 1, where] for x in (q, k, v, beta, g)]
-            out = delta_rule(
-                *rows[:4],
-                log_gates=rows[4],
-                form="recurrent",
-                initial_state=state[b : b + 1] if first else None,
-            )
-            outs.append(out)
-            total = total + jnp.sum(out * do[b : b + 1, where])
-        return total, outs
+    def alone(q, k, v, beta, g, state):  # the reference on each segment alone
+        out, _ = reference.each_segment_jnp(
+            reference.delta_rule, IDS, q, k, v, beta, g, initial_state=state
+        )
+        return jnp.sum(out * do), out
 
     args = (q, k, v, beta, g, state)
-    want_grads, pieces = jax.jit(jax.grad(alone, argnums=range(6), has_aux=True))(*args)
+    with jax.enable_x64(True):
+        args64 = [jnp.asarray(x, jnp.float64) for x in args]
+        want_grads, want = jax.jit(jax.grad(alone, argnums=range(6), has_aux=True))(*args64)
+        want_grads, want = [np.asarray(x) for x in want_grads], np.asarray(want)
     for form in DELTA_FORMS:
         loss = partial(packed_loss, form=form)
         grads, out = jax.jit(jax.grad(loss, argnums=range(6), has_aux=True))(*args)
-        for (b, where), piece in zip(segments, pieces, strict=True):
-            assert rel_err(out[b, where], piece[0]) <= RTOL, form
+        for b, where in segments:
+            assert rel_err(out[b, where], want[b, where]) <= RTOL, form
         np.testing.assert_array_equal(np.asarray(out)[IDS == 0], 0.0)
         for i in range(6):
             assert rel_err(grads[i], want_grads[i]) <= GRAD_RTOL, f"{form}: d{ARG_NAMES[i]}"
@@ -299,7 +277,7 @@ def test_packed_equals_each_segment_alone(gate):
 
 def test_bf16_inputs_keep_a_float32_state():
     q, k, v, beta, g, state = make_inputs(7, T_LONG, "head")
-    want_out, want_S = np_delta(
+    want_out, want_S = np_oracle(
         *(x.astype(jnp.bfloat16).astype(np.float64) for x in (q, k, v, beta)), g, state
     )
     lo = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, beta)]

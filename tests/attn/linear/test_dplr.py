@@ -1,15 +1,16 @@
 """The DPLR delta rule: both forms against a float64 recurrence, forward and gradients.
 
-Oracles, written from the equations of ``attn.linear.dplr``'s docstring (per
-value head: ``S <- diag(w) S + b (a^T S) + k v^T``, read ``S^T (scale q)``;
-a segment alone starts from a zero state, padding is skipped): a float64
-NumPy loop over tokens and heads for outputs and states, and the same
-recurrence as a float64 ``lax.scan`` whose ``jax.grad`` is the gradient oracle;
-the two agree to float64 rounding (checked). The inputs are RWKV-7's
-(``a = -kappa``, ``b = kappa * a_in``, ``log_w`` in (-0.6, 0) with a few ``-inf``
-and a stretch of strong decays) with grouped value heads (G = 2): ``a`` per
-query/key head, ``b`` per value head. Lengths are multiples of no chunk size
-tried. Compiles dominate, so each test builds few programs.
+The oracle is the library's reference (``attn.linear.reference.dplr_delta_rule``,
+written from the equations of ``attn.linear.dplr``'s docstring: per value head
+``S <- diag(w) S + b (a^T S) + k v^T``, read ``S^T (scale q)``, as a ``lax.scan``
+over tokens) run in float64 for outputs and states, on each packed segment alone
+(``reference.each_segment_jnp``: the row's first segment continues from the
+initial state, the others start from zeros, padding is skipped); its ``jax.grad``
+is the gradient oracle. The inputs are RWKV-7's (``a = -kappa``, ``b = kappa *
+a_in``, ``log_w`` in (-0.6, 0) with a few ``-inf`` and a stretch of strong
+decays) with grouped value heads (G = 2): ``a`` per query/key head, ``b`` per
+value head. Lengths are multiples of no chunk size tried. Compiles dominate, so
+each test builds few programs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attn.linear import DPLR_FORMS, delta_rule, dplr, dplr_delta_rule, dplr_delta_rule_step
+from attn.linear import (
+    DPLR_FORMS,
+    delta_rule,
+    dplr,
+    dplr_delta_rule,
+    dplr_delta_rule_step,
+    reference,
+)
 from attn.linear.delta import init_delta_state
 from tests.util import rel_err
 
@@ -66,82 +74,29 @@ def make_inputs(seed, T, *, b=B):
 # float64 oracles
 
 
-def _segment_flags(ids, shape):
-    """``(real, start)`` ``[B,T]`` bool from segment ids (None: all real, no starts): a
-    token is real when its id is not 0; a segment starts at a real token whose id
-    differs from the last real token's before it (the row's first segment continues)."""
+def ref_dplr(q, k, v, a, b, log_w, state, ids=None):
+    """The library's reference from ``state``, each segment alone where ``ids`` are given."""
+    fn = partial(reference.dplr_delta_rule, scale=H**-0.5)
     if ids is None:
-        return np.ones(shape, bool), np.zeros(shape, bool)
-    real, start = ids != 0, np.zeros(shape, bool)
-    for row in range(shape[0]):
-        last = 0
-        for t in range(shape[1]):
-            if real[row, t]:
-                start[row, t] = last != 0 and ids[row, t] != last
-                last = ids[row, t]
-    return real, start
+        return fn(q, k, v, a, b, log_w, initial_state=state)
+    return reference.each_segment_jnp(fn, ids, q, k, v, a, b, log_w, initial_state=state)
 
 
-def np_dplr(q, k, v, a, b, log_w, state, ids=None, scale=H**-0.5):
-    """The recurrence as a float64 NumPy loop over tokens and value heads.
-
-    a and b have K or N heads; value head n reads q, k (and K-head a, b) of head n // G.
-    """
-    q, k, v, a, b, log_w = (np.asarray(x, np.float64) for x in (q, k, v, a, b, log_w))
-    S = np.array(state, np.float64)
-    Bx, T = q.shape[:2]
-    real, start = _segment_flags(ids, (Bx, T))
-    out = np.zeros((Bx, T, N, E))
-    for row in range(Bx):
-        for t in range(T):
-            if not real[row, t]:
-                continue  # padding: no write, no decay, output 0
-            if start[row, t]:
-                S[row] = 0.0  # a segment alone starts from nothing
-            for n in range(N):
-                a_t = a[row, t, n // G if a.shape[2] == K else n]
-                b_t = b[row, t, n // G if b.shape[2] == K else n]
-                k_t, q_t = k[row, t, n // G], q[row, t, n // G] * scale
-                read = a_t @ S[row, n]  # [E]
-                S[row, n] = np.exp(log_w[row, t, n])[:, None] * S[row, n] + np.outer(b_t, read)
-                S[row, n] += np.outer(k_t, v[row, t, n])
-                out[row, t, n] = q_t @ S[row, n]
-    return out, S
-
-
-def jnp_dplr(q, k, v, a, b, log_w, state, real, start, scale=H**-0.5):
-    """The same recurrence as a ``lax.scan`` (run in float64 for the gradient oracle);
-    ``real``, ``start`` ``[B,T]`` from ``_segment_flags``."""
-
-    def per_value_head(x):
-        return jnp.repeat(x, G, axis=2) if x.shape[2] == K else x
-
-    qn, kn, an, bn = (per_value_head(x) for x in (q, k, a, b))
-
-    def step(S, x):
-        q_t, k_t, v_t, a_t, b_t, g_t, real_t, start_t = x
-        S = jnp.where(start_t[:, None, None, None], 0.0, S)
-        read = jnp.einsum("bnh,bnhe->bne", a_t, S)
-        new = jnp.exp(g_t)[..., None] * S + jnp.einsum("bnh,bne->bnhe", b_t, read)
-        new = new + jnp.einsum("bnh,bne->bnhe", k_t, v_t)
-        S = jnp.where(real_t[:, None, None, None], new, S)
-        out = jnp.einsum("bnh,bnhe->bne", q_t * scale, S)
-        return S, jnp.where(real_t[:, None, None], out, 0.0)
-
-    xs = [jnp.moveaxis(x, 1, 0) for x in (qn, kn, v, an, bn, log_w, real, start)]
-    S, out = jax.lax.scan(step, state, xs)
-    return jnp.moveaxis(out, 0, 1), S
+def np_oracle(*args):
+    """``ref_dplr``'s float64 outputs and final state as NumPy."""
+    with jax.enable_x64(True):
+        x64 = [jnp.asarray(x, jnp.float64) for x in args]
+        return tuple(np.asarray(x) for x in jax.jit(ref_dplr)(*x64))
 
 
 def oracle_grads(args, cotangents, ids=None):
     """Float64 ``(out, state)`` and gradients of ``<out, do> + <state, dS>`` w.r.t. every arg."""
-    real, start = _segment_flags(ids, args[0].shape[:2])
     with jax.enable_x64(True):
         x64 = [jnp.asarray(np.asarray(x), jnp.float64) for x in args]
         do, dS = (jnp.asarray(c, jnp.float64) for c in cotangents)
 
         def loss(*xs):
-            out, S = jnp_dplr(*xs, real, start)
+            out, S = ref_dplr(*xs, ids)
             return jnp.sum(out * do) + jnp.sum(S * dS), (out, S)
 
         grads, primals = jax.jit(jax.grad(loss, argnums=range(7), has_aux=True))(*x64)
@@ -173,10 +128,7 @@ def test_forms_match_float64_forward_and_gradients():
     second padded), each two sub-chunks of 16."""
     args = make_inputs(0, T_LONG)
     cotangents = cotangents_for(1, T_LONG)
-    want_out, want_S = np_dplr(*args)
-    (scan_out, scan_S), want_grads = oracle_grads(args, cotangents)
-    assert rel_err(scan_out, want_out) <= 1e-12  # the two oracles agree
-    assert rel_err(scan_S, want_S) <= 1e-12
+    (want_out, want_S), want_grads = oracle_grads(args, cotangents)
     for form, chunk in (("recurrent", 64), ("chunkwise", 32)):
         grads, (out, S) = ours_with_grads(args, cotangents, form=form, chunk_size=chunk)
         what = f"{form} C={chunk}"
@@ -211,9 +163,7 @@ def test_packed_segments_with_nan_padding():
         x[pad] = 0.0  # what the oracle sees: padding never read
     dirty = [np.where(pad.reshape(pad.shape + (1,) * (x.ndim - 2)), np.nan, x) for x in args[:6]]
     dirty.append(args[6])
-    want_out, want_S = np_dplr(*clean, ids=IDS)
-    (scan_out, _), want_grads = oracle_grads(clean, cotangents, IDS)
-    assert rel_err(scan_out, want_out) <= 1e-12
+    (want_out, want_S), want_grads = oracle_grads(clean, cotangents, IDS)
     for form, chunk in (("recurrent", 64), ("chunkwise", 20)):
         grads, (out, S) = ours_with_grads(
             dirty, cotangents, form=form, chunk_size=chunk, q_segment_ids=IDS, kv_segment_ids=IDS
@@ -231,7 +181,7 @@ def test_one_token_and_the_step():
     """``dplr_delta_rule_step`` iterated over T tokens is the forward pass; T = 1 in both forms."""
     T = 5
     q, k, v, a, b, log_w, state = make_inputs(4, T)
-    want_out, want_S = np_dplr(q, k, v, a, b, log_w, state)
+    want_out, want_S = np_oracle(q, k, v, a, b, log_w, state)
     step = jax.jit(dplr_delta_rule_step)
     S = jnp.asarray(state)
     for t in range(T):
@@ -240,7 +190,7 @@ def test_one_token_and_the_step():
         assert rel_err(out_t, want_out[:, t]) <= RTOL, t
     assert rel_err(S, want_S) <= RTOL
     one = [x[:, :1] for x in (q, k, v, a, b, log_w)]
-    first, first_S = np_dplr(*one, state)
+    first, first_S = np_oracle(*one, state)
     for form in DPLR_FORMS:
         run = jax.jit(partial(dplr_delta_rule, form=form, return_state=True))
         out, S1 = run(*one, initial_state=state)
@@ -274,7 +224,7 @@ def test_bf16_inputs_keep_a_float32_state():
     """bfloat16 inputs (the cast is the public function's, before either form)."""
     q, k, v, a, b, log_w, state = make_inputs(6, T_LONG)
     lo = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, a, b)]
-    want_out, want_S = np_dplr(*(np.asarray(x.astype(jnp.float32)) for x in lo), log_w, state)
+    want_out, want_S = np_oracle(*(np.asarray(x.astype(jnp.float32)) for x in lo), log_w, state)
     out, S = jax.jit(partial(dplr_delta_rule, form="recurrent", return_state=True))(
         *lo, log_w, initial_state=state
     )
@@ -347,7 +297,7 @@ def test_long_sequences_and_chunk_sizes():
     T = 2048
     q, k, v, a, b, log_w, state = make_inputs(9, T, b=1)
     log_w[:, ::100] -= 100.0
-    want_out, want_S = np_dplr(q, k, v, a, b, log_w, state)
+    want_out, want_S = np_oracle(q, k, v, a, b, log_w, state)
     for form, chunk in (("recurrent", 64), *(("chunkwise", c) for c in (1, 7, 16, 33, 64, 128))):
         run = jax.jit(partial(dplr_delta_rule, form=form, chunk_size=chunk, return_state=True))
         out, S = run(q, k, v, a, b, log_w, initial_state=state)

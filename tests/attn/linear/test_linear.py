@@ -1,8 +1,9 @@
 """Linear attention: the three forms compute one function (forward and gradients).
 
-Oracles: the forms against each other, a float64 NumPy loop over tokens, and a
-dense NumPy computation for the non-causal case. Shapes are shared across tests
-to keep compilation (most of this file's run time) down.
+Oracles: the forms against each other, the library's float64 reference
+(``attn.linear.reference``: its feature maps and ``gated_linear``, a scan over
+tokens), and a dense NumPy computation for the non-causal case. Shapes are
+shared across tests to keep compilation (most of this file's run time) down.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from attn.linear import (
     linear_attention,
     linear_attention_step,
     linear_feature_dim,
+    reference,
 )
 from tests.util import rel_err
 
@@ -45,59 +47,36 @@ def softplus_pair(x):
 
 
 # ----------------------------------------------------------------------------
-# float64 NumPy reference
+# float64 oracles
 
 
-def np_features(name, x):
-    if name == "identity":
-        return x
-    if name == "elu1":
-        return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
-    if name == "relu":
-        return np.maximum(x, 0.0)
-    if name == "taylor":
-        outer = (x[..., :, None] * x[..., None, :]).reshape(*x.shape[:-1], -1)
-        return np.concatenate([np.ones((*x.shape[:-1], 1)), x, outer / math.sqrt(2.0)], -1)
-    if name == "favor":
-        w = PROJECTION.astype(np.float64)
-        logits = x @ w - 0.5 * np.sum(x * x, -1, keepdims=True)
-        return np.exp(logits) / math.sqrt(w.shape[1])
-    if name == "softplus_pair":
-        return np.concatenate([np.logaddexp(0.0, x), np.logaddexp(0.0, -x)], -1)
-    raise AssertionError(name)
+def features64(name, x):
+    """Float64 features of x as NumPy: the reference's maps, or this file's own callable."""
+    with jax.enable_x64(True):
+        x = jnp.asarray(x, jnp.float64)
+        if name == "softplus_pair":
+            return np.asarray(softplus_pair(x))
+        return np.asarray(reference.feature_map(name, x, projection=PROJECTION))
 
 
 def np_default_scale(name):
     return H**-0.5 if name in ("taylor", "favor") else 1.0
 
 
-def np_reference(q, k, v, *, feature_map, normalize=True, log_a=None, state=None, eps=1e-6):
-    """Causal linear attention as a float64 loop over tokens; log_a ``[B,T,N]``."""
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    Bq, T, Nq, _ = q.shape
-    G = Nq // k.shape[2]
+def oracle(q, k, v, *, feature_map, normalize=True, log_a=None, state=None):
+    """Causal linear attention in float64 (``reference.gated_linear`` on the float64
+    features), from ``state = (kv, z)``: out and the final (kv, z) as NumPy; log_a
+    ``[B,T,N]`` or None."""
+    G = q.shape[2] // k.shape[2]
     root = math.sqrt(np_default_scale(feature_map))
-    qf = np_features(feature_map, q * root)  # [B,T,N,F]
-    kf = np.repeat(np_features(feature_map, k * root), G, axis=2)
-    vv = np.repeat(v, G, axis=2)
-    F = qf.shape[-1]
-    if state is None:
-        kv = np.zeros((Bq, Nq, F, vv.shape[-1]))
-        z = np.zeros((Bq, Nq, F))
-    else:
-        kv, z = (np.asarray(x, np.float64) for x in state)
-    out = np.zeros((Bq, T, Nq, vv.shape[-1]))
-    for t in range(T):
-        if log_a is not None:
-            a = np.exp(np.asarray(log_a, np.float64)[:, t])  # [B,N]
-            kv = kv * a[..., None, None]
-            z = z * a[..., None]
-        kv = kv + kf[:, t, :, :, None] * vv[:, t, :, None, :]
-        z = z + kf[:, t]
-        num = np.einsum("bnf,bnfe->bne", qf[:, t], kv)
-        den = np.einsum("bnf,bnf->bn", qf[:, t], z)
-        out[:, t] = num / (den[..., None] + eps) if normalize else num
-    return out, (kv, z)
+    qf = features64(feature_map, np.asarray(q, np.float64) * root)  # [B,T,N,F]
+    kf = np.repeat(features64(feature_map, np.asarray(k, np.float64) * root), G, axis=2)
+    vv = np.repeat(np.asarray(v, np.float64), G, axis=2)
+    with jax.enable_x64(True):
+        s64 = None if state is None else tuple(jnp.asarray(x, jnp.float64) for x in state)
+        run = jax.jit(partial(reference.gated_linear, normalize=normalize))
+        out, kv, z = run(qf, kf, vv, log_a, initial_state=s64)
+        return np.asarray(out), (np.asarray(kv), np.asarray(z))
 
 
 # ----------------------------------------------------------------------------
@@ -235,7 +214,7 @@ def test_forms_agree_forward_and_gradients(case):
     for form in LINEAR_FORMS:
         chex.assert_tree_all_finite(results[form][1])
 
-    want_out, (want_kv, want_z) = np_reference(
+    want_out, (want_kv, want_z) = oracle(
         q,
         k,
         v,
@@ -320,7 +299,7 @@ def test_bf16_inputs_float32_state(form):
     out, final = forward(case, form, 16, q, k, v, gamma, log_gates, state)
     assert out.dtype == jnp.bfloat16
     assert final.kv.dtype == jnp.float32 and final.z.dtype == jnp.float32
-    want, (want_kv, _) = np_reference(
+    want, (want_kv, _) = oracle(
         q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
         feature_map="elu1", log_a=np.asarray(log_gates, np.float64), state=state,
     )  # fmt: skip
@@ -338,17 +317,14 @@ def test_bf16_long_sequence(form):
     assert out.dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     assert bool(jnp.all(state.z > 0))
-    # Cumulative sums make the float64 reference vectorized at this length.
-    qf, kf = (np_features("elu1", np.asarray(x, np.float64)[0, :, 0]) for x in (q, k))
-    v64 = np.asarray(v, np.float64)[0, :, 0]
-    kv = np.cumsum(kf[:, :, None] * v64[:, None, :], axis=0)  # [T,F,E]
-    den = np.einsum("tf,tf->t", qf, np.cumsum(kf, axis=0))
+    want, (_, want_z) = oracle(q, k, v, feature_map="elu1")
+    qf, kf = (features64("elu1", x[0, :, 0]) for x in (q, k))
+    den = np.einsum("tf,tf->t", qf, np.cumsum(kf, axis=0))  # the normalizer
     assert np.all(den > 0)
-    want = np.einsum("tf,tfe->te", qf, kv) / (den[:, None] + 1e-6)
-    assert rel_err(np.asarray(out[0, :, 0], np.float64), want) <= BF16_RTOL
+    assert rel_err(np.asarray(out[0, :, 0], np.float64), want[0, :, 0]) <= BF16_RTOL
     # z is a float32 running sum of T positive terms: its rounding error is bounded
     # by T unit roundoffs (the recurrent form adds one term at a time).
-    assert rel_err(state.z[0, 0], np.sum(kf, axis=0)) <= T * np.finfo(np.float32).eps / 2
+    assert rel_err(state.z[0, 0], want_z[0, 0]) <= T * np.finfo(np.float32).eps / 2
 
 
 def test_noncausal_equals_dense():
@@ -357,8 +333,8 @@ def test_noncausal_equals_dense():
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
     k = rng.standard_normal((B, S, K, H)).astype(np.float32)
     v = rng.standard_normal((B, S, K, E)).astype(np.float32)
-    qf = np_features("elu1", np.asarray(q, np.float64))  # [B,T,N,F]
-    kf = np.repeat(np_features("elu1", np.asarray(k, np.float64)), N // K, axis=2)
+    qf = features64("elu1", q)  # [B,T,N,F]
+    kf = np.repeat(features64("elu1", k), N // K, axis=2)
     scores = np.einsum("btnf,bsnf->bnts", qf, kf)
     dense = np.einsum("bnts,bsne->btne", scores, np.repeat(np.asarray(v), N // K, axis=2))
     dense = dense / (np.moveaxis(scores.sum(-1), 1, 2)[..., None] + 1e-6)
@@ -412,7 +388,7 @@ def test_feature_maps_exported():
     x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, H)
     names = ("identity", "elu1", "relu", "taylor")
     features = jax.jit(lambda x: [FEATURE_MAPS[name](x) for name in names])(x)
-    want = [np_features(name, x.astype(np.float64)) for name in names]
+    want = [features64(name, x) for name in names]
     chex.assert_trees_all_close(features, want, rtol=1e-6)
     # Taylor features give the second-order expansion of exp(q.k).
     qk = float(x[0] @ x[1])

@@ -1,9 +1,9 @@
 """Mamba-2's SSD: its three forms against a float64 recurrence from the paper's equations.
 
-The oracle is Mamba-2's recurrence per head (``h <- a h + B (dt x)^T``,
-``y = h^T C + D x``, ``a = exp(dt A)`` or, with negative eigenvalues,
-``2 exp(dt A) - 1``), written twice in float64: a NumPy loop for outputs and
-states and a ``lax.scan`` whose ``jax.grad`` gives the gradients of dt, A_log,
+The oracle is the library's reference (``attn.linear.reference.ssd``: Mamba-2's
+recurrence per head, ``h <- a h + B (dt x)^T``, ``y = h^T C + D x``, ``a = exp(dt
+A)`` or, with negative eigenvalues, ``2 exp(dt A) - 1``, as a ``lax.scan``) run in
+float64 for outputs and states; its ``jax.grad`` gives the gradients of dt, A_log,
 B, C, x, D and the initial state. B and C are shared by groups of heads and T
 is a multiple of no chunk size used.
 """
@@ -21,6 +21,7 @@ from attn.linear import (
     SSD_FORMS,
     init_ssd_state,
     linear_attention,
+    reference,
     ssd,
     ssd_decay,
     ssd_step,
@@ -48,40 +49,18 @@ def make_inputs(seed, T, *, b=Bt):
     return x, dt, A_log, Bm, Cm, D, h0
 
 
-def np_ssd(x, dt, A_log, Bm, Cm, D, h0, negative=False):
-    """The recurrence as a float64 NumPy loop over tokens and heads."""
-    x, dt, Bm, Cm, D = (np.asarray(a, np.float64) for a in (x, dt, Bm, Cm, D))
-    A = -np.exp(np.asarray(A_log, np.float64))
-    h = np.array(h0, np.float64)
-    b, T = x.shape[:2]
-    y = np.zeros((b, T, N, E))
-    for t in range(T):
-        for n in range(N):
-            a = np.exp(dt[:, t, n] * A[n])
-            if negative:
-                a = 2.0 * a - 1.0
-            write = Bm[:, t, n // G, :, None] * (dt[:, t, n, None] * x[:, t, n])[:, None, :]
-            h[:, n] = a[:, None, None] * h[:, n] + write
-            y[:, t, n] = np.einsum("bh,bhe->be", Cm[:, t, n // G], h[:, n]) + D[n] * x[:, t, n]
-    return y, h
+def ref_ssd(x, dt, A_log, Bm, Cm, D, h0, negative=False):
+    """The library's reference, A from A_log as the layer makes it (float64 under x64)."""
+    return reference.ssd(
+        x, dt, -jnp.exp(A_log), Bm, Cm, D, initial_state=h0, negative_eigenvalues=negative
+    )
 
 
-def jnp_ssd(x, dt, A_log, Bm, Cm, D, h0, negative=False):
-    """The same recurrence as a ``lax.scan`` (run in float64 for the gradient oracle)."""
-    A = -jnp.exp(A_log)
-    Bn, Cn = (jnp.repeat(m, G, axis=2) for m in (Bm, Cm))  # head n reads group n // G
-
-    def step(h, xs):
-        x_t, dt_t, B_t, C_t = xs
-        a = jnp.exp(dt_t * A)
-        if negative:
-            a = 2.0 * a - 1.0
-        h = a[..., None, None] * h + B_t[..., :, None] * (dt_t[..., None] * x_t)[..., None, :]
-        return h, jnp.einsum("bnh,bnhe->bne", C_t, h) + D[:, None] * x_t
-
-    xs = [jnp.moveaxis(a, 1, 0) for a in (x, dt, Bn, Cn)]
-    h, y = jax.lax.scan(step, h0, xs)
-    return jnp.moveaxis(y, 0, 1), h
+def np_oracle(*args, negative=False):
+    """``ref_ssd``'s float64 outputs and final state as NumPy."""
+    with jax.enable_x64(True):
+        x64 = [jnp.asarray(np.asarray(a, np.float64)) for a in args]
+        return tuple(np.asarray(a) for a in ref_ssd(*x64, negative=negative))
 
 
 ARG_NAMES = ("x", "dt", "A_log", "B", "C", "D", "initial_state")
@@ -102,7 +81,7 @@ def oracle(args, cotangents, negative):
     with jax.enable_x64(True):
         x64 = [jnp.asarray(a, jnp.float64) for a in args]
         c64 = [jnp.asarray(c, jnp.float64) for c in cotangents]
-        run = partial(jnp_ssd, negative=negative)
+        run = partial(ref_ssd, negative=negative)
         grads, (y, h) = jax.jit(jax.grad(_loss(run, c64), argnums=range(7), has_aux=True))(*x64)
         return np.asarray(y), np.asarray(h), [np.asarray(g) for g in grads]
 
@@ -123,9 +102,7 @@ def test_forms_match_float64_forward_and_gradients(negative):
     cotangents = tuple(
         rng.standard_normal(s).astype(np.float32) for s in ((Bt, T_LONG, N, E), (Bt, N, H, E))
     )
-    want_y, want_h = np_ssd(*args, negative=negative)
-    y64, h64, want_grads = oracle(args, cotangents, negative)
-    assert rel_err(y64, want_y) <= 1e-12 and rel_err(h64, want_h) <= 1e-12  # oracles agree
+    want_y, want_h, want_grads = oracle(args, cotangents, negative)
     if negative:  # the inputs reach both signs of the decay
         a = 2 * np.exp(args[1] * -np.exp(args[2])) - 1
         assert (a < 0).mean() > 0.2 and (a > 0).mean() > 0.2
@@ -197,14 +174,16 @@ def test_step_and_single_tokens():
     x, dt, A_log, Bm, Cm, D, h0 = make_inputs(3, T)
     A = -np.exp(A_log)
     for negative in (False, True):
-        want_y, want_h = np_ssd(x, dt, A_log, Bm, Cm, D, h0, negative=negative)
+        want_y, want_h = np_oracle(x, dt, A_log, Bm, Cm, D, h0, negative=negative)
         step = jax.jit(partial(ssd_step, negative_eigenvalues=negative))
         h = jnp.asarray(h0)
         for t in range(T):
             y_t, h = step(h, x[:, t], dt[:, t], A, Bm[:, t], Cm[:, t], D=D)
             assert rel_err(y_t, want_y[:, t]) <= RTOL, (negative, t)
         assert rel_err(h, want_h) <= RTOL
-        first = np_ssd(x[:, :1], dt[:, :1], A_log, Bm[:, :1], Cm[:, :1], D, h0, negative)
+        first = np_oracle(
+            x[:, :1], dt[:, :1], A_log, Bm[:, :1], Cm[:, :1], D, h0, negative=negative
+        )
         for form in SSD_FORMS:
             y, h1 = ssd(
                 x[:, :1],
@@ -237,6 +216,14 @@ def test_packed_equals_each_segment_alone():
     x, dt, A_log, Bm, Cm, D, _ = make_inputs(4, T)
     A = -np.exp(A_log)
     x = np.where((IDS == 0)[..., None, None], np.nan, x)
+    with jax.enable_x64(True):
+        A64, D64 = -jnp.exp(jnp.asarray(A_log, jnp.float64)), jnp.asarray(D, jnp.float64)
+
+        def alone(x, dt, Bm, Cm):
+            return reference.ssd(x, dt, A64, Bm, Cm, D64, negative_eigenvalues=True)
+
+        args64 = [np.asarray(a, np.float64) for a in (x, dt, Bm, Cm)]
+        want, _ = reference.each_segment(alone, IDS, *args64)
     for form in SSD_FORMS:
         run = jax.jit(partial(ssd, form=form, chunk_size=8, negative_eigenvalues=True))
         out = run(x, dt, A, Bm, Cm, D=D, segment_ids=IDS)
@@ -244,11 +231,7 @@ def test_packed_equals_each_segment_alone():
         for b in range(Bt):
             for seg in set(IDS[b]) - {0}:
                 at = np.flatnonzero(IDS[b] == seg)
-                want, _ = np_ssd(
-                    x[b : b + 1, at], dt[b : b + 1, at], A_log, Bm[b : b + 1, at],
-                    Cm[b : b + 1, at], D, np.zeros((1, N, H, E)), negative=True,
-                )  # fmt: skip
-                assert rel_err(out[b : b + 1, at], want) <= RTOL, (form, b, seg)
+                assert rel_err(out[b : b + 1, at], want[b : b + 1, at]) <= RTOL, (form, b, seg)
 
 
 def test_zero_state_and_bad_input():

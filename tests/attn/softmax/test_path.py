@@ -1,14 +1,13 @@
 """PaTH attention: both forms against float64 products of the H matrices, forward and gradients.
 
-Oracles, written from the definition in ``attn.softmax.path``'s docstring
-(logit ``scale * q_i^T H_i ... H_{j+1} k_j + sum_{l=j+1..i} log f_l``, ``H_s = I -
-beta_s w_s w_s^T``, a masked softmax): a float64 NumPy loop that builds each
-product of ``[H,H]`` matrices explicitly, for outputs and log-sum-exps, and the
-same products as a float64 ``lax.scan`` whose ``jax.grad`` is the gradient
-oracle; the two agree to float64 rounding (checked). A segment is a run of
-equal non-zero ids (``seen`` below spells the rule out). Compiles dominate the
-time, so the fast cases build few programs: one case carries GQA, FoX, packing
-with NaN in the padding and a length that is a multiple of no block.
+The oracle is the library's reference (``attn.softmax.reference.path_attention``,
+written from the definition in ``attn.softmax.path``'s docstring: logit ``scale *
+q_i^T H_i ... H_{j+1} k_j + sum_{l=j+1..i} log f_l``, ``H_s = I - beta_s w_s
+w_s^T``, a masked softmax) run in float64 for outputs and log-sum-exps; its
+``jax.grad`` is the gradient oracle. A segment is a run of equal non-zero ids
+(``seen`` below spells the rule out). Compiles dominate the time, so the fast
+cases build few programs: one case carries GQA, FoX, packing with NaN in the
+padding and a length that is a multiple of no block.
 """
 
 from __future__ import annotations
@@ -22,11 +21,13 @@ import pytest
 
 import attn
 from attn import masks, scores
+from attn.linear.reference import segment_runs
 from attn.softmax import (
     path_attention,
     path_transform_keys,
     path_transform_queries,
     path_update_keys,
+    reference,
 )
 from tests.util import rel_err
 
@@ -95,71 +96,21 @@ def seen(T, ids=None, allowed=lambda i, j: j <= i):
     return out
 
 
-def np_path(q, k, v, w, beta, g, vis, scale=H**-0.5):
-    """Outputs ``[B,T,N,E]`` and lse ``[B,T,N]``: explicit products of the H matrices."""
-    q, k, v, w, beta = (np.asarray(x, np.float64) for x in (q, k, v, w, beta))
-    b, T, n_heads = q.shape[:3]
-    k_heads = k.shape[2]
-    grp = n_heads // k_heads
-    vis = np.broadcast_to(vis, (b, T, T))
-    real = vis.any(1) | vis.any(2)  # padding: no key seen, seen by no query
-    out, lse = np.zeros((b, T, n_heads, v.shape[-1])), np.full((b, T, n_heads), -np.inf)
-    eye = np.eye(q.shape[-1])
-    for r in range(b):
-        for n in range(n_heads):
-            kh = n // grp
-            hs = [eye - beta[r, t, kh] * np.outer(w[r, t, kh], w[r, t, kh]) if real[r, t] else eye
-                  for t in range(T)]  # fmt: skip
-            gate = 0.0 if g is None else np.where(real[r], np.asarray(g, np.float64)[r, :, n], 0)
-            for i in range(T):
-                s = np.full(T, -np.inf)
-                prod = eye  # H_i ... H_{j+1}
-                for j in range(i, -1, -1):
-                    if vis[r, i, j]:
-                        fox = 0.0 if g is None else np.sum(gate[j + 1 : i + 1])
-                        s[j] = scale * q[r, i, n] @ prod @ k[r, j, kh] + fox
-                    prod = prod @ hs[j]
-                if np.isfinite(s).any():
-                    m = s.max()
-                    p = np.exp(s - m)
-                    out[r, i, n] = p @ v[r, :, kh] / p.sum()
-                    lse[r, i, n] = m + np.log(p.sum())
-    return out, lse
+def ref_path(q, k, v, w, beta, g, vis, scale=H**-0.5):
+    """The reference over the keys ``vis [B|1,T,T]`` shows, outputs and lse. A padding token
+    (no key seen, seen by no query) is the identity with no gate: beta and g 0 there."""
+    vis = np.broadcast_to(vis, (q.shape[0], *vis.shape[1:]))
+    real = (vis.any(1) | vis.any(2))[..., None]
+    g = None if g is None else jnp.where(real, g, 0.0)
+    return reference.path_attention(q, k, v, w, jnp.where(real, beta, 0.0), g, scale=scale,
+                                    ok=vis[:, None], return_lse=True)  # fmt: skip
 
 
-def jnp_path(q, k, v, w, beta, g, vis, scale=H**-0.5):
-    """The same products as a ``lax.scan`` over queries (float64 under ``enable_x64``)."""
-    b, T, n_heads, h = q.shape
-    k_heads = k.shape[2]
-    vis = jnp.broadcast_to(jnp.asarray(vis), (b, T, T))
-    real = vis.any(1) | vis.any(2)
-    hs = jnp.eye(h) - (beta * real[..., None])[..., None, None] * jnp.einsum(
-        "btkh,btkg->btkhg", w, w
-    )
-    qg = q.reshape(b, T, k_heads, n_heads // k_heads, h)
-    order = jnp.arange(T)
-
-    def row(prods, x):  # prods [B,K,T,H,H]: H_{i-1} ... H_{j+1} for j < i - 1
-        i, h_i, q_i = x
-        prods = jnp.where((order < i)[:, None, None], jnp.einsum("bkhg,bkjgf->bkjhf", h_i, prods),
-                          jnp.eye(h))  # fmt: skip
-        return prods, jnp.einsum("bkgh,bkjhf,bjkf->bkgj", q_i, prods, k)
-
-    init = jnp.broadcast_to(jnp.eye(h), (b, k_heads, T, h, h))
-    s = jax.lax.scan(row, init, (order, jnp.moveaxis(hs, 1, 0), jnp.moveaxis(qg, 1, 0)))[1]
-    s = jnp.moveaxis(s, 0, 3).reshape(b, n_heads, T, T) * scale  # [B,N,T(i),S(j)]
-    if g is not None:
-        c = jnp.cumsum(jnp.where(real[..., None], g, 0.0), axis=1)  # [B,T,N]
-        s = s + jnp.moveaxis(c, 1, 2)[..., :, None] - jnp.moveaxis(c, 1, 2)[..., None, :]
-    ok = vis[:, None]
-    # The softmax does not depend on m: held constant, no -inf enters the differentiated path.
-    m = jax.lax.stop_gradient(jnp.where(ok.any(-1), jnp.where(ok, s, -jnp.inf).max(-1), 0.0))
-    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, m[..., None]) - m[..., None]), 0.0)
-    den = p.sum(-1)
-    vn = jnp.repeat(v, n_heads // k_heads, axis=2)
-    out = jnp.einsum("bnts,bsne->btne", p / jnp.where(den > 0, den, 1.0)[..., None], vn)
-    lse = jnp.where(den > 0, m + jnp.log(jnp.where(den > 0, den, 1.0)), -jnp.inf)
-    return out, jnp.moveaxis(lse, 1, 2)
+def np_oracle(q, k, v, w, beta, g, vis):
+    """``ref_path``'s float64 outputs ``[B,T,N,E]`` and lse ``[B,T,N]`` as NumPy."""
+    with jax.enable_x64(True):
+        x64 = [None if x is None else jnp.asarray(x, jnp.float64) for x in (q, k, v, w, beta, g)]
+        return tuple(np.asarray(x) for x in jax.jit(functools.partial(ref_path, vis=vis))(*x64))
 
 
 def loss_of(out, lse, do, dl):
@@ -174,7 +125,7 @@ def oracle_grads(args, vis, cotangents, scale=H**-0.5):
         argnums = tuple(i for i, a in enumerate(xs) if a is not None)
 
         def loss(*xs):
-            out, lse = jnp_path(*xs, vis, scale)
+            out, lse = ref_path(*xs, vis, scale)
             return loss_of(out, lse, do, dl), (out, lse)
 
         grads, (out, lse) = jax.jit(jax.grad(loss, argnums, has_aux=True))(*xs)
@@ -213,13 +164,7 @@ def cotangents_for(args):
 def check_against_oracle(args, vis, forms, *, ids=None, **kw):
     """Both forms' outputs, lse and gradients against the float64 oracles; returns errors."""
     cotangents = cotangents_for(args)
-    clean = [None if a is None else np.nan_to_num(a) for a in args]
-    want_out, want_lse = np_path(*clean, vis)
-    (out64, lse64), want_grads = oracle_grads(args, vis, cotangents)
-    assert (
-        rel_err(out64, want_out) < 1e-12
-        and rel_err(lse64[np.isfinite(lse64)], want_lse[np.isfinite(want_lse)]) < 1e-12
-    )
+    (want_out, want_lse), want_grads = oracle_grads(args, vis, cotangents)
     errors = {}
     for form in forms:
         (out, lse), grads = ours_with_grads(args, cotangents, form=form, ids=ids, **kw)
@@ -254,15 +199,11 @@ def test_packed_equals_each_segment_alone():
     """The oracle's packing rule: each segment of the packed rows computes what it computes
     alone (so the forms, equal to the oracle, do too)."""
     args = make_inputs(1, T_ODD)
-    vis = seen(T_ODD, IDS)
-    out, _ = np_path(*args, vis)
+    out, _ = np_oracle(*args, seen(T_ODD, IDS))
     for r in range(B):
-        starts = [t for t in range(T_ODD) if IDS[r, t] and IDS[r, t] != next(
-            (IDS[r, u] for u in range(t - 1, -1, -1) if IDS[r, u]), 0)]  # fmt: skip
-        for a, b in zip(starts, [*starts[1:], T_ODD], strict=True):
-            tokens = [t for t in range(a, b) if IDS[r, t] == IDS[r, a]]
+        for tokens in segment_runs(IDS[r]):
             alone = [None if x is None else x[r : r + 1, tokens] for x in args]
-            want, _ = np_path(*alone, seen(len(tokens)))
+            want, _ = np_oracle(*alone, seen(len(tokens)))
             np.testing.assert_allclose(out[r, tokens], want[0], rtol=1e-12, atol=1e-12)
 
 
@@ -311,7 +252,7 @@ def test_decode_equals_forward():
     (the float64 oracle's, which both forms equal)."""
     T, P = 24, 11
     args = make_inputs(5, T)
-    want, _ = np_path(*args, seen(T))
+    want, _ = np_oracle(*args, seen(T))
 
     @jax.jit
     def decode(q, k, v, w, beta, g):
