@@ -27,17 +27,17 @@ mesh axis: ``attn.sharded_comba``.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import delta
+from attn.linear import delta, front
 from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
 from attn.linear.family import FAMILIES, Family, Ids, run_sharded, widen
-from attn.linear.front import CHUNK_SIZE
+from attn.linear.front import RecurrenceArgs
 
 __all__ = ["COMBA_FORMS", "comba", "comba_step", "sharded_comba"]
 
@@ -47,20 +47,14 @@ COMBA_FORMS = DPLR_FORMS
 def _as_dplr(q, k, v, p, beta, log_gates, ids=None):
     """Comba's arrays as the DPLR rule's ``(q, k, v, a, b, log_w)`` (float32 where derived),
     after checking them by Comba's names (``ids``: the kv segment ids, for the values)."""
-    step = q.ndim == 3
+    step = getattr(q, "ndim", 0) == 3
     t = "" if step else "T,"
-    checks.float_array(q, "q", q.ndim, f"[B,{t}K,H]")
+    B, T, K, N, H, _ = front.check_heads(q, k, v, step, {"beta": beta})
+    lead = (B,) if step else (B, T)
     checks.float_array(p, "p", q.ndim, f"[B,{t}K,H] like k")
-    checks.float_array(v, "v", q.ndim, f"[B,{t}N,E]")
+    checks.float_array(beta, "beta", q.ndim - 1, f"[B,{t}N]")
     if p.shape != q.shape:
         fail("p", f"the shape of q and k {tuple(q.shape)}", f"shape {tuple(p.shape)}")
-    *lead, K, H = q.shape
-    N = v.shape[-2]
-    if N % K:
-        fail("v", f"N value heads a multiple of K={K} (v [B,{t}N,E])", f"shape {tuple(v.shape)}")
-    checks.float_array(beta, "beta", q.ndim - 1, f"[B,{t}N]")
-    if beta.shape != (*lead, N):
-        fail("beta", f"shape {(*lead, N)} = [B,{t}N] (one per value head)", beta.shape)
     delta.check_values(beta, log_gates, tuple(lead), N, H, ids)
     beta = beta.astype(jnp.float32)
     if log_gates is None:
@@ -77,11 +71,8 @@ def _dtype(q, k, v):
     return jnp.result_type(q.dtype, k.dtype, v.dtype)
 
 
-def comba(
-    q, k, v, p, beta, *, log_gates=None, form: str = "chunkwise", chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None, initial_state=None, return_state: bool = False,
-    q_segment_ids=None, kv_segment_ids=None,
-):  # fmt: skip
+@front.takes_recurrence_args
+def comba(q, k, v, p, beta, *, log_gates=None, **front_args: Unpack[RecurrenceArgs]):
     """Comba over a causal sequence, in one of ``COMBA_FORMS`` (the DPLR rule's).
 
     Args:
@@ -95,12 +86,9 @@ def comba(
       ``out [B,T,N,E]`` in the inputs' dtype, or ``(out, state [B,N,H,E] float32)``.
     """
     q, k, v, p, beta, log_gates = as_arrays(q, k, v, p, beta, log_gates)
-    ids = kv_segment_ids if kv_segment_ids is not None else q_segment_ids
-    out = dplr_delta_rule(*_as_dplr(q, k, v, p, beta, log_gates, ids), form=form,
-                          chunk_size=chunk_size, scale=scale, initial_state=initial_state,
-                          return_state=return_state, q_segment_ids=q_segment_ids,
-                          kv_segment_ids=kv_segment_ids)  # fmt: skip
-    if return_state:
+    ids = front_args.get("kv_segment_ids", front_args.get("q_segment_ids"))
+    out = dplr_delta_rule(*_as_dplr(q, k, v, p, beta, log_gates, ids), **front_args)
+    if front_args.get("return_state", False):
         return out[0].astype(_dtype(q, k, v)), out[1]
     return out.astype(_dtype(q, k, v))
 

@@ -58,13 +58,15 @@ The state is float32 whatever the input dtype; the output has the inputs' dtype.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax.numpy as jnp
 import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
 from attn.linear import delta_forms, front, segments
-from attn.linear.front import CHUNK_SIZE
+from attn.linear.front import RecurrenceArgs
 from attn.masks import drop_padding
 
 __all__ = ["DELTA_FORMS", "delta_rule", "delta_rule_step", "init_delta_state"]
@@ -86,21 +88,7 @@ def _dims(q, k, v, beta, step: bool):
 
     Returns B, T, K, N, H, E (T = 1 for a step).
     """
-    t = "" if step else "T,"
-    checks.float_array(q, "q", 3 if step else 4, f"[B,{t}K,H]")
-    checks.float_array(k, "k", q.ndim, f"[B,{t}K,H]")
-    checks.float_array(v, "v", q.ndim, f"[B,{t}N,E]")
-    if k.shape != q.shape:
-        fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
-    *lead, K, H = q.shape
-    N, E = v.shape[-2:]
-    if tuple(v.shape[:-2]) != tuple(lead) or N % K:
-        want = f"shape ({', '.join(map(str, lead))}, N, E) with N a multiple of K={K}"
-        fail("v", want, f"shape {tuple(v.shape)}")
-    if np.shape(beta) != (*lead, N):
-        fail("beta", f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(beta))
-    B, T = lead[0], 1 if step else lead[1]
-    return B, T, K, N, H, E
+    return front.check_heads(q, k, v, step, {"beta": beta})
 
 
 def check_values(beta, log_gates, lead: tuple, N: int, H: int, ids=None) -> None:
@@ -119,6 +107,14 @@ def check_values(beta, log_gates, lead: tuple, N: int, H: int, ids=None) -> None
     checks.check_values(log_gates, ok, "log_gates", "values <= 0 (logs of gates in [0, 1])", ids)
 
 
+def grouped_state(state, B: int, K: int, G: int, H: int, E: int):
+    """An initial state ``[B,N,H,E]`` (checked) as float32 ``[B,K,G,H,E]``, or None."""
+    if state is None:
+        return None
+    check_state(state, "initial_state", B, K * G, H, E)
+    return state.astype(jnp.float32).reshape(B, K, G, H, E)
+
+
 def check_state(state, name: str, B: int, N: int, H: int, E: int):
     """Refuses a state unless it is a float ``[B,N,H,E]`` (the DPLR delta rule's too)."""
     front.check_state(state, name, (B, N, H, E), "[B,N,H,E]")
@@ -128,6 +124,7 @@ def check_state(state, name: str, B: int, N: int, H: int, E: int):
 # Public functions
 
 
+@front.takes_recurrence_args
 def delta_rule(
     q,
     k,
@@ -135,13 +132,7 @@ def delta_rule(
     beta,
     *,
     log_gates=None,
-    form: str = "chunkwise",
-    chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None,
-    initial_state=None,
-    return_state: bool = False,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    **front_args: Unpack[RecurrenceArgs],
 ):
     """The (gated) delta rule over a causal sequence, in one of ``DELTA_FORMS``.
 
@@ -155,33 +146,25 @@ def delta_rule(
             per head and token) or ``[B,T,N,H]`` (KDA: one per key channel);
             values <= 0, ``-inf`` erases the state. Checked for sign only
             when concrete (not under jit).
-        form: ``"recurrent"`` or ``"chunkwise"`` (default); the same function.
-        chunk_size: C for ``"chunkwise"``; T need not be a multiple of it.
-            Per-channel gates cost ``C H`` floats per token and head.
-        scale: multiplies q; default ``1/sqrt(H)``.
-        initial_state: ``[B,N,H,E]`` the sequence continues from (zeros if None).
-        return_state: also return the final state ``[B,N,H,E]`` float32.
-        q_segment_ids, kv_segment_ids: ``[B,T]`` ints, both or neither, the same
-            ids (q and k are the same tokens): packing and padding (id 0).
+        form, chunk_size, scale, initial_state, return_state, q_segment_ids,
+            kv_segment_ids: ``attn.linear.front.RecurrenceArgs`` (forms ``DELTA_FORMS``;
+            states ``[B,N,H,E]``). Per-channel gates cost ``C H`` floats per token and
+            head in the chunkwise form.
 
     Returns:
         out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, state)`` with
         ``return_state``.
     """
-    q, k, v, beta, log_gates, initial_state = as_arrays(q, k, v, beta, log_gates, initial_state)
+    q, k, v, beta, log_gates = as_arrays(q, k, v, beta, log_gates)
     B, T, K, N, H, E = _dims(q, k, v, beta, step=False)
     G = N // K
-    args = front.check_front(
-        DELTA_FORMS, batch=B, length=T, head_dim=H, form=form, chunk_size=chunk_size,
-        scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+    args = front.check_front(DELTA_FORMS, batch=B, length=T, head_dim=H, **front_args)
+    initial_state = args.initial_state
     q_seg, kv_seg = args.q_seg, args.kv_seg
     check_values(beta, log_gates, (B, T), N, H, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q, k, v, beta = drop_padding(q, q_seg), *(drop_padding(x, kv_seg) for x in (k, v, beta))
-    if initial_state is not None:
-        check_state(initial_state, "initial_state", B, N, H, E)
-        initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)
+    initial_state = grouped_state(initial_state, B, K, G, H, E)
     dtype = front.out_dtype(q, k, v)
 
     q32 = q.astype(jnp.float32) * args.scale
@@ -203,7 +186,7 @@ def delta_rule(
     out = out.reshape(B, T, N, E)
     if q_read is not None:
         out = jnp.where(q_read[:, :, None, None], out, 0.0)
-    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), return_state)
+    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), args.return_state)
 
 
 def _apply_segments(q_seg, kv_seg, log_g, N: int):

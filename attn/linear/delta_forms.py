@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from attn.linear.forms import scan_in_pieces, segsum
+from attn.linear.forms import exclusive_suffix, scan_tokens, segsum
 
 
 def _decay(S, a):
@@ -48,16 +48,9 @@ def step(state, q_t, k_t, v_t, beta_t, log_g_t):
 
 def recurrent(q, k, v, beta, log_g, state):
     """A ``lax.scan`` over tokens, O(sqrt(T)) states kept for the backward pass."""
-    B, T, K, H = q.shape
-    G, E = v.shape[3:]
-    if state is None:
-        state = jnp.zeros((B, K, G, H, E), jnp.float32)
-
-    def one_step(S, x):
-        return step(S, *x)
-
-    final, out = scan_in_pieces(one_step, state, (q, k, v, beta, log_g), T)
-    return out, final
+    B, _, K, H = q.shape
+    shape = (B, K, v.shape[3], H, v.shape[4])  # [B,K,G,H,E]
+    return scan_tokens(step, (q, k, v, beta, log_g), state, shape)
 
 
 def _chunks(x, U: int, C: int):
@@ -82,15 +75,6 @@ def _bmm(spec: str, a, b):
     return out.reshape(U, Z, *out.shape[1:])
 
 
-def _exclusive_suffix(g, axis: int):
-    """``out[j] = sum_{l > j} g[l]`` along ``axis``, accumulated (never a difference)."""
-    total = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis), axis)  # sum_{l >= j}
-    rest = lax.slice_in_dim(total, 1, None, axis=axis)
-    pad = [(0, 0)] * g.ndim
-    pad[axis % g.ndim] = (0, 1)
-    return jnp.pad(rest, pad)
-
-
 class _Decays:
     """The decays of each chunk, from its log gates ``[U,Z,C]`` or ``[U,Z,C,H]`` (or None).
 
@@ -111,7 +95,7 @@ class _Decays:
             self.start = self.end = self.chunk = None
             return
         self.start = jnp.exp(jnp.cumsum(log_g, axis=2))
-        self.end = jnp.exp(_exclusive_suffix(log_g, 2))
+        self.end = jnp.exp(exclusive_suffix(log_g, 2))
         self.chunk = jnp.exp(jnp.sum(log_g, axis=2))
 
     def products(self, a, b):
@@ -158,7 +142,7 @@ def _halves(a, b, log_g):
     else:
         top, bottom = _halves(*first), _halves(*second)
     left = second[0] * jnp.exp(jnp.cumsum(second[2], axis=1))
-    right = first[1] * jnp.exp(_exclusive_suffix(first[2], 1))
+    right = first[1] * jnp.exp(exclusive_suffix(first[2], 1))
     below = jnp.einsum("XCH,XJH->XCJ", left, right)
     upper = jnp.concatenate([top, jnp.zeros((*top.shape[:-1], C - h), top.dtype)], -1)
     return jnp.concatenate([upper, jnp.concatenate([below, bottom], -1)], -2)

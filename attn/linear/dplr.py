@@ -70,14 +70,16 @@ With the sequence sharded over a mesh axis: ``attn.sharded_dplr_delta_rule``.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax.numpy as jnp
 import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
 from attn.linear import dplr_forms, front, segments
-from attn.linear.delta import check_state
-from attn.linear.front import CHUNK_SIZE
+from attn.linear.delta import check_state, grouped_state
+from attn.linear.front import RecurrenceArgs
 from attn.masks import drop_padding
 
 __all__ = ["DPLR_FORMS", "dplr_delta_rule", "dplr_delta_rule_step"]
@@ -92,23 +94,15 @@ DPLR_FORMS = ("recurrent", "chunkwise")
 def _dims(q, k, v, a, b, log_w, step: bool):
     """Checks q, k ``[B,(T,)K,H]``, v ``[B,(T,)N,E]``, a, b ``[B,(T,)K|N,H]``,
     log_w ``[B,(T,)N,H]``. Returns B, T, K, N, H, E (T = 1 for a step)."""
+    B, T, K, N, H, E = front.check_heads(q, k, v, step)
     t = "" if step else "T,"
-    checks.float_array(q, "q", 3 if step else 4, f"[B,{t}K,H]")
+    lead = q.shape[:-2]
     for x, name, layout in (
-        (k, "k", f"[B,{t}K,H]"),
-        (v, "v", f"[B,{t}N,E]"),
         (a, "a", f"[B,{t}K,H] or [B,{t}N,H]"),
         (b, "b", f"[B,{t}K,H] or [B,{t}N,H]"),
         (log_w, "log_w", f"[B,{t}N,H]"),
     ):
         checks.float_array(x, name, q.ndim, layout)
-    if k.shape != q.shape:
-        fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
-    *lead, K, H = q.shape
-    N, E = v.shape[-2:]
-    if tuple(v.shape[:-2]) != tuple(lead) or N % K:
-        want = f"shape ({', '.join(map(str, lead))}, N, E) with N a multiple of K={K}"
-        fail("v", want, f"shape {tuple(v.shape)}")
     for x, name in ((a, "a"), (b, "b")):
         if x.shape not in ((*lead, K, H), (*lead, N, H)):
             want = f"shape {(*lead, K, H)} (per query/key head) or {(*lead, N, H)} (per value head)"
@@ -116,7 +110,6 @@ def _dims(q, k, v, a, b, log_w, step: bool):
     if log_w.shape != (*lead, N, H):
         fail("log_w", f"shape {(*lead, N, H)} = [B,{t}N,H] (per value head and key channel)",
              f"shape {tuple(log_w.shape)}")  # fmt: skip
-    B, T = lead[0], 1 if step else lead[1]
     return B, T, K, N, H, E
 
 
@@ -144,6 +137,7 @@ def _per_value_head(x, K: int, G: int):
 # Public functions
 
 
+@front.takes_recurrence_args
 def dplr_delta_rule(
     q,
     k,
@@ -151,14 +145,7 @@ def dplr_delta_rule(
     a,
     b,
     log_w,
-    *,
-    form: str = "chunkwise",
-    chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None,
-    initial_state=None,
-    return_state: bool = False,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    **front_args: Unpack[RecurrenceArgs],
 ):
     """The DPLR delta rule over a causal sequence, in one of ``DPLR_FORMS``.
 
@@ -174,33 +161,25 @@ def dplr_delta_rule(
         log_w: log decays ``[B,T,N,H]``, one per value head and key channel;
             values <= 0, ``-inf`` zeroes that channel's diagonal. Checked when
             concrete (not under jit).
-        form: ``"recurrent"`` or ``"chunkwise"`` (default); the same function.
-        chunk_size: C for ``"chunkwise"``; T need not be a multiple of it.
-        scale: multiplies q; default ``1/sqrt(H)`` (RWKV-7 uses 1.0).
-        initial_state: ``[B,N,H,E]`` the sequence continues from (zeros if None).
-        return_state: also return the final state ``[B,N,H,E]`` float32.
-        q_segment_ids, kv_segment_ids: ``[B,T]`` ints, both or neither, the same
-            ids (q and k are the same tokens): packing and padding (id 0).
+        form, chunk_size, scale, initial_state, return_state, q_segment_ids,
+            kv_segment_ids: ``attn.linear.front.RecurrenceArgs`` (forms ``DPLR_FORMS``;
+            states ``[B,N,H,E]``; RWKV-7 uses ``scale=1.0``).
 
     Returns:
         out ``[B,T,N,E]`` in the inputs' dtype, or ``(out, state)`` with
         ``return_state``.
     """
-    q, k, v, a, b, log_w, initial_state = as_arrays(q, k, v, a, b, log_w, initial_state)
+    q, k, v, a, b, log_w = as_arrays(q, k, v, a, b, log_w)
     B, T, K, N, H, E = _dims(q, k, v, a, b, log_w, step=False)
     G = N // K
-    args = front.check_front(
-        DPLR_FORMS, batch=B, length=T, head_dim=H, form=form, chunk_size=chunk_size,
-        scale=scale, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-    )  # fmt: skip
+    args = front.check_front(DPLR_FORMS, batch=B, length=T, head_dim=H, **front_args)
+    initial_state = args.initial_state
     q_seg, kv_seg = args.q_seg, args.kv_seg
     check_values(a, b, log_w, kv_seg)
     # Padding holds anything, NaN included: selected away where it enters.
     q = drop_padding(q, q_seg)
     k, v, a, b = (drop_padding(x, kv_seg) for x in (k, v, a, b))
-    if initial_state is not None:
-        check_state(initial_state, "initial_state", B, N, H, E)
-        initial_state = initial_state.astype(jnp.float32).reshape(B, K, G, H, E)
+    initial_state = grouped_state(initial_state, B, K, G, H, E)
     dtype = front.out_dtype(q, k, v)
 
     q32 = q.astype(jnp.float32) * args.scale
@@ -220,7 +199,7 @@ def dplr_delta_rule(
     out = out.reshape(B, T, N, E)
     if q_read is not None:
         out = jnp.where(q_read[:, :, None, None], out, 0.0)
-    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), return_state)
+    return front.returned(out.astype(dtype), state.reshape(B, N, H, E), args.return_state)
 
 
 def _apply_segments(q_seg, kv_seg, a, log_w):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from attn.linear.delta_forms import unit_lower_inverse
-from attn.linear.forms import scan_in_pieces
+from attn.linear.forms import exclusive_suffix, scan_tokens
 
 
 def step(state, q_t, k_t, v_t, a_t, b_t, log_w_t):
@@ -43,16 +43,9 @@ def step(state, q_t, k_t, v_t, a_t, b_t, log_w_t):
 
 def recurrent(q, k, v, a, b, log_w, state):
     """A ``lax.scan`` over tokens, O(sqrt(T)) states kept for the backward pass."""
-    B, T, K, H = q.shape
-    G, E = v.shape[3:]
-    if state is None:
-        state = jnp.zeros((B, K, G, H, E), jnp.float32)
-
-    def one_step(S, x):
-        return step(S, *x)
-
-    final, out = scan_in_pieces(one_step, state, (q, k, v, a, b, log_w), T)
-    return out, final
+    B, _, K, H = q.shape
+    shape = (B, K, v.shape[3], H, v.shape[4])  # [B,K,G,H,E]
+    return scan_tokens(step, (q, k, v, a, b, log_w), state, shape)
 
 
 # ----------------------------------------------------------------------------
@@ -63,15 +56,6 @@ def _chunks(x, U: int, C: int):
     """``[B,T,K,...] -> [U,B,K,C,...]`` chunk-major, zero-padding T to U C."""
     x = jnp.pad(x, [(0, 0), (0, U * C - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
     return jnp.moveaxis(x.reshape(x.shape[0], U, C, *x.shape[2:]), (1, 2), (0, 3))
-
-
-def _exclusive_suffix(g, axis: int):
-    """``out[j] = sum_{l > j} g[l]`` along ``axis``, accumulated (never a difference)."""
-    total = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis), axis)  # sum_{l >= j}
-    rest = lax.slice_in_dim(total, 1, None, axis=axis)
-    pad = [(0, 0)] * g.ndim
-    pad[axis % g.ndim] = (0, 1)
-    return jnp.pad(rest, pad)
 
 
 def _shift_down(x, axis: int):
@@ -121,7 +105,7 @@ def _halves(x, y, log_w):
     both = _halves(*(jnp.concatenate(pair) for pair in zip(first, second, strict=True)))
     top, bottom = both[:X], both[X:]
     left = second[0] * jnp.exp(jnp.cumsum(second[2], axis=1))[:, None]  # h..i
-    right = first[1] * jnp.exp(_exclusive_suffix(first[2], 1))[:, None]  # j+1..h-1
+    right = first[1] * jnp.exp(exclusive_suffix(first[2], 1))[:, None]  # j+1..h-1
     below = jnp.einsum("XLCH,XRJH->XLRCJ", left, right)
     upper = jnp.concatenate([top, jnp.zeros((X, L, R, h, h), top.dtype)], -1)
     return jnp.concatenate([upper, jnp.concatenate([below, bottom], -1)], -2)
@@ -166,7 +150,7 @@ def chunkwise(q, k, v, a, b, log_w, state, chunk_size: int):
     reach = jnp.cumsum(gc, axis=1)  # chunk start through t
     start = jnp.exp(reach)
     before = jnp.exp(_shift_down(reach, 1))  # chunk start through t - 1
-    end = jnp.exp(_exclusive_suffix(gc, 1))  # t + 1 to the chunk's end
+    end = jnp.exp(exclusive_suffix(gc, 1))  # t + 1 to the chunk's end
     across = jnp.exp(jnp.sum(gc, axis=1))  # [X,H]
 
     # Row t of the left operand a_next is a_{t+1}: its products with keys j <= t carry

@@ -191,6 +191,25 @@ def _pieces(T: int) -> tuple[int, int, int]:
     return piece, num_pieces, num_pieces * piece - T
 
 
+def exclusive_suffix(g, axis: int):
+    """``out[j] = sum_{l > j} g[l]`` along ``axis``, accumulated (never a difference)."""
+    total = jnp.flip(jnp.cumsum(jnp.flip(g, axis), axis), axis)  # sum_{l >= j}
+    rest = lax.slice_in_dim(total, 1, None, axis=axis)
+    pad = [(0, 0)] * g.ndim
+    pad[axis % g.ndim] = (0, 1)
+    return jnp.pad(rest, pad)
+
+
+def scan_tokens(step, xs, state, shape: tuple):
+    """``step(S, *x_t) -> (S, out_t)`` scanned over the tokens of ``xs`` (``[B,T,...]``
+    arrays, T on axis 1) from ``state`` (zeros of ``shape`` if None), O(sqrt(T)) states
+    kept for the backward pass (``scan_in_pieces``). Returns ``(out, final)``."""
+    if state is None:
+        state = jnp.zeros(shape, jnp.float32)
+    final, out = scan_in_pieces(lambda S, x: step(S, *x), state, xs, xs[0].shape[1])
+    return out, final
+
+
 def scan_in_pieces(one_step, init, xs, T: int):
     """``lax.scan`` of ``one_step`` over T tokens with memory O(sqrt(T)) in the backward pass.
 

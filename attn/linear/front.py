@@ -28,6 +28,7 @@ What the check promises, the same in every family:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple, TypedDict
 
 import jax
@@ -44,9 +45,11 @@ __all__ = [
     "check_chunk",
     "check_form",
     "check_front",
+    "check_heads",
     "check_state",
     "out_dtype",
     "returned",
+    "takes_recurrence_args",
 ]
 
 # The chunk every chunkwise form and every fixed-state layer defaults to: long
@@ -84,6 +87,24 @@ class RecurrenceArgs(TypedDict, total=False):
     kv_segment_ids: Any
 
 
+SEGMENT_IDS = ("q_segment_ids", "kv_segment_ids")
+
+# The defaults of RecurrenceArgs: every entry point's, shown in its signature.
+DEFAULTS = dict(form="chunkwise", chunk_size=CHUNK_SIZE, scale=None, initial_state=None,
+                return_state=False, q_segment_ids=None, kv_segment_ids=None)  # fmt: skip
+
+
+def takes_recurrence_args(fn):
+    """Shows an entry point's ``**front_args`` as the keywords of ``RecurrenceArgs`` (with
+    ``DEFAULTS``) in its signature, so ``inspect.signature`` and ``help()`` list them."""
+    sig = inspect.signature(fn)
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=d)
+               for n, d in DEFAULTS.items()]  # fmt: skip
+    fn.__signature__ = sig.replace(parameters=params)
+    return fn
+
+
 class Front(NamedTuple):
     """A recurrence's checked front arguments (``check_front``)."""
 
@@ -109,6 +130,27 @@ def check_chunk(chunk_size, power_of_two: bool = False) -> int:
         want = "a power of 2 (the levels align with chunks)" if power_of_two else "a positive int"
         fail("chunk_size", want, repr(chunk_size))
     return int(chunk_size)
+
+
+def check_heads(q, k, v, step: bool, per_head: dict | None = None):
+    """Checks q, k ``[B,(T,)K,H]`` (one shape), v ``[B,(T,)N,E]`` with N a multiple of K,
+    and the ``per_head`` arrays ``[B,(T,)N]`` (by name; None passes): the heads every
+    family's arrays share. Returns ``(B, T, K, N, H, E)``, T = 1 for a step."""
+    t = "" if step else "T,"
+    checks.float_array(q, "q", 3 if step else 4, f"[B,{t}K,H]")
+    checks.float_array(k, "k", q.ndim, f"[B,{t}K,H]")
+    checks.float_array(v, "v", q.ndim, f"[B,{t}N,E]")
+    if k.shape != q.shape:
+        fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
+    *lead, K, H = q.shape
+    N, E = v.shape[-2:]
+    if tuple(v.shape[:-2]) != tuple(lead) or N % K:
+        want = f"shape ({', '.join(map(str, lead))}, N, E) with N a multiple of K={K}"
+        fail("v", want, f"shape {tuple(v.shape)}")
+    for name, x in (per_head or {}).items():
+        if x is not None and np.shape(x) != (*lead, N):
+            fail(name, f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(x))
+    return lead[0], 1 if step else lead[1], K, N, H, E
 
 
 def check_state(state, name: str, shape: tuple, layout: str) -> None:
@@ -148,6 +190,8 @@ def check_front(
         scale = default_scale
     root = checks.query_scale(scale, head_dim)
     q_seg, kv_seg = checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, batch, length)
+    if initial_state is not None:
+        initial_state = jax.tree.map(jnp.asarray, initial_state)
     return Front(form, chunk_size, root, q_seg, kv_seg, initial_state, bool(return_state))
 
 

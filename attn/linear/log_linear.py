@@ -82,7 +82,7 @@ position 0 of the call).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -94,7 +94,7 @@ from attn.linear import front
 from attn.linear import log_linear_delta_forms as delta_forms
 from attn.linear import log_linear_forms as forms
 from attn.linear import log_linear_segments as layout
-from attn.linear.front import CHUNK_SIZE
+from attn.linear.front import RecurrenceArgs
 from attn.masks import PADDING, drop_padding
 
 __all__ = [
@@ -144,26 +144,12 @@ def _dims(q, k, v, per_head: dict, level_weights, step: bool):
     """Checks q, k ``[B,(T,)K,H]``, v ``[B,(T,)N,E]``, the ``per_head`` arrays ``[B,(T,)N]``
     (by name; None passes), level_weights ``[B,(T,)N,L]``. Returns B, T, K, N, H, E, L
     (T = 1 for a step)."""
-    t = "" if step else "T,"
-    rank = 3 if step else 4
-    checks.float_array(q, "q", rank, f"[B,{t}K,H]")
-    checks.float_array(k, "k", rank, f"[B,{t}K,H]")
-    checks.float_array(v, "v", rank, f"[B,{t}N,E]")
-    if k.shape != q.shape:
-        fail("k", f"the shape of q {tuple(q.shape)} ([B,{t}K,H])", f"shape {tuple(k.shape)}")
-    *lead, K, H = q.shape
-    N, E = v.shape[-2:]
-    if tuple(v.shape[:-2]) != tuple(lead) or N % K:
-        want = f"shape ({', '.join(map(str, lead))}, N, E) with N a multiple of K={K}"
-        fail("v", want, f"shape {tuple(v.shape)}")
-    for name, x in per_head.items():
-        if x is not None and np.shape(x) != (*lead, N):
-            fail(name, f"shape {(*lead, N)} = [B,{t}N] (one per value head)", np.shape(x))
+    B, T, K, N, H, E = front.check_heads(q, k, v, step, per_head)
+    t, lead = ("", (B,)) if step else ("T,", (B, T))
     shape = np.shape(level_weights)
-    if len(shape) != rank or tuple(shape[:-1]) != (*lead, N) or shape[-1] < 1:
+    if len(shape) != q.ndim or tuple(shape[:-1]) != (*lead, N) or shape[-1] < 1:
         want = f"shape {(*lead, N, 'L')} = [B,{t}N,L] with L >= 1 levels"
         fail("level_weights", want, shape)
-    B, T = lead[0], 1 if step else lead[1]
     return B, T, K, N, H, E, shape[-1]
 
 
@@ -176,13 +162,6 @@ def _check_values(log_a, level_weights, ids, name="log_a") -> None:
     ok = lambda w: np.isfinite(w) & (w >= 0)  # noqa: E731
     want = "finite values >= 0 (one weight per level)"
     checks.check_values(level_weights, ok, "level_weights", want, ids)
-
-
-def _check_common(form, forms_, chunk_size, q_segment_ids, kv_segment_ids, B: int, T: int):
-    """The form, the chunk size and the segment ids ``([B,T], [B,T])`` or ``(None, None)``."""
-    front.check_form(form, forms_)
-    front.check_chunk(chunk_size, power_of_two=True)
-    return checks.same_token_segment_ids(q_segment_ids, kv_segment_ids, B, T)
 
 
 def _initial(initial_state, form: str, B: int, K: int, G: int, L: int, H: int, E: int):
@@ -223,20 +202,14 @@ def _check_state(state, B: int, N: int, L: int, H: int, E: int, name: str = "sta
 # Public functions
 
 
+@front.takes_recurrence_args
 def log_linear_attention(
     q,
     k,
     v,
     log_a,
     level_weights,
-    *,
-    form: str = "chunkwise",
-    chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None,
-    return_state: bool = False,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    initial_state: LogLinearState | None = None,
+    **front_args: Unpack[RecurrenceArgs],
 ):
     """Log-linear attention over a causal sequence, in one of ``LOG_LINEAR_FORMS``.
 
@@ -267,12 +240,12 @@ def log_linear_attention(
     q, k, v, log_a, level_weights = as_arrays(q, k, v, log_a, level_weights)
     B, T, K, N, H, E, L = _dims(q, k, v, {"log_a": log_a}, level_weights, step=False)
     G = N // K
-    q_seg, kv_seg = _check_common(
-        form, LOG_LINEAR_FORMS, chunk_size, q_segment_ids, kv_segment_ids, B, T
-    )
+    args = front.check_front(LOG_LINEAR_FORMS, batch=B, length=T, head_dim=H, power_of_two=True,
+                             **front_args)  # fmt: skip
+    q_seg, kv_seg, form, chunk_size = args.q_seg, args.kv_seg, args.form, args.chunk_size
     _check_values(log_a, level_weights, kv_seg)
-    init, start = _initial(initial_state, form, B, K, G, L, H, E)
-    root = checks.query_scale(scale, H)
+    init, start = _initial(args.initial_state, form, B, K, G, L, H, E)
+    root = args.scale
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     # Padding holds anything, NaN included: selected away where it enters.
     q = drop_padding(q, q_seg)
@@ -284,7 +257,7 @@ def log_linear_attention(
     la = sequence.log_a.reshape(B, T, K, G)
     lam = level_weights.astype(jnp.float32).reshape(B, T, K, G, L)
     pos, key_real = sequence.pos, sequence.key_real
-    last = sequence.last if return_state else None
+    last = sequence.last if args.return_state else None
     top = (T - 1).bit_length()  # the highest level over T tokens (or in any segment)
 
     if form == "quadratic":
@@ -300,7 +273,7 @@ def log_linear_attention(
 
         arrays = (q32, k32, v32, la, lam)
         out, levels = layout.on_aligned_layout(run, arrays, 3, sequence.seg, last)
-    return _finish(out, levels, sequence, out_dtype, return_state)
+    return _finish(out, levels, sequence, out_dtype, args.return_state)
 
 
 def log_linear_attention_step(
@@ -332,6 +305,7 @@ def log_linear_attention_step(
     return _advance(forms.step, state, q, k, v, (log_a,), level_weights, seg, scale)
 
 
+@front.takes_recurrence_args
 def log_linear_delta_rule(
     q,
     k,
@@ -340,13 +314,7 @@ def log_linear_delta_rule(
     level_weights,
     *,
     log_gates=None,
-    form: str = "chunkwise",
-    chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None,
-    return_state: bool = False,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    initial_state: LogLinearState | None = None,
+    **front_args: Unpack[RecurrenceArgs],
 ):
     """Log-linear Gated DeltaNet over a causal sequence, in one of ``LOG_LINEAR_DELTA_FORMS``.
 
@@ -380,13 +348,13 @@ def log_linear_delta_rule(
     per_head = {"beta": beta, "log_gates": log_gates}
     B, T, K, N, H, E, L = _dims(q, k, v, per_head, level_weights, step=False)
     G = N // K
-    q_seg, kv_seg = _check_common(
-        form, LOG_LINEAR_DELTA_FORMS, chunk_size, q_segment_ids, kv_segment_ids, B, T
-    )
+    args = front.check_front(LOG_LINEAR_DELTA_FORMS, batch=B, length=T, head_dim=H,
+                             power_of_two=True, **front_args)  # fmt: skip
+    q_seg, kv_seg, form, chunk_size = args.q_seg, args.kv_seg, args.form, args.chunk_size
     checks.check_values(beta, np.isfinite, "beta", "finite values (a write strength)", kv_seg)
     _check_values(log_gates, level_weights, kv_seg, name="log_gates")
-    init, start = _initial(initial_state, form, B, K, G, L, H, E)
-    root = checks.query_scale(scale, H)
+    init, start = _initial(args.initial_state, form, B, K, G, L, H, E)
+    root = args.scale
     out_dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
     if log_gates is None:
         log_gates = jnp.zeros((B, T, N), jnp.float32)
@@ -401,7 +369,7 @@ def log_linear_delta_rule(
     beta32 = beta.astype(jnp.float32).reshape(B, T, K, G)
     log_g = sequence.log_a.reshape(B, T, K, G)
     lam = level_weights.astype(jnp.float32).reshape(B, T, K, G, L)
-    last = sequence.last if return_state else None
+    last = sequence.last if args.return_state else None
     arrays = (q32, k32, v32, beta32, log_g, lam)
 
     if form == "recurrent":
@@ -414,7 +382,7 @@ def log_linear_delta_rule(
             return delta_forms.chunkwise(*xs[:6], chunk_size, xs[7])
 
         out, levels = layout.on_aligned_layout(run, arrays, 4, sequence.seg, last)
-    return _finish(out, levels, sequence, out_dtype, return_state)
+    return _finish(out, levels, sequence, out_dtype, args.return_state)
 
 
 def log_linear_delta_rule_step(

@@ -120,8 +120,14 @@ def step(levels, q_t, k_t, v_t, log_a_t, lam_t, pos_t, real_t=None):
     Returns ``(levels, out_t [B,K,G,E])``.
     """
     new = merge(levels, pos_t) * jnp.exp(log_a_t)[..., None, None, None]
-    write = jnp.einsum("BKH,BKGE->BKGHE", k_t, v_t)
-    new = new.at[:, :, :, 0].add(write)
+    return write_and_read(levels, new, k_t, v_t, q_t, lam_t, real_t)
+
+
+def write_and_read(levels, new, k_t, v_t, q_t, lam_t, real_t):
+    """A step's end, in both families: ``k_t v_t^T`` written to level 0 of the merged and
+    decayed ``new`` levels, the read ``q_t`` weighted by ``lam_t``; a padding step
+    (``real_t`` False) keeps ``levels`` and outputs 0. Returns ``(levels, out_t)``."""
+    new = new.at[:, :, :, 0].add(jnp.einsum("BKH,BKGE->BKGHE", k_t, v_t))
     out = jnp.einsum("BKH,BKGL,BKGLHE->BKGE", q_t, lam_t, new)
     if real_t is not None:
         new = jnp.where(real_t[:, None, None, None, None, None], new, levels)
@@ -174,6 +180,15 @@ def chunk_size_for(chunk_size: int, M: int) -> int:
     return min(chunk_size, 1 << (M - 1).bit_length())
 
 
+def chunk_dims(q, v, lam, chunk_size: int):
+    """The sizes of a chunkwise form over ``q [B,M,K,H]``, ``v [B,M,K,G,E]``, ``lam
+    [...,L]``: ``(B, M, K, G, E, L, C, c, U)`` with chunks of ``C = 2^c`` (at most M
+    rounded up), U of them."""
+    B, M, K = q.shape[:3]
+    C = chunk_size_for(chunk_size, M)
+    return B, M, K, *v.shape[3:], lam.shape[-1], C, C.bit_length() - 1, -(-M // C)
+
+
 def chunkwise(q, k, v, log_a, lam, chunk_size: int, top_level: int, key_real=None, last=None):
     """Chunks of C = 2^c tokens, and the Fenwick tree over chunks.
 
@@ -197,12 +212,7 @@ def chunkwise(q, k, v, log_a, lam, chunk_size: int, top_level: int, key_real=Non
     Measured on CPU (T = 4096, C = H = E = 64): 1.5 times the SSD's chunkwise
     forward, 1.3 times forward and backward.
     """
-    B, M, K = q.shape[:3]
-    G, E = v.shape[3:]
-    L = lam.shape[-1]
-    C = chunk_size_for(chunk_size, M)
-    c = C.bit_length() - 1
-    U = -(-M // C)
+    B, M, K, G, E, L, C, c, U = chunk_dims(q, v, lam, chunk_size)
     if key_real is not None:
         k = jnp.where(key_real[:, :, None, None], k, 0.0)
     qc = jnp.moveaxis(chunks(q, U, C), 2, 3)  # [U,B,K,C,H]

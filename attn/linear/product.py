@@ -21,12 +21,15 @@ not read), segment ids repeated, then every ``n``-th output.
 
 from __future__ import annotations
 
+from typing import Unpack
+
 import jax.numpy as jnp
 import numpy as np
 
 from attn.checks import as_arrays, fail
+from attn.linear import front
 from attn.linear.delta import delta_rule, delta_rule_step
-from attn.linear.front import CHUNK_SIZE
+from attn.linear.front import SEGMENT_IDS, RecurrenceArgs
 
 __all__ = ["delta_product", "delta_product_step"]
 
@@ -57,6 +60,7 @@ def _first(x, n: int, axis: int):
     return jnp.pad(x, pad)
 
 
+@front.takes_recurrence_args
 def delta_product(
     q,
     k,
@@ -64,13 +68,7 @@ def delta_product(
     beta,
     *,
     log_gates=None,
-    form: str = "chunkwise",
-    chunk_size: int = CHUNK_SIZE,
-    scale: float | None = None,
-    initial_state=None,
-    return_state: bool = False,
-    q_segment_ids=None,
-    kv_segment_ids=None,
+    **front_args: Unpack[RecurrenceArgs],
 ):
     """The (gated) DeltaProduct over a causal sequence.
 
@@ -107,14 +105,9 @@ def delta_product(
         steps(v),
         steps(beta),
         log_gates=gates,
-        form=form,
-        chunk_size=chunk_size,
-        scale=scale,
-        initial_state=initial_state,
-        return_state=return_state,
-        q_segment_ids=repeat(q_segment_ids),
-        kv_segment_ids=repeat(kv_segment_ids),
+        **{**front_args, **{n: repeat(front_args.get(n)) for n in SEGMENT_IDS}},
     )
+    return_state = front_args.get("return_state", False)
     out, state = result if return_state else (result, None)
     out = out.reshape(B, T, n, *out.shape[2:])[:, :, -1]
     return (out, state) if return_state else out

@@ -33,6 +33,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from attn.pallas import mosaic_tiles as tiles
 from attn.pallas.mosaic_common import (
+    COL,
+    ROW,
     MosaicConfig,
     accumulate,
     dot,
@@ -48,9 +50,6 @@ from attn.pallas.mosaic_common import (
     swizzle,
     take_rows,
 )
-
-ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
-COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
 def backward(config: MosaicConfig, q, k, v, sink, ints, out, lse, d_out, d_lse):

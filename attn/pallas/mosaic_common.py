@@ -20,6 +20,8 @@ from attn.softmax.call import CallSpec
 
 # A schedule row (per block: its count, W blocks, W kinds) padded to whole 128-byte rows:
 # a TMA copy moves a multiple of the warpgroup's 128 threads' bytes.
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a wgmma tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 ROW_ALIGN = 32
 COPIES = 6  # the most copies into a slot (dq's: q, dO, positions, segment ids, lse, D)
 PRODUCER_REGISTERS = 40  # the TMA warpgroup's registers a thread; the consumers share the rest
