@@ -59,10 +59,11 @@ import contextlib
 import functools
 import hashlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
+
+from bench import _device_cases as cases
+from bench import _device_cases_softmax as soft
 
 TITLE = "Numerics: every family's forms against a float64 reference"
 # About 35 s of the run's 450 s (tune 0.38, families 0.38, train 0.18): the first ~20 items
@@ -72,26 +73,6 @@ WEIGHT = 0.16
 F32_TOL = 1e-5  # float32 outputs and final states at "highest", norm-wise relative
 F32_GRAD_TOL = 1e-4  # float32 gradients at "highest"
 LOW_TOL = 1e-2  # bfloat16, and float32 at the default precision (TF32 on a GPU)
-
-# Shapes: on the device T is not a multiple of any chunk or block; a dry run is tiny.
-SIZES = {
-    False: dict(
-        B=2, T=1000, N=4, K=2, H=64, chunk=64, window=128, sinks=4, softcap=2.0,
-        blockwise_block=256, pallas_block=None, moba_block=64, moba_top_k=4,
-        nsa=dict(compress_block=32, compress_stride=16, select_block=64, num_selected=6,
-                 window=128, initial_blocks=1, local_blocks=2),
-        dsa_top_k=128, index_heads=2, index_dim=32, decode_T=2, lengths=(1000, 613),
-        splits=4, page=8, steps=2, levels=8,
-    ),
-    True: dict(
-        B=2, T=40, N=4, K=2, H=8, chunk=16, window=12, sinks=4, softcap=2.0,
-        blockwise_block=16, pallas_block=16, moba_block=8, moba_top_k=2,
-        nsa=dict(compress_block=8, compress_stride=4, select_block=8, num_selected=3,
-                 window=12, initial_blocks=1, local_blocks=1),
-        dsa_top_k=12, index_heads=2, index_dim=8, decode_T=2, lengths=(40, 23),
-        splits=3, page=4, steps=2, levels=5,
-    ),
-}  # fmt: skip
 
 F32, BF16 = "float32", "bfloat16"
 
@@ -404,8 +385,8 @@ def _cotangents(case, ctx, run, arrays) -> list:
     key = (case.name, ctx.dry_run)
     if key not in _COTANGENTS:
         shapes = jax.eval_shape(lambda a: jax.tree.leaves(run(a)), arrays)
-        rng = _rng(case.name + "/cotangents")
-        _COTANGENTS[key] = [_normal(rng, s.shape) for s in shapes]
+        rng = cases.rng_for(case.name + "/cotangents")
+        _COTANGENTS[key] = [cases.normal(rng, s.shape) for s in shapes]
     return _COTANGENTS[key]
 
 
@@ -433,521 +414,37 @@ def reference(name: str, case, extra: dict, cts: list, ctx) -> dict:
     return _REFERENCES[key]
 
 
-# ----------------------------------------------------------------------------
-# Cases: inputs, the library's call, the reference from the equations
-
-
-@dataclass
-class Case:
-    """One family's inputs and functions, shared by the items of its forms and dtypes.
-
-    ``arrays``: NumPy float32 (bfloat16 numbers), int and bool arrays; ``data``: the names a
-    form gets in the item's dtype (the rest stay float32, as a model keeps its gates);
-    ``diff``: the names differentiated (none: forward only); ``run(form, arrays)``: the
-    library; ``oracle(arrays)``: the same outputs from the equations, in the arrays' dtype;
-    ``reference_only``: arrays only the oracle reads; ``select(form, arrays)``: extra oracle
-    arrays from the library's selection on the item's own inputs (sparse methods).
-    """
-
-    name: str
-    arrays: dict
-    data: tuple
-    diff: tuple
-    run: Callable
-    oracle: Callable
-    reference_only: tuple = ()
-    select: Callable | None = field(default=None)
-
-
-def _rng(name: str):
-    return np.random.default_rng(
-        int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
-    )
-
-
-def _bf16(x):
-    """``x`` rounded to bfloat16 numbers, held in float32."""
-    import jax.numpy as jnp
-
-    return np.asarray(x, np.float32).astype(jnp.bfloat16).astype(np.float32)
-
-
-def _normal(rng, shape):
-    return _bf16(rng.standard_normal(shape))
-
-
-def _unit(rng, shape):
-    x = rng.standard_normal(shape)
-    return _bf16(x / np.linalg.norm(x, axis=-1, keepdims=True))
-
-
-def _packed_ids(B: int, T: int):
-    """Segment ids ``[B,T]``: row 0 packs three sequences and ends in padding (id 0), row 1
-    is one sequence and padding."""
-    ids = np.zeros((B, T), np.int32)
-    cuts = np.round(np.array([0, 0.3, 0.75, 0.95]) * T).astype(int)
-    for i in range(3):
-        ids[0, cuts[i] : cuts[i + 1]] = i + 1
-    ids[1:, : int(0.9 * T)] = 1
-    return ids
-
-
-def _visible(mask, q_pos, kv_pos, q_seg=None, kv_seg=None):
-    """``[B,1,T,S]`` bool: the mask on positions (``Mask.allowed``), within segments, padding
-    keys and queries seeing nothing."""
-    ok = np.asarray(mask.allowed(np.asarray(q_pos), np.asarray(kv_pos)), bool)
-    if q_seg is not None:
-        ok = ok & (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
-    return ok[:, None]
-
-
-def _reads(start, stop, S: int):
-    """Key ranges ``[start, stop)`` ``[B,T,X,n]`` as a boolean ``[B,X,T,S]`` (ranges of one
-    selection are disjoint)."""
-    start, stop = np.asarray(start), np.asarray(stop)
-    B, T, X, _ = start.shape
-    count = np.zeros((B, T, X, S + 1), np.int32)
-    used = stop > start
-    where = np.nonzero(used)[:3]
-    np.add.at(count, (*where, start[used]), 1)
-    np.add.at(count, (*where, stop[used]), -1)
-    return (np.cumsum(count, axis=-1)[..., :S] > 0).transpose(0, 2, 1, 3)
-
-
-# The oracles (jnp, in the arrays' dtype: float64 under _x64)
-
-
-def ref_linear():
-    """``attn.linear.reference`` (imported when a reference runs: JAX starts late here)."""
-    from attn.linear import reference
-
-    return reference
-
-
-def ref_softmax():
-    """``attn.softmax.reference``, likewise."""
-    from attn.softmax import reference
-
-    return reference
-
-
-# The builders: one per family, its cases by name in CASES
-
-
-def _softmax(variant: str, dry_run: bool) -> Case:
-    import attn
-    from attn import masks
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng(f"softmax/{variant}")
-    mask = masks.causal()
-    if variant == "streaming":
-        mask = mask & (masks.sliding_window(z["window"]) | masks.initial_tokens(z["sinks"]))
-    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, T, K, H)),
-                  v=_normal(rng, (B, T, K, H)))  # fmt: skip
-    pos = np.arange(T)[None]
-    seg = _packed_ids(B, T) if variant == "segments" else None
-    arrays["ok"] = _visible(mask, pos, pos, seg, seg)
-    softcap = None
-    if variant == "sinks-softcap":
-        arrays["sinks"] = rng.standard_normal(N).astype(np.float32)
-        softcap = z["softcap"]
-    if seg is not None:
-        arrays["seg"] = seg
-
-    def run(form, a):
-        kw = dict(mask=mask, impl=form, softcap=softcap, sink_logits=a.get("sinks"))
-        block = z[f"{form}_block"] if form in ("blockwise", "pallas") else None
-        if block is not None:
-            kw.update(block_q=block, block_k=block)
-        if "seg" in a:
-            kw.update(q_segment_ids=a["seg"], kv_segment_ids=a["seg"])
-        return attn.attention(a["q"], a["k"], a["v"], **kw)
-
-    def oracle(a):
-        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5,
-                                     softcap=softcap, sinks=a.get("sinks"))  # fmt: skip
-
-    return Case(f"softmax/{variant}", arrays, ("q", "k", "v"), ("q", "k", "v"),
-                run, oracle, reference_only=("ok",))  # fmt: skip
-
-
-def _linear(dry_run: bool) -> Case:
-    import jax.numpy as jnp
-
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng("linear/gated")
-    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, T, K, H)),
-                  v=_normal(rng, (B, T, K, H)),
-                  log_gates=-rng.uniform(0.0, 0.2, (B, T, N)).astype(np.float32))  # fmt: skip
-
-    def run(form, a):
-        return attn.linear_attention(a["q"], a["k"], a["v"], form=form, log_gates=a["log_gates"],
-                                     chunk_size=z["chunk"], return_state=True)  # fmt: skip
-
-    def oracle(a):
-        G = N // K
-        qf, kf = (ref_linear().feature_map("elu1", a[x]) for x in ("q", "k"))
-        kf, v = (jnp.repeat(x, G, axis=2) for x in (kf, a["v"]))
-        out, kv, zs = ref_linear().gated_linear(qf, kf, v, a["log_gates"], normalize=True)
-        return out, (kv, zs)
-
-    return Case("linear/gated", arrays, ("q", "k", "v"),
-                ("q", "k", "v", "log_gates"), run, oracle)  # fmt: skip
-
-
-def _delta(variant: str, dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    product = variant == "product"
-    n = (z["steps"],) if product else ()
-    rng = _rng(f"delta/{variant}")
-    arrays = dict(q=_unit(rng, (B, T, K, H)), k=_unit(rng, (B, T, *n, K, H)),
-                  v=_normal(rng, (B, T, *n, N, H)),
-                  beta=rng.uniform(0.05, 0.95, (B, T, *n, N)).astype(np.float32))  # fmt: skip
-    gates = {"plain": None, "gated": (B, T, N), "kda": (B, T, N, H), "product": (B, T, N)}
-    if gates[variant] is not None:
-        arrays["log_gates"] = -rng.uniform(0.0, 0.2, gates[variant]).astype(np.float32)
-    fn = attn.delta_product if product else attn.delta_rule
-
-    def run(form, a):
-        return fn(a["q"], a["k"], a["v"], a["beta"], log_gates=a.get("log_gates"), form=form,
-                  chunk_size=z["chunk"], return_state=True)  # fmt: skip
-
-    def oracle(a):
-        return ref_linear().delta_rule(a["q"], a["k"], a["v"], a["beta"], a.get("log_gates"))
-
-    diff = ("q", "k", "v", "beta") + (("log_gates",) if "log_gates" in arrays else ())
-    name = "product/gated" if product else f"delta/{variant}"
-    return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
-
-
-def _ssd(dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng("ssd/mamba2")
-    arrays = dict(
-        x=_normal(rng, (B, T, N, H)),
-        dt=rng.uniform(0.01, 0.3, (B, T, N)).astype(np.float32),
-        A=-rng.uniform(0.5, 1.5, N).astype(np.float32),
-        B=_normal(rng, (B, T, K, H)),
-        C=_normal(rng, (B, T, K, H)),
-        D=rng.standard_normal(N).astype(np.float32),
-    )
-
-    def run(form, a):
-        return attn.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], form=form,
-                        chunk_size=z["chunk"], return_state=True)  # fmt: skip
-
-    def oracle(a):
-        return ref_linear().ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"])
-
-    return Case("ssd/mamba2", arrays, ("x", "B", "C"),
-                ("x", "dt", "A", "B", "C", "D"), run, oracle)  # fmt: skip
-
-
-def _sparse_inputs(name: str, z: dict):
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng(name)
-    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, T, K, H)),
-                  v=_normal(rng, (B, T, K, H)))  # fmt: skip
-    return rng, arrays
-
-
-def _moba(dry_run: bool) -> Case:
-    import jax
-
-    import attn
-    from attn import masks
-    from attn.softmax.call import check_call
-    from attn.sparse import moba_select
-
-    z = SIZES[dry_run]
-    T, H, mask = z["T"], z["H"], masks.causal()
-    _, arrays = _sparse_inputs("moba/causal", z)
-    pos = np.arange(T)[None]
-    vis = _visible(mask, pos, pos)
-    sizes = dict(block_size=z["moba_block"], top_k=z["moba_top_k"])
-
-    def run(form, a):
-        return attn.moba_attention(a["q"], a["k"], a["v"], mask=mask, impl=form, **sizes)
-
-    def select(form, a):
-        c = check_call(a["q"], a["k"], a["v"], mask=mask)
-        start, stop = jax.jit(functools.partial(moba_select, **sizes))(c, a["q"], a["k"])
-        return {"reads": _reads(start, stop, T) & vis}
-
-    def oracle(a):
-        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
-
-    return Case("moba/causal", arrays, ("q", "k", "v"), ("q", "k", "v"), run,
-                oracle, select=select)  # fmt: skip
-
-
-def _nsa(dry_run: bool) -> Case:
-    import jax
-
-    import attn
-    from attn import masks
-    from attn.softmax.call import check_call
-    from attn.sparse.gather import DEFAULT_CHUNK
-    from attn.sparse.nsa import compressed_branch
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    sizes, mask = z["nsa"], masks.causal()
-    block, stride = sizes["compress_block"], sizes["compress_stride"]
-    rng, arrays = _sparse_inputs("nsa/causal", z)
-    M = -(-T // stride)
-    arrays.update(
-        gates=(1 / (1 + np.exp(-rng.standard_normal((B, T, N, 3))))).astype(np.float32),
-        ck=_normal(rng, (B, M, K, H)),
-        cv=_normal(rng, (B, M, K, H)),
-    )
-    pos = np.arange(T)[None]
-    vis = np.broadcast_to(_visible(mask, pos, pos), (B, 1, T, T))
-    # Compressed block m holds positions m*stride .. m*stride + block - 1 (where they exist):
-    # a query reads it when it sees every key in it.
-    first = np.arange(M) * stride
-    seen = np.concatenate([np.zeros((B, 1, T, 1), int), np.cumsum(vis, -1)], -1)
-    last = np.minimum(first + block, T)
-    arrays["cmp_ok"] = (first + block <= T) & (seen[..., last] - seen[..., first] == block)
-    arrays["win_ok"] = vis & (pos[:, None, None, :] > pos[:, None, :, None] - sizes["window"])
-
-    def run(form, a):
-        return attn.nsa_attention(a["q"], a["k"], a["v"], a["gates"], a["ck"], a["cv"],
-                                  mask=mask, impl=form, **sizes)  # fmt: skip
-
-    def select(form, a):
-        c = check_call(a["q"], a["k"], a["v"], mask=mask)
-        branch = functools.partial(compressed_branch, chunk=DEFAULT_CHUNK, **sizes)
-        _, start, stop = jax.jit(branch)(c, a["q"], a["ck"], a["cv"])
-        return {"slc_ok": np.repeat(_reads(start, stop, T), N // K, axis=1) & vis}
-
-    def oracle(a):
-        scale = H**-0.5
-        o_cmp = ref_softmax().softmax(a["q"], a["ck"], a["cv"], a["cmp_ok"], scale=scale)
-        o_slc = ref_softmax().softmax(a["q"], a["k"], a["v"], a["slc_ok"], scale=scale)
-        o_win = ref_softmax().softmax(a["q"], a["k"], a["v"], a["win_ok"], scale=scale)
-        g = a["gates"]
-        return sum(g[..., i, None] * o for i, o in enumerate((o_cmp, o_slc, o_win)))
-
-    return Case("nsa/causal", arrays, ("q", "k", "v", "ck", "cv"),
-                ("q", "k", "v", "gates", "ck", "cv"), run, oracle,
-                reference_only=("cmp_ok", "win_ok"), select=select)  # fmt: skip
-
-
-def _dsa(dry_run: bool) -> Case:
-    import jax
-
-    import attn
-    from attn import masks
-    from attn.softmax.call import check_call
-    from attn.sparse import indexer_topk
-
-    z = SIZES[dry_run]
-    B, T, H, mask = z["B"], z["T"], z["H"], masks.causal()
-    rng, arrays = _sparse_inputs("dsa/causal", z)
-    I, F = z["index_heads"], z["index_dim"]
-    arrays.update(iq=_normal(rng, (B, T, I, F)), ik=_normal(rng, (B, T, F)),
-                  iw=_normal(rng, (B, T, I)))  # fmt: skip
-    pos = np.arange(T)[None]
-    vis = _visible(mask, pos, pos)
-    top_k = z["dsa_top_k"]
-
-    def run(form, a):
-        return attn.indexed_topk_attention(a["q"], a["k"], a["v"], a["iq"], a["ik"], a["iw"],
-                                           top_k=top_k, mask=mask)  # fmt: skip
-
-    def select(form, a):
-        c = check_call(a["q"], a["k"], a["v"], mask=mask)
-        topk = jax.jit(functools.partial(indexer_topk, top_k=top_k))
-        start, stop = topk(c, a["iq"], a["ik"], a["iw"])
-        return {"reads": _reads(start, stop, T) & vis}
-
-    def oracle(a):
-        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["reads"], scale=H**-0.5)
-
-    return Case("dsa/causal", arrays, ("q", "k", "v"), ("q", "k", "v"), run,
-                oracle, select=select)  # fmt: skip
-
-
-def _decode(dry_run: bool) -> Case:
-    import jax.numpy as jnp
-
-    import attn
-    from attn import masks
-
-    z = SIZES[dry_run]
-    B, S, N, K, H, T = z["B"], z["T"], z["N"], z["K"], z["H"], z["decode_T"]
-    rng = _rng("decode/causal")
-    mask, page = masks.causal(), z["page"]
-    lengths = np.asarray(z["lengths"], np.int32)
-    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, S, K, H)),
-                  v=_normal(rng, (B, S, K, H)), lengths=lengths)  # fmt: skip
-    # Every row's own pages in a shuffled pool; -1 past a row's length; the last page is
-    # scratch for the unused entries' writes.
-    M = S // page
-    tables = rng.permutation(B * M).reshape(B, M).astype(np.int32)
-    tables[np.arange(M)[None] * page >= lengths[:, None]] = -1
-    arrays["tables"] = tables
-    q_pos = lengths[:, None] - T + np.arange(T)
-    kv_pos = np.broadcast_to(np.arange(S), (B, S))
-    arrays["ok"] = _visible(mask, q_pos, kv_pos) & (kv_pos < lengths[:, None])[:, None, None]
-
-    def run(form, a):
-        if form != "paged":
-            return attn.decode_attention(a["q"], a["k"], a["v"], lengths=a["lengths"],
-                                         num_splits=z["splits"], mask=mask, impl=form)  # fmt: skip
-        index = jnp.where(a["tables"] >= 0, a["tables"], B * M)
-        pools = [
-            jnp.zeros((B * M + 1, page, *x.shape[2:]), x.dtype).at[index].set(
-                x.reshape(B, M, page, *x.shape[2:]))
-            for x in (a["k"], a["v"])
-        ]  # fmt: skip
-        return attn.paged_decode_attention(a["q"], *pools, a["tables"], a["lengths"],
-                                           num_splits=z["splits"], mask=mask)  # fmt: skip
-
-    def oracle(a):
-        return ref_softmax().softmax(a["q"], a["k"], a["v"], a["ok"], scale=H**-0.5)
-
-    return Case("decode/causal", arrays, ("q", "k", "v"), (), run, oracle,
-                reference_only=("ok",))  # fmt: skip
-
-
-def _dplr(dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng("dplr/rwkv7")
-    # RWKV-7: a = -kappa (unit, per q/k head), b = kappa * a_in (per value head), log_w in
-    # (-0.6, 0), r unscaled (scale 1).
-    kappa = _unit(rng, (B, T, K, H))
-    a_in = rng.uniform(0.0, 1.0, (B, T, N, H))
-    arrays = dict(q=_normal(rng, (B, T, K, H)), k=_bf16(0.5 * rng.standard_normal((B, T, K, H))),
-                  v=_normal(rng, (B, T, N, H)), a=-kappa,
-                  b=_bf16(np.repeat(kappa, N // K, axis=2) * a_in),
-                  log_w=-rng.uniform(0.0, 0.6, (B, T, N, H)).astype(np.float32))  # fmt: skip
-    scale = H**-0.5
-
-    def run(form, a):
-        return attn.dplr_delta_rule(a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"],
-                                    form=form, chunk_size=z["chunk"], scale=scale,
-                                    return_state=True)  # fmt: skip
-
-    def oracle(a):
-        return ref_linear().dplr_delta_rule(
-            a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"], scale=scale
-        )
-
-    return Case("dplr/rwkv7", arrays, ("q", "k", "v", "a", "b"),
-                ("q", "k", "v", "a", "b", "log_w"), run, oracle)  # fmt: skip
-
-
-def _log_linear(variant: str, dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H, L = z["B"], z["T"], z["N"], z["K"], z["H"], z["levels"]
-    name = f"log-linear/{variant}"
-    rng = _rng(name)
-    delta = variant == "gdn"
-    arrays = dict(q=(_unit if delta else _normal)(rng, (B, T, K, H)),
-                  k=(_unit if delta else _normal)(rng, (B, T, K, H)),
-                  v=_normal(rng, (B, T, N, H)),
-                  log_a=-rng.uniform(0.0, 0.2, (B, T, N)).astype(np.float32),
-                  lam=rng.uniform(0.1, 1.5, (B, T, N, L)).astype(np.float32))  # fmt: skip
-    if delta:
-        arrays["beta"] = rng.uniform(0.05, 0.95, (B, T, N)).astype(np.float32)
-    scale = H**-0.5
-
-    def run(form, a):
-        common = dict(form=form, chunk_size=z["chunk"], scale=scale, return_state=True)
-        if delta:
-            out, state = attn.log_linear_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["lam"],
-                                                    log_gates=a["log_a"], **common)  # fmt: skip
-        else:
-            out, state = attn.log_linear_attention(a["q"], a["k"], a["v"], a["log_a"], a["lam"],
-                                                   **common)  # fmt: skip
-        return out, state.levels
-
-    def oracle(a):
-        if delta:
-            args = (a["q"], a["k"], a["v"], a["beta"], a["lam"], a["log_a"])
-            return ref_linear().log_linear_delta_rule(*args, scale=scale)
-        return ref_linear().log_linear_attention(
-            a["q"], a["k"], a["v"], a["log_a"], a["lam"], scale=scale
-        )
-
-    diff = ("q", "k", "v", "log_a", "lam") + (("beta",) if delta else ())
-    return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
-
-
-def _path(dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = _rng("path/fox")
-    arrays = dict(q=_normal(rng, (B, T, N, H)), k=_normal(rng, (B, T, K, H)),
-                  v=_normal(rng, (B, T, K, H)), w=_unit(rng, (B, T, K, H)),
-                  beta=rng.uniform(0.05, 1.9, (B, T, K)).astype(np.float32),
-                  log_forget=-rng.uniform(0.0, 0.5, (B, T, N)).astype(np.float32))  # fmt: skip
-    scale = H**-0.5
-
-    def run(form, a):
-        return attn.path_attention(a["q"], a["k"], a["v"], a["w"], a["beta"], form=form,
-                                   block_size=z["chunk"], log_forget=a["log_forget"],
-                                   scale=scale)  # fmt: skip
-
-    def oracle(a):
-        args = (a["q"], a["k"], a["v"], a["w"], a["beta"], a["log_forget"])
-        return ref_softmax().path_attention(*args, scale=scale)
-
-    return Case("path/fox", arrays, ("q", "k", "v", "w"),
-                ("q", "k", "v", "w", "beta", "log_forget"), run, oracle)  # fmt: skip
-
-
 # name -> (family, what the case holds, builder(dry_run))
+P = functools.partial
 CASES = {
-    "softmax/causal-gqa": ("softmax", "causal, GQA", functools.partial(_softmax, "causal-gqa")),
+    "softmax/causal-gqa": ("softmax", "causal, GQA", P(soft.softmax_case, "causal-gqa")),
     "softmax/streaming": ("softmax", "causal, sliding window or initial tokens, GQA",
-                          functools.partial(_softmax, "streaming")),
+                          P(soft.softmax_case, "streaming")),
     "softmax/sinks-softcap": ("softmax", "causal, GQA, sinks, soft-cap",
-                              functools.partial(_softmax, "sinks-softcap")),
+                              P(soft.softmax_case, "sinks-softcap")),
     "softmax/segments": ("softmax", "causal, GQA, packed segments and padding",
-                         functools.partial(_softmax, "segments")),
-    "linear/gated": ("linear attention", "elu+1, gates, GQA", _linear),
-    "delta/gated": ("Gated DeltaNet", "head gates, grouped values", functools.partial(
-        _delta, "gated")),
-    "delta/kda": ("KDA", "channel gates, grouped values", functools.partial(_delta, "kda")),
-    "delta/plain": ("DeltaNet", "no gates, grouped values", functools.partial(_delta, "plain")),
-    "product/gated": ("DeltaProduct", "2 steps, head gates", functools.partial(
-        _delta, "product")),
-    "ssd/mamba2": ("Mamba-2 SSD", "2 groups, D skip", _ssd),
-    "moba/causal": ("MoBA", "causal, GQA", _moba),
-    "nsa/causal": ("NSA", "causal, GQA", _nsa),
-    "dsa/causal": ("DSA", "causal, GQA", _dsa),
-    "decode/causal": ("decode", "2 queries, causal, rows of their own lengths", _decode),
-    "dplr/rwkv7": ("DPLR (RWKV-7)", "a = -kappa, b = kappa a_in, grouped values", _dplr),
-    "path/fox": ("PaTH", "FoX gates, causal, GQA", _path),
+                         P(soft.softmax_case, "segments")),
+    "linear/gated": ("linear attention", "elu+1, gates, GQA", cases.linear_case),
+    "delta/gated": ("Gated DeltaNet", "head gates, grouped values", P(cases.delta_case, "gated")),
+    "delta/kda": ("KDA", "channel gates, grouped values", P(cases.delta_case, "kda")),
+    "delta/plain": ("DeltaNet", "no gates, grouped values", P(cases.delta_case, "plain")),
+    "product/gated": ("DeltaProduct", "2 steps, head gates", P(cases.delta_case, "product")),
+    "ssd/mamba2": ("Mamba-2 SSD", "2 groups, D skip", cases.ssd_case),
+    "moba/causal": ("MoBA", "causal, GQA", soft.moba_case),
+    "nsa/causal": ("NSA", "causal, GQA", soft.nsa_case),
+    "dsa/causal": ("DSA", "causal, GQA", soft.dsa_case),
+    "decode/causal": ("decode", "2 queries, causal, rows of their own lengths", soft.decode_case),
+    "dplr/rwkv7": ("DPLR (RWKV-7)", "a = -kappa, b = kappa a_in, grouped values",
+                   cases.dplr_case),
+    "path/fox": ("PaTH", "FoX gates, causal, GQA", soft.path_case),
     "log-linear/mamba2": ("log-linear Mamba-2", "clamped levels, grouped values",
-                          functools.partial(_log_linear, "mamba2")),
+                          P(cases.log_linear_case, "mamba2")),
     "log-linear/gdn": ("log-linear Gated DeltaNet", "clamped levels, head gates",
-                       functools.partial(_log_linear, "gdn")),
+                       P(cases.log_linear_case, "gdn")),
 }  # fmt: skip
 
 
 @functools.cache
-def build_case(name: str, dry_run: bool) -> Case:
+def build_case(name: str, dry_run: bool) -> cases.Case:
     """The case ``name`` at the dry run's or the device's shapes (built once per process)."""
     return CASES[name][2](dry_run)

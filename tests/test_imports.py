@@ -223,3 +223,23 @@ def test_models_exports_its_public_surface_and_nothing_of_attn():
     # The building blocks have one home each, their submodule.
     for gone in ("KVCache", "DecodeCache", "Heads", "Block", "EMPTY", "latent_cache_bytes"):
         assert not hasattr(models, gone), gone
+
+
+# Sizes that show the design: no written file past 500 lines (the committed results, data the
+# runs write, are not written by hand).
+MAX_LINES = 500
+WRITTEN = ("*.py", "*.sh", "*.md", "*.toml", "*.cfg", "*.txt")
+
+
+def test_no_written_file_is_over_500_lines():
+    skip = {".git", ".venv", "results", "node_modules", "__pycache__", ".pytest_cache"}
+    long = {}
+    for pattern in WRITTEN:
+        for path in ROOT.rglob(pattern):
+            parts = path.relative_to(ROOT).parts
+            if skip & set(parts) or any(p.endswith(".egg-info") for p in parts):
+                continue
+            count = len(path.read_text(encoding="utf-8", errors="replace").splitlines())
+            if count > MAX_LINES:
+                long[str(path.relative_to(ROOT))] = count
+    assert not long, f"files over {MAX_LINES} lines: {long}"
