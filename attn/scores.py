@@ -249,8 +249,9 @@ class Forgetting(ScoreMod):
 
     def apply(self, s, q_pos, k_pos):
         decay = self.q_cumulative - self.kv_cumulative
-        if self.q_zeros is not None:
-            decay = jnp.where(self.q_zeros > self.kv_zeros, -jnp.inf, decay)
+        if self.q_zeros is not None:  # counts: no gradient
+            crossed = jax.lax.stop_gradient(self.q_zeros > self.kv_zeros)
+            decay = jnp.where(crossed, -jnp.inf, decay)
         return s + decay
 
     @classmethod
@@ -393,7 +394,8 @@ def forgetting(log_forget) -> Forgetting:
     """FoX's decay from per-token log forget gates ``[B,T,N]`` (each <= 0), for T == S.
 
     The running sums over the sequence (``gate_sums``) are both sides' data; a
-    gate of 0 (log ``-inf``) hides every key before it. For a decode step or a
+    gate of 0 (log ``-inf``) hides every key before it (its zero counts are
+    leaves of the modifier unless the gates are concrete and none is 0). For a decode step or a
     prefill chunk over a cache, build ``Forgetting.between(q_sums, kv_sums)``
     from the sums the cache keeps (or ``Forgetting(q_cumulative, kv_cumulative)``
     where no gate can be 0).
@@ -404,6 +406,9 @@ def forgetting(log_forget) -> Forgetting:
     if log_forget.ndim != 3:
         fail("log_forget", "a rank-3 array [B,T,N]", f"shape {log_forget.shape}")
     sums = gate_sums(log_forget)
+    if not isinstance(log_forget, jax.core.Tracer) and not np.isneginf(log_forget).any():
+        # Concrete gates with no 0: no zero counts (the modifier's kernels are as before).
+        return Forgetting(sums.finite, sums.finite)
     return Forgetting.between(sums, sums)
 
 

@@ -114,3 +114,17 @@ def test_a_gate_of_zero_ends_a_sequence_forward_and_gradients(name):
         if x == "g":  # the gate at CUT is used by neither call
             g, w = g.at[:, CUT].set(0.0), w.at[:, CUT].set(0.0)
         assert rel_err(g, w) <= TOL, f"{name}: d{x}"
+
+
+def test_concrete_gates_carry_zero_counts_only_when_a_gate_is_0():
+    """Built from concrete gates, the modifier has zero counts only if a gate is 0 (so a
+    call without one compiles as before), and either way it is the packed call."""
+    zero, finite = gates()
+    assert scores.forgetting(zero).q_zeros is not None
+    assert scores.forgetting(finite).q_zeros is None
+    q, k, v = qkv(4, B=B, T=T, N=N, H=H)
+    got = attn.dot_product_attention(
+        q, k, v, mask=masks.causal(), score_mod=scores.forgetting(zero)
+    )
+    want = fox("dense")(q, k, v, finite, SEG)
+    assert rel_err(got, want) <= TOL
