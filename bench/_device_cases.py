@@ -1,9 +1,9 @@
 """The numerics phase's cases (``bench/_device_numerics.py``): shapes, inputs, the oracles, and
-the fixed-state families' builders (linear attention, the delta rules, Mamba-2's SSD, the DPLR
-rule, log-linear attention); softmax's, the sparse methods', decoding's and PaTH's are in
-``bench/_device_cases_softmax.py``. A builder returns a ``Case``: the family's inputs, the
-library's call and the reference from the equations (``attn.linear.reference``,
-``attn.softmax.reference``).
+the fixed-state families' cases, built from their records (``attn.linear.FAMILIES``: each
+family's example inputs, its run and its float64 reference), none spelled here; softmax's, the
+sparse methods', decoding's and PaTH's are in ``bench/_device_cases_softmax.py``. A case is a
+``Case``: the inputs, the library's call and the reference from the equations
+(``attn.linear.reference``, ``attn.softmax.reference``).
 """
 
 from __future__ import annotations
@@ -132,151 +132,46 @@ def ref_softmax():
 # The builders: one per family, its cases by name in CASES
 
 
-def linear_case(dry_run: bool) -> Case:
+def fixed_state_cases() -> list[tuple[str, str]]:
+    """``(family, variant)`` of every fixed-state family record (``attn.linear.FAMILIES``) with
+    a reference, in the registry's order: what the numerics run of them, nothing spelled here."""
+    from attn.linear import FAMILIES
+
+    sizes = SIZES[True]
+    return [(name, variant) for name, family in FAMILIES.items() if family.reference is not None
+            for variant in family.examples(rng_for(name), sizes)]  # fmt: skip
+
+
+def family_case(name: str, variant: str, dry_run: bool) -> Case:
+    """A fixed-state family's case from its record: its ``examples`` (the data fields rounded
+    to bfloat16 numbers), its ``run`` from a zero state and its ``reference``; the final
+    state's floating leaves are compared, every floating input differentiated."""
+    import jax
     import jax.numpy as jnp
 
-    import attn
+    from attn.linear import FAMILIES
+    from attn.linear.family import Ids
 
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = rng_for("linear/gated")
-    arrays = dict(q=normal(rng, (B, T, N, H)), k=normal(rng, (B, T, K, H)),
-                  v=normal(rng, (B, T, K, H)),
-                  log_gates=-rng.uniform(0.0, 0.2, (B, T, N)).astype(np.float32))  # fmt: skip
+    family, z = FAMILIES[name], SIZES[dry_run]
+    tokens, params, options = family.examples(rng_for(name), z)[variant]
+    given = {**tokens._asdict(), **params._asdict()}
+    arrays = {n: bf16(x) if n in family.data else x for n, x in given.items() if x is not None}
 
-    def run(form, a):
-        return attn.linear_attention(a["q"], a["k"], a["v"], form=form, log_gates=a["log_gates"],
-                                     chunk_size=z["chunk"], return_state=True)  # fmt: skip
+    def rebuild(a):
+        return (type(tokens)(*(a.get(n) for n in tokens._fields)),
+                type(params)(*(a.get(n) for n in params._fields)))  # fmt: skip
 
-    def oracle(a):
-        G = N // K
-        qf, kf = (ref_linear().feature_map("elu1", a[x]) for x in ("q", "k"))
-        kf, v = (jnp.repeat(x, G, axis=2) for x in (kf, a["v"]))
-        out, kv, zs = ref_linear().gated_linear(qf, kf, v, a["log_gates"], normalize=True)
-        return out, (kv, zs)
-
-    return Case("linear/gated", arrays, ("q", "k", "v"),
-                ("q", "k", "v", "log_gates"), run, oracle)  # fmt: skip
-
-
-def delta_case(variant: str, dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    product = variant == "product"
-    n = (z["steps"],) if product else ()
-    rng = rng_for(f"delta/{variant}")
-    arrays = dict(q=unit(rng, (B, T, K, H)), k=unit(rng, (B, T, *n, K, H)),
-                  v=normal(rng, (B, T, *n, N, H)),
-                  beta=rng.uniform(0.05, 0.95, (B, T, *n, N)).astype(np.float32))  # fmt: skip
-    gates = {"plain": None, "gated": (B, T, N), "kda": (B, T, N, H), "product": (B, T, N)}
-    if gates[variant] is not None:
-        arrays["log_gates"] = -rng.uniform(0.0, 0.2, gates[variant]).astype(np.float32)
-    fn = attn.delta_product if product else attn.delta_rule
+    def floats(final):
+        return [x for x in jax.tree.leaves(final) if jnp.issubdtype(x.dtype, jnp.floating)]
 
     def run(form, a):
-        return fn(a["q"], a["k"], a["v"], a["beta"], log_gates=a.get("log_gates"), form=form,
-                  chunk_size=z["chunk"], return_state=True)  # fmt: skip
+        kw = {**options, "form": form, "chunk_size": z["chunk"]}
+        out, final = family.run(family.fn, *rebuild(a), Ids(), None, kw)
+        return out, floats(final)
 
     def oracle(a):
-        return ref_linear().delta_rule(a["q"], a["k"], a["v"], a["beta"], a.get("log_gates"))
+        out, final = family.reference(*rebuild(a), options)
+        return out, floats(final)
 
-    diff = ("q", "k", "v", "beta") + (("log_gates",) if "log_gates" in arrays else ())
-    name = "product/gated" if product else f"delta/{variant}"
-    return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
-
-
-def ssd_case(dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = rng_for("ssd/mamba2")
-    arrays = dict(
-        x=normal(rng, (B, T, N, H)),
-        dt=rng.uniform(0.01, 0.3, (B, T, N)).astype(np.float32),
-        A=-rng.uniform(0.5, 1.5, N).astype(np.float32),
-        B=normal(rng, (B, T, K, H)),
-        C=normal(rng, (B, T, K, H)),
-        D=rng.standard_normal(N).astype(np.float32),
-    )
-
-    def run(form, a):
-        return attn.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], D=a["D"], form=form,
-                        chunk_size=z["chunk"], return_state=True)  # fmt: skip
-
-    def oracle(a):
-        return ref_linear().ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"])
-
-    return Case("ssd/mamba2", arrays, ("x", "B", "C"),
-                ("x", "dt", "A", "B", "C", "D"), run, oracle)  # fmt: skip
-
-
-def dplr_case(dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H = z["B"], z["T"], z["N"], z["K"], z["H"]
-    rng = rng_for("dplr/rwkv7")
-    # RWKV-7: a = -kappa (unit, per q/k head), b = kappa * a_in (per value head), log_w in
-    # (-0.6, 0), r unscaled (scale 1).
-    kappa = unit(rng, (B, T, K, H))
-    a_in = rng.uniform(0.0, 1.0, (B, T, N, H))
-    arrays = dict(q=normal(rng, (B, T, K, H)), k=bf16(0.5 * rng.standard_normal((B, T, K, H))),
-                  v=normal(rng, (B, T, N, H)), a=-kappa,
-                  b=bf16(np.repeat(kappa, N // K, axis=2) * a_in),
-                  log_w=-rng.uniform(0.0, 0.6, (B, T, N, H)).astype(np.float32))  # fmt: skip
-    scale = H**-0.5
-
-    def run(form, a):
-        return attn.dplr_delta_rule(a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"],
-                                    form=form, chunk_size=z["chunk"], scale=scale,
-                                    return_state=True)  # fmt: skip
-
-    def oracle(a):
-        return ref_linear().dplr_delta_rule(
-            a["q"], a["k"], a["v"], a["a"], a["b"], a["log_w"], scale=scale
-        )
-
-    return Case("dplr/rwkv7", arrays, ("q", "k", "v", "a", "b"),
-                ("q", "k", "v", "a", "b", "log_w"), run, oracle)  # fmt: skip
-
-
-def log_linear_case(variant: str, dry_run: bool) -> Case:
-    import attn
-
-    z = SIZES[dry_run]
-    B, T, N, K, H, L = z["B"], z["T"], z["N"], z["K"], z["H"], z["levels"]
-    name = f"log-linear/{variant}"
-    rng = rng_for(name)
-    delta = variant == "gdn"
-    arrays = dict(q=(unit if delta else normal)(rng, (B, T, K, H)),
-                  k=(unit if delta else normal)(rng, (B, T, K, H)),
-                  v=normal(rng, (B, T, N, H)),
-                  log_a=-rng.uniform(0.0, 0.2, (B, T, N)).astype(np.float32),
-                  lam=rng.uniform(0.1, 1.5, (B, T, N, L)).astype(np.float32))  # fmt: skip
-    if delta:
-        arrays["beta"] = rng.uniform(0.05, 0.95, (B, T, N)).astype(np.float32)
-    scale = H**-0.5
-
-    def run(form, a):
-        common = dict(form=form, chunk_size=z["chunk"], scale=scale, return_state=True)
-        if delta:
-            out, state = attn.log_linear_delta_rule(a["q"], a["k"], a["v"], a["beta"], a["lam"],
-                                                    log_gates=a["log_a"], **common)  # fmt: skip
-        else:
-            out, state = attn.log_linear_attention(a["q"], a["k"], a["v"], a["log_a"], a["lam"],
-                                                   **common)  # fmt: skip
-        return out, state.levels
-
-    def oracle(a):
-        if delta:
-            args = (a["q"], a["k"], a["v"], a["beta"], a["lam"], a["log_a"])
-            return ref_linear().log_linear_delta_rule(*args, scale=scale)
-        return ref_linear().log_linear_attention(
-            a["q"], a["k"], a["v"], a["log_a"], a["lam"], scale=scale
-        )
-
-    diff = ("q", "k", "v", "log_a", "lam") + (("beta",) if delta else ())
-    return Case(name, arrays, ("q", "k", "v"), diff, run, oracle)
+    data = tuple(n for n in family.data if n in arrays)
+    return Case(f"{name}/{variant}", arrays, data, tuple(arrays), run, oracle)

@@ -76,32 +76,45 @@ LOW_TOL = 1e-2  # bfloat16, and float32 at the default precision (TF32 on a GPU)
 
 F32, BF16 = "float32", "bfloat16"
 
+# The fixed-state families' cases, from their records (``bench/_device_cases.py``): every
+# (family, variant), and each family's first variant.
+FIXED = cases.fixed_state_cases()
+FIRSTS = [(n, v) for i, (n, v) in enumerate(FIXED) if n not in {m for m, _ in FIXED[:i]}]
+
+
+def _fixed(pairs, forms, dtype: str, precision: str) -> list[tuple]:
+    """Items of the fixed-state ``pairs`` in ``forms(family) -> forms``."""
+    from attn.linear import FAMILIES
+
+    return [(f"{n}/{v}", form, dtype, precision) for n, v in pairs
+            for form in forms(FAMILIES[n])]  # fmt: skip
+
+
+def _training(family):
+    return ("chunkwise",)
+
+
+def _others(family):
+    return tuple(form for form in family.forms if form != "chunkwise")
+
+
 # (case, form, dtype, precision), most important first: a budget cut drops the tail, so the
-# first pass covers every family once (the newer families' training forms right after it),
-# the second the other dtype, the third the remaining forms (then the newer families'), the
-# last float32 at the default precision (TF32 on a GPU).
+# first pass covers every family once (every fixed-state case's training form, from the
+# records, right after softmax's kernels), the second the kernels of their own and the other
+# dtype, the third the remaining forms, the last float32 at the default precision (TF32).
 PLAN = [
     ("softmax/causal-gqa", "pallas", BF16, "default"),
     ("softmax/causal-gqa", "cudnn", BF16, "default"),
     ("softmax/causal-gqa", "xla", BF16, "default"),
     ("softmax/causal-gqa", "blockwise", BF16, "default"),
     ("softmax/causal-gqa", "mosaic", BF16, "default"),
-    ("linear/gated", "chunkwise", F32, "highest"),
-    ("delta/gated", "chunkwise", F32, "highest"),
-    ("delta/kda", "chunkwise", F32, "highest"),
-    ("ssd/mamba2", "chunkwise", F32, "highest"),
-    ("product/gated", "chunkwise", F32, "highest"),
+    *_fixed(FIXED, _training, F32, "highest"),
     ("moba/causal", "gather", F32, "highest"),
     ("nsa/causal", "gather", F32, "highest"),
     ("dsa/causal", "gather", F32, "highest"),
     ("decode/causal", "dense", F32, "highest"),
     ("decode/causal", "paged", F32, "highest"),
-    # the newer families' training forms (after the first pass: the older families' kernels
-    # matter more), their other forms and bfloat16 after the third pass
-    ("dplr/rwkv7", "chunkwise", F32, "highest"),
     ("path/fox", "blockwise", F32, "highest"),
-    ("log-linear/mamba2", "chunkwise", F32, "highest"),
-    ("log-linear/gdn", "chunkwise", F32, "highest"),
     # second pass: the kernels of their own, then the other dtype
     ("softmax/causal-gqa", "pallas", F32, "highest"),
     ("moba/causal", "pallas", BF16, "default"),
@@ -113,39 +126,24 @@ PLAN = [
     ("softmax/segments", "mosaic", BF16, "default"),
     ("softmax/sinks-softcap", "mosaic", BF16, "default"),
     ("softmax/streaming", "mosaic", BF16, "default"),
-    ("linear/gated", "chunkwise", BF16, "default"),
-    ("delta/gated", "chunkwise", BF16, "default"),
-    ("ssd/mamba2", "chunkwise", BF16, "default"),
+    *_fixed(FIRSTS, _training, BF16, "default"),
     ("decode/causal", "pallas", BF16, "default"),
     ("decode/causal", "paged", BF16, "default"),
     ("softmax/causal-gqa", "blockwise", F32, "highest"),
     ("softmax/causal-gqa", "xla", F32, "highest"),
     # third pass: the other forms, then the other cases
-    ("linear/gated", "recurrent", F32, "highest"),
-    ("delta/gated", "recurrent", F32, "highest"),
-    ("ssd/mamba2", "recurrent", F32, "highest"),
-    ("ssd/mamba2", "quadratic", F32, "highest"),
-    ("linear/gated", "parallel", F32, "highest"),
-    ("delta/plain", "chunkwise", F32, "highest"),
+    *_fixed(FIRSTS, _others, F32, "highest"),
     ("dsa/causal", "gather", BF16, "default"),
     ("softmax/streaming", "blockwise", BF16, "default"),
     ("softmax/sinks-softcap", "blockwise", F32, "highest"),
     ("softmax/segments", "xla", BF16, "default"),
     ("softmax/segments", "blockwise", F32, "highest"),
     ("softmax/causal-gqa", "dense", F32, "highest"),
-    ("dplr/rwkv7", "chunkwise", BF16, "default"),
     ("path/fox", "blockwise", BF16, "default"),
-    ("log-linear/mamba2", "chunkwise", BF16, "default"),
-    ("log-linear/gdn", "chunkwise", BF16, "default"),
-    ("dplr/rwkv7", "recurrent", F32, "highest"),
     ("path/fox", "naive", F32, "highest"),
-    ("log-linear/mamba2", "recurrent", F32, "highest"),
-    ("log-linear/mamba2", "quadratic", F32, "highest"),
-    ("log-linear/gdn", "recurrent", F32, "highest"),
     # float32 as a GPU runs it by default: TF32 matmuls
     ("softmax/causal-gqa", "pallas", F32, "default"),
-    ("linear/gated", "chunkwise", F32, "default"),
-    ("delta/gated", "chunkwise", F32, "default"),
+    *_fixed(FIRSTS[:2], _training, F32, "default"),
 ]
 
 # Forms a CPU (a dry run) cannot run: cuDNN; the Mosaic GPU kernels take head dims 64 and 128
@@ -424,23 +422,14 @@ CASES = {
                               P(soft.softmax_case, "sinks-softcap")),
     "softmax/segments": ("softmax", "causal, GQA, packed segments and padding",
                          P(soft.softmax_case, "segments")),
-    "linear/gated": ("linear attention", "elu+1, gates, GQA", cases.linear_case),
-    "delta/gated": ("Gated DeltaNet", "head gates, grouped values", P(cases.delta_case, "gated")),
-    "delta/kda": ("KDA", "channel gates, grouped values", P(cases.delta_case, "kda")),
-    "delta/plain": ("DeltaNet", "no gates, grouped values", P(cases.delta_case, "plain")),
-    "product/gated": ("DeltaProduct", "2 steps, head gates", P(cases.delta_case, "product")),
-    "ssd/mamba2": ("Mamba-2 SSD", "2 groups, D skip", cases.ssd_case),
     "moba/causal": ("MoBA", "causal, GQA", soft.moba_case),
     "nsa/causal": ("NSA", "causal, GQA", soft.nsa_case),
     "dsa/causal": ("DSA", "causal, GQA", soft.dsa_case),
     "decode/causal": ("decode", "2 queries, causal, rows of their own lengths", soft.decode_case),
-    "dplr/rwkv7": ("DPLR (RWKV-7)", "a = -kappa, b = kappa a_in, grouped values",
-                   cases.dplr_case),
     "path/fox": ("PaTH", "FoX gates, causal, GQA", soft.path_case),
-    "log-linear/mamba2": ("log-linear Mamba-2", "clamped levels, grouped values",
-                          P(cases.log_linear_case, "mamba2")),
-    "log-linear/gdn": ("log-linear Gated DeltaNet", "clamped levels, head gates",
-                       P(cases.log_linear_case, "gdn")),
+    # every fixed-state family's variants, from its record
+    **{f"{n}/{v}": (n, f"its {v!r} example (attn.linear.FAMILIES)", P(cases.family_case, n, v))
+       for n, v in FIXED},
 }  # fmt: skip
 
 

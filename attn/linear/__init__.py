@@ -29,6 +29,7 @@ Modules:
   once (``check_front``), and the one default ``CHUNK_SIZE``;
 * ``family``: a family as one record (``Family``), the registry of them
   (``FAMILIES``) and the one driver that shards any of them (``sharded``);
+* ``log_linear_family``: the log-linear records (no sharded form);
 * ``sharded``: the first six records and every family (and ``attn.conv``'s
   short convolution) with the sequence split over a mesh axis:
   ``sharded_linear_attention``, ``sharded_delta_rule``, ``sharded_delta_product``,
@@ -40,6 +41,7 @@ Modules:
   ``register_feature_map`` adds to) and FAVOR+'s projection.
 """
 
+from attn.linear import log_linear_family  # noqa: F401  (adds its records)
 from attn.linear.attention import (
     LINEAR_FORMS,
     LinearState,

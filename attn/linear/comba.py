@@ -31,12 +31,13 @@ from typing import NamedTuple, Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import delta, front
+from attn.linear import delta, front, reference
 from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
-from attn.linear.family import FAMILIES, Family, Ids, run_sharded, widen
+from attn.linear.family import FAMILIES, Family, Ids, normal, run_sharded, uniform, unit, widen
 from attn.linear.front import RecurrenceArgs
 
 __all__ = ["COMBA_FORMS", "comba", "comba_step", "sharded_comba"]
@@ -161,7 +162,22 @@ def sharded_comba(
                        axis_name, options)  # fmt: skip
 
 
+def _examples(rng, z):
+    B, T, K, N, H = (z[n] for n in "BTKNH")
+    q, k = unit(rng, B, T, K, H), unit(rng, B, T, K, H)
+    p = unit(rng, B, T, K, H) * 0.3 + k
+    p = p / np.linalg.norm(p, axis=-1, keepdims=True)
+    tokens = CombaTokens(q, k, normal(rng, B, T, N, H), p, uniform(rng, 0.05, 0.95, B, T, N),
+                         -uniform(rng, 0.0, 0.2, B, T, N))  # fmt: skip
+    return {"gated": (tokens, NoParams(), {})}
+
+
+def _reference(t, _, options):
+    return reference.comba(*t, scale=t.q.shape[-1] ** -0.5)
+
+
 FAMILIES.add("comba", Family(
     "comba", comba, comba_step, COMBA_FORMS, _run, _zeros, "matrix",
     lambda t, p, extra: (t._replace(v=widen(t.v, extra)), p), _values, sharded=sharded_comba,
+    reference=_reference, examples=_examples, data=("q", "k", "v", "p"),
 ))  # fmt: skip

@@ -31,9 +31,10 @@ from typing import NamedTuple, Required, TypedDict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from attn.checks import same_token_segment_ids, segment_values
+from attn.checks import fail, same_token_segment_ids, segment_values
 from attn.linear.chain import Recurrence
 from attn.linear.drive import check_mesh, check_whole, drive
 from attn.registry import Registry
@@ -94,7 +95,16 @@ class Family(NamedTuple):
       same_tokens: its queries and keys are one set of tokens (``q_seg`` is
         checked against ``kv_segment_ids``, ``checks.same_token_segment_ids``).
       sharded: its public sharded function (``attn.linear.sharded``), taking
-        ``fn``'s arguments and ``MeshArgs``.
+        ``fn``'s arguments and ``MeshArgs``; None where its transition admits no
+        exchange (``kind`` ``"none"``: log-linear attention's levels span the sequence).
+      reference: ``(tokens, params, options) -> (y, final)``: the float64 reference
+        (``attn.linear.reference``) of ``run`` from a zero state, on its arrays.
+      examples: ``(rng, sizes) -> {variant: (tokens, params, options)}``: NumPy float32
+        inputs of its variants at ``sizes`` (B, T, K, N, H, and the family's own, e.g.
+        ``steps``, ``levels``), drawn as its users draw them (unit keys, gates in range),
+        with the options its reference takes: what the benchmarks' numerics run.
+      data: the token fields a lower-precision run takes in its dtype (the rest, gates
+        and strengths, stay float32 as a model keeps them).
     """
 
     name: str
@@ -108,6 +118,24 @@ class Family(NamedTuple):
     check_values: Callable
     same_tokens: bool = True
     sharded: Callable | None = None
+    reference: Callable | None = None
+    examples: Callable | None = None
+    data: tuple[str, ...] = ()
+
+
+def normal(rng, *shape):
+    """Standard normal float32 NumPy draws (the records' ``examples``)."""
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def unit(rng, *shape):
+    """Unit vectors along the last axis, float32."""
+    x = normal(rng, *shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def uniform(rng, low: float, high: float, *shape):
+    return rng.uniform(low, high, shape).astype(np.float32)
 
 
 def widen(x, extra: int):
@@ -205,6 +233,8 @@ def sharded(
     family.check_values(tokens, params, ids)  # the values, as given
     if family.kind == "matrix" and family.zeros(tokens, params, options).shape[-2] == 0:
         return family.run(family.fn, tokens, params, ids, state, options)  # no state to chain
+    if family.kind not in ("scalar", "matrix"):
+        fail("family", f"a family whose transition is exchanged (not {family.name!r})", family.kind)
     y, final = drive(recurrence(family, options), tokens, params, ids, state, T=T, **mesh_args)
     return (y, final) if return_state else y
 

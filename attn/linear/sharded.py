@@ -27,10 +27,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn.checks import fail
 from attn.conv import short_conv
-from attn.linear import delta, dplr, mamba
+from attn.linear import delta, dplr, mamba, reference
 from attn.linear.attention import (
     LINEAR_FORMS,
     check_decay,
@@ -39,7 +40,7 @@ from attn.linear.attention import (
 )
 from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step
 from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
-from attn.linear.family import FAMILIES, Family, Ids, run_sharded, widen
+from attn.linear.family import FAMILIES, Family, Ids, normal, run_sharded, uniform, unit, widen
 from attn.linear.mamba import SSD_FORMS, ssd, ssd_step
 from attn.linear.product import delta_product, delta_product_step
 
@@ -102,9 +103,25 @@ def _linear_values(t, p, ids):
     check_decay(p.decay, t.log_gates, B, T, N, causal=True, ids=ids.kv_seg)
 
 
+def _linear_reference(t, p, options):
+    G = t.q.shape[2] // t.k.shape[2]
+    qf, kf = (reference.feature_map(options["feature_map"], x) for x in (t.q, t.k))
+    kf, v = (jnp.repeat(x, G, axis=2) for x in (kf, t.v))
+    out, kv, z = reference.gated_linear(qf, kf, v, t.log_gates, normalize=True)
+    return out, (kv, z)
+
+
+def _linear_examples(rng, z):
+    B, T, K, N, H = (z[n] for n in "BTKNH")
+    tokens = LinearTokens(normal(rng, B, T, N, H), normal(rng, B, T, K, H),
+                          normal(rng, B, T, K, H), -uniform(rng, 0.0, 0.2, B, T, N))  # fmt: skip
+    return {"gated": (tokens, LinearParams(), dict(feature_map="elu1"))}
+
+
 LINEAR = Family(
     "linear_attention", linear_attention, linear_attention_step, LINEAR_FORMS, _linear_run,
-    _linear_zeros, "scalar", _wide_v, _linear_values,
+    _linear_zeros, "scalar", _wide_v, _linear_values, reference=_linear_reference,
+    examples=_linear_examples, data=("q", "k", "v"),
 )  # fmt: skip
 
 
@@ -161,9 +178,18 @@ def _ssd_values(t, p, ids):
     mamba.check_inputs(t.x, t.dt, p.A, t.B, t.C, p.D, step=False, ids=ids.kv_seg)
 
 
+def _ssd_examples(rng, z):
+    B, T, K, N, H = (z[n] for n in "BTKNH")
+    tokens = SsdTokens(normal(rng, B, T, N, H), uniform(rng, 0.01, 0.3, B, T, N),
+                       normal(rng, B, T, K, H), normal(rng, B, T, K, H))  # fmt: skip
+    return {"mamba2": (tokens, SsdParams(-uniform(rng, 0.5, 1.5, N), normal(rng, N)), {})}
+
+
 SSD = Family(
     "ssd", ssd, ssd_step, SSD_FORMS, _ssd_run, _ssd_zeros, "scalar",
     lambda t, p, extra: (t._replace(x=widen(t.x, extra)), p), _ssd_values, same_tokens=False,
+    reference=lambda t, p, options: reference.ssd(t.x, t.dt, p.A, t.B, t.C, p.D),
+    examples=_ssd_examples, data=("x", "B", "C"),
 )  # fmt: skip
 
 
@@ -214,11 +240,30 @@ def _delta_values(t, p, ids):
     delta.check_values(t.beta, t.log_gates, lead, N, H, ids.kv_seg)
 
 
+def _delta_examples(rng, z, steps=()):
+    B, T, K, N, H = (z[n] for n in "BTKNH")
+    q, k = unit(rng, B, T, K, H), unit(rng, B, T, *steps, K, H)
+    v, beta = normal(rng, B, T, *steps, N, H), uniform(rng, 0.05, 0.95, B, T, *steps, N)
+    gates = {"gated": (B, T, N), "kda": (B, T, N, H), "plain": None}
+    if steps:
+        gates = {"gated": gates["gated"]}
+    return {
+        name: (DeltaTokens(q, k, v, beta, None if g is None else -uniform(rng, 0.0, 0.2, *g)),
+               NoParams(), {})
+        for name, g in gates.items()
+    }  # fmt: skip
+
+
 DELTA = Family(
     "delta_rule", delta_rule, delta_rule_step, DELTA_FORMS, _delta_run, _key_state, "matrix",
     _wide_v, _delta_values,
+    reference=lambda t, p, options: reference.delta_rule(t.q, t.k, t.v, t.beta, t.log_gates),
+    examples=_delta_examples, data=("q", "k", "v"),
 )  # fmt: skip
-PRODUCT = DELTA._replace(name="delta_product", fn=delta_product, step=delta_product_step)
+PRODUCT = DELTA._replace(
+    name="delta_product", fn=delta_product, step=delta_product_step,
+    examples=lambda rng, z: _delta_examples(rng, z, steps=(z["steps"],)),
+)  # fmt: skip
 
 
 class DplrTokens(NamedTuple):
@@ -234,9 +279,28 @@ def _dplr_run(fn, t, p, ids, state, options):
     return fn(*t, initial_state=state, return_state=True, **_ids(ids), **options)
 
 
+def _dplr_examples(rng, z):
+    """RWKV-7's: ``a = -kappa`` (unit, per q/k head), ``b = kappa a_in`` (per value head),
+    ``log_w`` in (-0.6, 0)."""
+    B, T, K, N, H = (z[n] for n in "BTKNH")
+    kappa, a_in = unit(rng, B, T, K, H), uniform(rng, 0.0, 1.0, B, T, N, H)
+    b = np.repeat(kappa, N // K, axis=2) * a_in
+    tokens = DplrTokens(
+        normal(rng, B, T, K, H),
+        0.5 * normal(rng, B, T, K, H),
+        normal(rng, B, T, N, H),
+        -kappa,
+        b,
+        -uniform(rng, 0.0, 0.6, B, T, N, H),
+    )
+    return {"rwkv7": (tokens, NoParams(), dict(scale=H**-0.5))}  # fmt: skip
+
+
 DPLR = Family(
     "dplr_delta_rule", dplr_delta_rule, dplr_delta_rule_step, DPLR_FORMS, _dplr_run, _key_state,
     "matrix", _wide_v, lambda t, p, ids: dplr.check_values(t.a, t.b, t.log_w, ids.kv_seg),
+    reference=lambda t, p, options: reference.dplr_delta_rule(*t, scale=options["scale"]),
+    examples=_dplr_examples, data=("q", "k", "v", "a", "b"),
 )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+import attn
 from bench import _device_numerics as numerics
 from bench._device_common import Context
 
@@ -25,23 +26,26 @@ def test_items_cover_every_family_and_form_most_important_first():
     for todo in (device, dry):
         assert len({item["name"] for item in todo}) == len(todo)
         assert {item["case"] for item in todo} == set(numerics.CASES)
-    # The first pass runs every older family once before any family runs a second item; the
-    # newer families (DPLR, PaTH, log-linear) come after it and before float32 with TF32.
-    newer = {"dplr/rwkv7", "path/fox", "log-linear/mamba2", "log-linear/gdn"}
-    first = {item["family"] for item in device[:15]}
-    older = {family for case, (family, *_) in numerics.CASES.items() if case not in newer}
-    assert first == older - {"DeltaNet"}
-    where = [i for i, item in enumerate(device) if item["case"] in newer]
-    assert where[0] == 15 and {device[i]["case"] for i in where[:4]} == newer
+    # The fixed-state cases are the records' (every family with a reference, every variant),
+    # and their training forms run right after softmax's kernels: one pass over all of them
+    # before any runs a second item; float32 with TF32 comes last.
+    records = {n for n, f in attn.linear.FAMILIES.items() if f.reference is not None}
+    assert {n for n, _ in numerics.FIXED} == records >= {"comba", "log_linear_delta_rule"}
+    first = device[5 : 5 + len(numerics.FIXED)]
+    assert [item["case"] for item in first] == [f"{n}/{v}" for n, v in numerics.FIXED]
+    assert {item["form"] for item in first} == {"chunkwise"}
     tf32 = [i for i, item in enumerate(device) if item["precision"] == "default"
             and item["dtype"] == "float32"]  # fmt: skip
-    assert len(where) == 13 and max(where) < min(tf32)
+    assert min(tf32) == len(device) - len(tf32)
+    for name in records:  # every form of every family, on its first variant
+        forms = {item["form"] for item in device if item["case"].startswith(name + "/")}
+        assert forms == set(attn.linear.FAMILIES[name].forms), name
     # A CPU has no cuDNN and no TF32 (float32 at the default precision is float32 there).
     assert {item["form"] for item in device} > {item["form"] for item in dry} >= {"pallas", "xla"}
     assert not [
         item for item in dry if item["precision"] == "default" and item["dtype"] == "float32"
     ]
-    assert len(dry) < len(device) <= 60
+    assert len(dry) < len(device) <= 70
     assert {"parallel", "recurrent", "chunkwise", "quadratic", "gather", "paged"} <= {
         item["form"] for item in dry
     }
@@ -107,9 +111,9 @@ def first_of_each_case(items):
 def test_dry_run_of_every_case_passes_on_the_cpu(monkeypatch):
     ctx = context()
     items = first_of_each_case(numerics.items(True))
-    assert len(items) == 18 and {i["name"].split("/")[0] for i in items} == {
-        *("softmax", "linear", "delta", "ssd", "product", "moba", "nsa", "dsa", "decode"),
-        *("dplr", "path", "log-linear"),
+    assert len(items) == 9 + len(numerics.FIXED) and {i["name"].split("/")[0] for i in items} == {
+        *("softmax", "moba", "nsa", "dsa", "decode", "path"),
+        *(n for n, _ in numerics.FIXED),
     }
     rows = [{**item, **numerics.run_item(item, ctx)} for item in items]
     failed = [(r["name"], r["status"], r.get("grad_errors")) for r in rows if r["status"] != "ok"]
@@ -124,7 +128,7 @@ def test_dry_run_of_every_case_passes_on_the_cpu(monkeypatch):
 
     # A form off by a little more than its tolerance, in its output and so its gradients.
     build = numerics.build_case
-    for name, scale in (("linear/gated/chunkwise/float32", 1 + 3e-5),
+    for name, scale in (("linear_attention/gated/chunkwise/float32", 1 + 3e-5),
                         ("ssd/mamba2/chunkwise/bfloat16", 1 + 3e-2)):  # fmt: skip
         item = next(i for i in numerics.items(True) if i["name"] == name)
         case = build(item["case"], True)
