@@ -2,6 +2,10 @@
 
 It picks an implementation and never changes the math: every ``impl`` computes
 ``attn.dot_product_attention``'s function or refuses with a ``ValueError``.
+What each one computes is one table, ``CAPABILITIES`` (implementation name ->
+frozenset of ``FLAGS``): a call that needs a flag its implementation lacks is
+refused, naming the argument (tests/attn/test_capabilities.py keeps the table
+honest, and the property tests iterate it: tests/attn/impls.py).
 """
 
 from __future__ import annotations
@@ -41,6 +45,45 @@ OPTIONS = {
     "pallas": ("block_q", "block_k", "interpret", "platform"),
     "splash": ("interpret", "platform"),
     "mosaic": ("block_q", "block_k", "interpret"),
+}
+
+
+# What a call may need of an implementation: one vocabulary, one line a flag. What every
+# implementation takes has no flag: masks of attn.masks (splash's NumPy fallback up to
+# splash.NUMPY_MASK_LIMIT entries), segment ids (and jax.nn's sequence lengths), fewer
+# queries than keys at the default (bottom-right) positions, gradients, bfloat16 and
+# float16 inputs, head dims 64 and 128.
+FLAGS = {
+    "bias": "a bias array (jax.nn's bias)",
+    "mask_array": "a boolean mask array (jax.nn's mask)",
+    "score_mod": "an attn.scores modifier without a soft-cap (ALiBi, T5 buckets, FoX, their sums; "
+    "jax.nn and cuDNN: those declaring ScoreMod.additive, as a materialized bias)",
+    "softcap": "softcap= (and splash takes scores.softcap(c) as the score_mod too)",
+    "sink": "sink_logits",
+    "positions": "positions of any kind: traced, or differing across the batch (splash: "
+    "concrete ones, the same in every row)",
+    "empty_rows_mean": "empty_rows='mean' (jax.nn's mean of V where a query sees nothing)",
+    "return_lse": "return_lse=True (differentiable)",
+    "return_weights": "return_weights=True",
+    "float32": "float32 inputs on every backend (mosaic's interpreted twin takes them on a CPU, "
+    "its Hopper kernels do not)",
+    "head_dim_8k": "head dims H and E that are multiples of 8 up to 128, not only 64 and 128",
+    "any_head_dim": "any head dims H and E (cuDNN: multiples of 8 up to 128, 256 from Hopper)",
+    "cpu": "runs on a CPU (pallas, splash and mosaic in interpret mode)",
+}
+_EVERY = frozenset(FLAGS)
+_JAX_NN = _EVERY - {"softcap", "sink", "return_lse", "return_weights"}
+# Splash's and Mosaic's kernels read no pair arrays, no modifier but the soft-cap, no weights.
+_NO_ARRAYS = {"bias", "mask_array", "score_mod", "return_weights"}
+CAPABILITIES = {
+    "auto": _EVERY,  # it picks one that computes the call (dense, at worst)
+    "dense": _EVERY,
+    "blockwise": _EVERY - {"return_weights"},
+    "xla": _JAX_NN,
+    "cudnn": _JAX_NN - {"float32", "any_head_dim", "cpu"},
+    "pallas": _EVERY - {"return_weights"},
+    "splash": _EVERY - _NO_ARRAYS - {"positions", "empty_rows_mean", "return_lse"},
+    "mosaic": _EVERY - _NO_ARRAYS - {"float32", "head_dim_8k", "any_head_dim"},
 }
 
 
@@ -111,8 +154,9 @@ def attention(
         dim fit without a materialized mask, else pallas; on TPU: splash where
         the call maps, else blockwise; returned weights always to dense). A
         ``score_mod`` runs in every implementation of ours; jax.nn and cuDNN
-        take it only when it is additive (no soft-cap), as a materialized
-        ``[B,N,T,S]`` bias, so auto sends it to pallas on a GPU.
+        take it only when it is additive (``ScoreMod.additive``), as a materialized
+        ``[B,N,T,S]`` bias, so auto sends it to pallas on a GPU. ``CAPABILITIES``
+        says what each takes (``FLAGS``).
       implementation: ``jax.nn``'s: None (``impl`` decides), ``"xla"`` or ``"cudnn"``
         (the same as ``impl=``); given with another ``impl`` than ``"auto"``, a ``ValueError``.
       return_weights, return_lse, return_residual: as in ``attn.dot_product_attention``
@@ -240,7 +284,10 @@ def _jax_nn_reason(call: Call, return_weights, return_lse) -> str | None:
     if call.softcap is not None:
         return "softcap (jax.nn has no equivalent)"
     if not scores.additive(call.score):
-        return "a score_mod with a soft-cap (jax.nn takes additive biases only)"
+        return (
+            "a score_mod that is not additive: a soft-cap, or one not declaring "
+            "ScoreMod.additive (jax.nn takes additive biases only)"
+        )
     if return_weights or return_lse:
         return "return_weights/return_lse"
     return None

@@ -1,10 +1,9 @@
 """Score modifiers: how much a query attends to a key, beside masks (which keys it may see).
 
-A modifier maps the scaled logits of a tile to new logits, before the mask and
-the softmax, from the tile's absolute query and key positions (the ones masks
-see, so prefill, decode, ring shards and ring-buffer caches need nothing
-extra), the query head, and for data-dependent modifiers the tile's slice of
-their per-token data::
+A modifier maps the scaled logits of a tile to new logits, before the mask and the softmax,
+from the tile's absolute query and key positions (the ones masks see, so prefill, decode, ring
+shards and ring-buffer caches need nothing extra), the query head, and for data-dependent
+modifiers the tile's slice of their per-token data::
 
     alibi(alibi_slopes(N))                     # ALiBi (Press et al. 2022): -m_n |i - j|
     relative_bias(table, num_buckets=32,       # T5 (Raffel et al. 2020): a learned bias per
@@ -25,11 +24,10 @@ an implementation how to lay it out for a tile:
 * ``"q"``: ``[B,T,N]``, one value per query token and head;
 * ``"k"``: ``[B,S,N]``, one value per key token and query head.
 
-``apply(s, q_pos, k_pos)`` is then elementwise: the implementation rebuilds
-the modifier with each leaf as a view that broadcasts against its logits
-(a head leaf keeps its trailing axes after the broadcast ones), so the same
-code runs on dense ``[B,K,G,T,S]`` logits, on blockwise tiles in either
-orientation and inside a Pallas kernel.
+``apply(s, q_pos, k_pos)`` is then elementwise: the implementation rebuilds the modifier with
+each leaf as a view that broadcasts against its logits (a head leaf keeps its trailing axes
+after the broadcast ones), so the same code runs on dense ``[B,K,G,T,S]`` logits, on blockwise
+tiles in either orientation and inside a Pallas kernel.
 """
 
 from __future__ import annotations
@@ -105,6 +103,7 @@ class ScoreMod:
     """
 
     leaves: ClassVar[dict[str, str]] = {}
+    additive: ClassVar[bool] = False  # apply(s) is s plus a bias: it can be materialized
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -148,6 +147,7 @@ class Alibi(ScoreMod):
 
     slopes: jax.Array  # [N]
     leaves: ClassVar[dict[str, str]] = {"slopes": "head"}
+    additive: ClassVar[bool] = True
 
     def apply(self, s, q_pos, k_pos):
         return s - self.slopes * jnp.abs(q_pos - k_pos).astype(jnp.float32)
@@ -165,6 +165,7 @@ class RelativeBias(ScoreMod):
     max_distance: int
     bidirectional: bool
     leaves: ClassVar[dict[str, str]] = {"table": "head"}
+    additive: ClassVar[bool] = True
 
     def apply(self, s, q_pos, k_pos):
         bucket = relative_buckets(q_pos - k_pos, self.num_buckets, self.max_distance,
@@ -246,6 +247,7 @@ class Forgetting(ScoreMod):
     leaves: ClassVar[dict[str, str]] = {
         "q_cumulative": "q", "kv_cumulative": "k", "q_zeros": "q", "kv_zeros": "k",
     }  # fmt: skip
+    additive: ClassVar[bool] = True
 
     def apply(self, s, q_pos, k_pos):
         decay = self.q_cumulative - self.kv_cumulative
@@ -476,9 +478,10 @@ def split(mod: ScoreMod | None) -> tuple[Structure | None, list]:
 
 
 def additive(mod: ScoreMod | None) -> bool:
-    """Whether a modifier only adds a bias (no soft-cap): then it can be materialized."""
+    """Whether every term declares it only adds a bias (``ScoreMod.additive``): then the
+    modifier can be materialized (not a soft-cap, nor a modifier that does not declare it)."""
     terms = mod.terms if isinstance(mod, Compose) else () if mod is None else (mod,)
-    return not any(isinstance(t, Softcap) for t in terms)
+    return all(t.additive for t in terms)
 
 
 def check_type(score_mod) -> None:

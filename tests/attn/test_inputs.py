@@ -9,19 +9,25 @@ from flax import nnx
 import attn
 import models
 from attn import masks
-from attn.pallas import flash_attention
+from tests.attn.impls import SMALL_FLOAT32, attend, impls_with
 
 RNG = np.random.default_rng(0)
 Q = RNG.normal(size=(1, 32, 2, 8)).astype(np.float32)
 
-CALLS = {
-    "auto": lambda q, k, v: attn.attention(q, k, v, mask=masks.causal()),
-    "dense": lambda q, k, v: attn.attention(q, k, v, mask=masks.causal(), impl="dense"),
-    "blockwise": lambda q, k, v: attn.blockwise_attention(q, k, v, mask=masks.causal()),
-    "xla": lambda q, k, v: attn.attention(q, k, v, mask=masks.causal(), impl="xla"),
-    "pallas": lambda q, k, v: flash_attention(q, k, v, mask=masks.causal(), interpret=True),
-    "linear": lambda q, k, v: attn.linear_attention(q, k, v),
-}
+
+def calls(*flags):
+    """Causal attention in every implementation with ``flags``, and linear attention."""
+    softmax = {
+        impl: lambda q, k, v, impl=impl: attend(impl)(q, k, v, mask=masks.causal())
+        for impl in impls_with(*flags, auto=True)
+    }
+    return softmax | {"linear": lambda q, k, v: attn.linear_attention(q, k, v)}
+
+
+# Inputs every implementation refuses before it sees them (the one front, check_call).
+CALLS = calls()
+# Q's inputs: float32, head dim 8.
+TAKING_Q = calls(*SMALL_FLOAT32)
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64])
@@ -35,12 +41,12 @@ def test_integer_bool_and_complex_inputs_are_refused(impl, dtype):
         CALLS[impl](Q, Q, v)
 
 
-@pytest.mark.parametrize("impl", sorted(CALLS))
+@pytest.mark.parametrize("impl", sorted(TAKING_Q))
 def test_numpy_arrays_take_the_same_path_as_jax_arrays(impl):
     import jax.numpy as jnp
 
-    got = np.asarray(CALLS[impl](Q, Q, Q))
-    want = np.asarray(CALLS[impl](*(jnp.asarray(x) for x in (Q, Q, Q))))
+    got = np.asarray(TAKING_Q[impl](Q, Q, Q))
+    want = np.asarray(TAKING_Q[impl](*(jnp.asarray(x) for x in (Q, Q, Q))))
     np.testing.assert_array_equal(got, want)
 
 
@@ -65,8 +71,8 @@ def test_dense_reference_survives_logits_of_1e10():
     big = np.full((1, 16, 2, 8), 1e5, np.float32)
     big[:, ::2] *= -1  # alternate signs: every row has keys of logit +-2.8e10
     outs = {
-        impl: np.asarray(attn.attention(big, big, big, mask=masks.causal(), impl=impl))
-        for impl in ("dense", "blockwise", "xla")
+        impl: np.asarray(attend(impl)(big, big, big, mask=masks.causal()))
+        for impl in impls_with(*SMALL_FLOAT32)
     }
     for impl, out in outs.items():
         assert np.isfinite(out).all(), impl

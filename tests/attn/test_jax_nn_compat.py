@@ -8,10 +8,11 @@ every gradient, bias included, with their ``implementation="cudnn"`` replaced by
 each implementation of ours. Changed, to fit the suite's time: T = S = 32 (theirs
 128) and a batch of 4 where theirs is 16, with 16-row tiles so the fused
 kernels cross several, and the product of dtypes, group sizes and vmap
-thinned to three cases that cover each value; cuDNN is among the
-implementations only on a GPU.
-Splash runs where its masks are static; it refuses a bias or a mask array
-(``splash_reason``), and the test checks that refusal instead.
+thinned to three cases that cover each value. The implementations are those
+of ``attn.dispatch.CAPABILITIES`` that take the inputs (head dim 32: not
+Mosaic's; cuDNN only on a GPU); one that lacks what a case needs (splash: a
+bias or a mask array) must refuse it by name, and the test checks that refusal
+instead.
 """
 
 from __future__ import annotations
@@ -26,32 +27,14 @@ from flax import nnx
 from jax import random
 
 import attn
-from attn.pallas import splash_reason
+from tests.attn.impls import SMALL_FLOAT32, attend, impls_with, refuses
 
 TILES = dict(block_q=16, block_k=16)
-OPTIONS = {
-    "dense": {},
-    "blockwise": TILES,
-    "pallas": TILES,
-    "xla": {},
-    "splash": {},
-}
-if jax.default_backend() == "gpu":
-    OPTIONS["cudnn"] = {}
-IMPLS = sorted(OPTIONS)
+IMPLS = impls_with("head_dim_8k")  # bfloat16 and float16 inputs, head dim 32
 
 
 def ours(impl):
-    return functools.partial(attn.attention, impl=impl, **OPTIONS[impl])
-
-
-def refused_by_splash(impl, *args, **kwargs) -> bool:
-    """Splash's refusal, checked to be the one ``attn.attention`` raises."""
-    reason = splash_reason(*args, **kwargs) if impl == "splash" else None
-    if reason is not None:
-        with pytest.raises(ValueError, match=reason.split(":")[0]):
-            ours(impl)(*args, **kwargs)
-    return reason is not None
+    return attend(impl, **TILES)
 
 
 def close(a, b, tol):
@@ -153,7 +136,9 @@ def test_dot_product_attention_mask(impl, mask_mode):
         key_value_seq_lengths=kv_seqlen,
         local_window_size=window_size,
     )
-    if refused_by_splash(impl, Q, K, V, bias, mask, **kwargs):
+    needs = {"bias"} if bias is not None else set()
+    needs |= {"mask_array"} if mask is not None else set()
+    if refuses(impl, needs, ours(impl), Q, K, V, bias, mask, **kwargs):
         return
 
     def fn(sdpa, q, k, v, b, m):
@@ -175,15 +160,14 @@ def test_dot_product_attention_mask(impl, mask_mode):
         close(dbias_ref, dbias_ans, 0.02)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impls_with(*SMALL_FLOAT32))
 def test_a_row_with_no_keys_is_the_mean_of_v_under_empty_rows_mean(impl):
     """Row 0 has ``key_value_seq_lengths`` 0: jax.nn gives every query the mean of all of V
     (its padding's included), and so does every impl under ``empty_rows="mean"``."""
     q, k, v = (random.normal(random.PRNGKey(i), (2, 16, 2, 16)) for i in range(3))
     lengths = jnp.array([0, 5], jnp.int32)
-    if impl == "splash":  # no lse to find empty rows by
-        with pytest.raises(ValueError, match=r"^empty_rows: expected 'zero' for impl='splash'"):
-            ours(impl)(q, k, v, key_value_seq_lengths=lengths, empty_rows="mean")
+    kw = dict(key_value_seq_lengths=lengths, empty_rows="mean")
+    if refuses(impl, {"empty_rows_mean"}, ours(impl), q, k, v, **kw):  # splash: no lse
         return
     want = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths)
     got = ours(impl)(q, k, v, key_value_seq_lengths=lengths, empty_rows="mean")
@@ -202,7 +186,7 @@ def test_dot_product_attention_bias_gradient(impl, batch_size, use_vmap):
     x = random.normal(keys[0], (B, S, N, H), dtype)
     bias = random.normal(keys[1], (B, N, S, S), dtype=dtype)
     mask = jnp.ones((1, 1, S), dtype=jnp.bool_)
-    if refused_by_splash(impl, x, x, x, bias, mask):
+    if refuses(impl, {"bias", "mask_array"}, ours(impl), x, x, x, bias, mask):
         return
 
     def attention(x, bias, mask, sdpa):
@@ -227,7 +211,7 @@ def test_dot_product_attention_bias_gradient(impl, batch_size, use_vmap):
     close(dbias_ans, dbias_ref, 0.1)
 
 
-@pytest.mark.parametrize("impl", ["dense", "pallas"])
+@pytest.mark.parametrize("impl", impls_with(*SMALL_FLOAT32, "mask_array", "empty_rows_mean"))
 def test_flax_multi_head_attention_with_ours_equals_its_default(impl):
     """``nnx.MultiHeadAttention(attention_fn=attn.flax_attention_fn(impl))`` is the layer
     with Flax's own attention, outputs and parameter gradients (a padding mask with a
@@ -246,7 +230,7 @@ def test_flax_multi_head_attention_with_ours_equals_its_default(impl):
     def loss(model):
         return (model(x, mask=mask) ** 2).sum()
 
-    theirs, mine = layer(None), layer(attn.flax_attention_fn(impl, **OPTIONS[impl]))
+    theirs, mine = layer(None), layer(attn.flax_attention_fn(**ours(impl).keywords))
     close(mine(x, mask=mask), theirs(x, mask=mask), 2e-5)
     g_theirs, g_mine = nnx.grad(loss)(theirs), nnx.grad(loss)(mine)
     for a, b in zip(jax.tree.leaves(g_mine), jax.tree.leaves(g_theirs), strict=True):

@@ -5,11 +5,12 @@ gradients), ids >= 1 are segments, negative ids are refused. Padding holds
 whatever memory held: here NaN, +Inf and -Inf, which must reach no real token,
 forward or backward. The same batch
 (segments of 5 tokens, padding before, between and after them, ids that are
-not in order) goes through every softmax implementation (dense, blockwise,
-Pallas and splash in interpret mode), linear attention (its three forms) and
-the short convolution; each must equal the implementation run on every
-segment alone, forward and gradients. (Ring attention compares the same kind
-of batch with dense attention over 4 and 8 devices: tests/attn/ring.)
+not in order) goes through every softmax implementation that takes its inputs
+(``attn.dispatch.CAPABILITIES``: the kernels in interpret mode), linear
+attention (its three forms) and the short convolution; each must equal the
+implementation run on every segment alone, forward and gradients. (Ring
+attention compares the same kind of batch with dense attention over 4 and 8
+devices: tests/attn/ring.)
 """
 
 import functools
@@ -21,6 +22,8 @@ import pytest
 
 import attn
 from attn import masks
+from attn.dispatch import CAPABILITIES
+from tests.attn.impls import SMALL_FLOAT32, attend, impls_with
 from tests.util import normal, rel_err
 
 RTOL = 1e-5
@@ -38,16 +41,8 @@ B, T = IDS.shape
 SEGMENTS = [(0, 0), (0, 7), (1, 3), (1, 9)]
 STREAMING = masks.causal() & (masks.sliding_window(3) | masks.initial_tokens(1))
 
-SOFTMAX = {
-    "auto": attn.attention,
-    "dense": attn.dot_product_attention,
-    "blockwise": functools.partial(attn.blockwise_attention, block_q=4, block_k=4),
-    "pallas": functools.partial(attn.pallas.flash_attention, block_q=8, block_k=8),
-    "splash": attn.pallas.splash_attention,
-}
-# Splash takes one set of positions for the whole batch, so it sees the causal mask on the
-# default positions (within a segment that is each sequence's own causal mask).
-ALONG_THE_ROW = ("splash",)
+SOFTMAX = impls_with(*SMALL_FLOAT32, auto=True)
+TILES = dict(block_q=4, block_k=4)
 
 
 def _alone(x):
@@ -82,18 +77,21 @@ def _out_and_grads(fn, q, k, v, cot):
     return out, grads
 
 
-@pytest.mark.parametrize("impl", sorted(SOFTMAX))
+@pytest.mark.parametrize("impl", SOFTMAX)
 def test_softmax_packed_equals_each_segment_alone(impl):
     q = normal(0, (B, T, N, H))
     k, v = normal(1, (B, T, K, H)), normal(2, (B, T, K, H))
     cot = normal(3, (B, T, N, H))
     ids = jnp.asarray(IDS)
-    mask = masks.causal() if impl in ALONG_THE_ROW else STREAMING
+    # Without "positions" (splash: one set for the whole batch), the causal mask on the
+    # default positions: within a segment, each sequence's own causal mask.
+    along_the_row = "positions" not in CAPABILITIES[impl]
+    mask = masks.causal() if along_the_row else STREAMING
     kw = dict(mask=mask, q_segment_ids=ids, kv_segment_ids=ids)
-    if impl not in ALONG_THE_ROW:
+    if not along_the_row:
         # Positions restart per segment: position-based masks see each sequence as if alone.
         kw |= dict(q_positions=restarted_positions(), kv_positions=restarted_positions())
-    fn = SOFTMAX[impl]
+    fn = attend(impl, **TILES)
     packed = functools.partial(fn, **kw)
     alone = functools.partial(fn, mask=mask)
     out, grads = _out_and_grads(packed, *map(_poisoned, (q, k, v)), cot)
@@ -175,20 +173,20 @@ def test_short_conv_packed_equals_each_segment_alone():
     assert rel_err(dx, _packed(want_dx)) <= RTOL and rel_err(dw, want_dw) <= RTOL
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda ids: attn.dot_product_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
-        lambda ids: attn.blockwise_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
-        lambda ids: attn.pallas.flash_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
-        lambda ids: attn.linear_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
-        lambda ids: attn.short_conv(jnp.zeros((B, T, 6)), jnp.ones((4, 6)), segment_ids=ids),
-    ],
-    ids=["dense", "blockwise", "pallas", "linear", "conv"],
-)
+REFUSING = {
+    **{
+        impl: lambda ids, impl=impl: attend(impl)(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids)
+        for impl in impls_with(*SMALL_FLOAT32)
+    },
+    "linear": lambda ids: attn.linear_attention(*_qkv(), q_segment_ids=ids, kv_segment_ids=ids),
+    "conv": lambda ids: attn.short_conv(jnp.zeros((B, T, 6)), jnp.ones((4, 6)), segment_ids=ids),
+}
+
+
+@pytest.mark.parametrize("call", REFUSING)
 def test_negative_ids_are_refused(call):
     with pytest.raises(ValueError, match=r"segment_ids: expected ids >= 0"):
-        call(jnp.asarray(IDS) - 1)
+        REFUSING[call](jnp.asarray(IDS) - 1)
 
 
 def _qkv():

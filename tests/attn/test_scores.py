@@ -4,7 +4,8 @@ The oracle is float64 attention with each bias built from its paper's formula
 (ALiBi's ``-m (i - j)``, T5's log-spaced buckets written out with ``log``,
 FoX's ``D[i, j] = sum_{l=j+1..i} log f_l`` as an explicit sum, not our
 running-sum difference), differentiated by ``jax.grad`` in float64: forward,
-the input gradients and the gradients of the modifiers' own arrays. Ring
+the input gradients and the gradients of the modifiers' own arrays, in every
+implementation whose ``attn.dispatch.CAPABILITIES`` cover the case. Ring
 attention's cases are in ``tests/devices/test_ring.py`` (8 fake devices).
 """
 
@@ -21,6 +22,7 @@ import pytest
 import attn
 from attn import masks, scores
 from attn.pallas import flash_attention, splash_attention
+from tests.attn.impls import SMALL_FLOAT32, attend, impls_with
 from tests.util import normal, qkv, rel_err
 
 TOL = 1e-5  # float32 against float64
@@ -140,11 +142,13 @@ def make_case(name):
     return (q, k, v), mods, extra, (q_pos, k_pos)
 
 
-CASES = (
-    "alibi_t5_softcap_gqa_sinks",
-    "fox_alibi_segments_mqa",
-    "softcap_t5_bidirectional_window_t_ne_s",
-)
+# Each case's needs (attn.dispatch.FLAGS), beside its float32 inputs of head dim 8.
+NEEDS = {
+    "alibi_t5_softcap_gqa_sinks": ("score_mod", "softcap", "sink"),
+    "fox_alibi_segments_mqa": ("score_mod",),
+    "softcap_t5_bidirectional_window_t_ne_s": ("score_mod", "softcap"),
+}
+CASES = tuple(NEEDS)
 
 
 def leaves_of(mods):
@@ -158,11 +162,7 @@ def with_leaves(mods, leaves):
 
 def ours_with_grads(impl, qkv_, mods, extra):
     """Our output and the gradients of q, k, v, the sink and the modifiers' arrays."""
-    fn = {
-        "dense": attn.dot_product_attention,
-        "blockwise": functools.partial(attn.blockwise_attention, block_q=16, block_k=8),
-        "pallas": functools.partial(flash_attention, block_q=16, block_k=16, interpret=True),
-    }[impl]
+    fn = attend(impl, block_q=16, block_k=8)
     seg = extra.get("seg")
     cot = normal(9, qkv_[0].shape[:3] + qkv_[2].shape[3:])
 
@@ -199,8 +199,7 @@ def oracle_with_grads(qkv_, mods, extra, positions, cot):
         return np.asarray(out), jax.tree.map(np.asarray, grads)
 
 
-IMPL_CASES = [(impl, case) for impl in ("dense", "blockwise") for case in CASES]
-IMPL_CASES += [("pallas", CASES[0]), ("pallas", CASES[1])]
+IMPL_CASES = [(impl, case) for case in CASES for impl in impls_with(*SMALL_FLOAT32, *NEEDS[case])]
 
 
 @pytest.mark.parametrize("impl, case", IMPL_CASES)
@@ -221,19 +220,19 @@ def test_modifiers_match_the_papers_forward_and_gradients(impl, case):
         assert pad.any() and np.all(np.asarray(out)[pad] == 0)
 
 
-def test_decode_and_prefill_chunks_equal_the_forward():
+@pytest.mark.parametrize("impl", impls_with(*SMALL_FLOAT32, "score_mod"))
+def test_decode_and_prefill_chunks_equal_the_forward(impl):
     """The last rows computed alone (a decode step, a chunk) equal the full pass, per modifier."""
     (q, k, v), mods, *_ = make_case("fox_alibi_segments_mqa")
     t5 = dict(num_buckets=8, max_distance=20, bidirectional=False)
     mods = [*mods, ("t5", normal(5, (4, 8)), t5)]
     full = attn.dot_product_attention(q, k, v, mask=masks.causal(), score_mod=build(mods))
+    fn = attend(impl, block_q=4, block_k=8)
+    # Jitted: jax.nn's route materializes the modifier op by op when eager.
+    run = jax.jit(lambda q, mod: fn(q, k, v, mask=masks.causal(), score_mod=mod))
     for t in (1, 5):
-        for impl in ("dense", "blockwise"):
-            kw = dict(block_q=4, block_k=8) if impl == "blockwise" else {}
-            part = attn.attention(
-                q[:, -t:], k, v, impl=impl, mask=masks.causal(), score_mod=build(mods, T=t), **kw
-            )
-            assert rel_err(part, full[:, -t:]) <= TOL, (impl, t)
+        part = run(q[:, -t:], build(mods, T=t))
+        assert rel_err(part, full[:, -t:]) <= TOL, (impl, t)
 
 
 def test_fox_equals_its_recurrence_free_definition_with_zero_gates():
@@ -342,3 +341,19 @@ def test_bad_modifiers_are_named():
     with pytest.raises(ValueError, match=r"^platform: expected one of"):
         flash_attention(q, k, v, platform="metal")
     assert math.isclose(float(scores.softcap(2.0).apply(jnp.float32(100.0), 0, 0)), 2.0)
+
+
+def test_a_modifier_not_declared_additive_is_never_materialized_as_a_bias():
+    """A modifier of one's own is evaluated by the tiled and dense forms; jax.nn (and cuDNN),
+    which take biases only, refuse it unless it declares ``additive`` (it was dropped)."""
+
+    class Doubled(scores.ScoreMod):
+        def apply(self, s, q_pos, k_pos):
+            return 2.0 * s
+
+    q, k, v = qkv(6, B=1, T=9, N=2, H=8)
+    with pytest.raises(ValueError, match=r"^impl: expected"):
+        attn.attention(q, k, v, impl="xla", score_mod=Doubled())
+    want = attn.attention(q, k, v, impl="dense", scale=2.0 * 8**-0.5)
+    for impl in ("dense", "blockwise"):
+        assert rel_err(attn.attention(q, k, v, impl=impl, score_mod=Doubled()), want) <= TOL

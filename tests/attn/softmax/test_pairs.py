@@ -1,7 +1,9 @@
 """A bias and a boolean mask array (``jax.nn``'s) in every implementation that reads them.
 
 Dense materializes them; blockwise and Pallas read one tile per block pair and
-skip the blocks the mask hides entirely. Checked against a float64 oracle
+skip the blocks the mask hides entirely; jax.nn takes them as they are. The
+implementations are ``attn.dispatch.CAPABILITIES``'s with ``bias`` and
+``mask_array``; those without refuse them by name. Checked against a float64 oracle
 written from the definition, ``softmax(scale * q.k + bias)`` over the visible
 keys, outputs and gradients (the bias's included), for biases broadcast along
 every axis and masks with hidden rows and hidden blocks.
@@ -17,11 +19,12 @@ import pytest
 import attn
 from attn import masks
 from attn.softmax.blockwise import count_blocks
+from tests.attn.impls import SMALL_FLOAT32, attend, impls_with, impls_without, params
 from tests.util import normal, qkv, rel_err
 
 B, T, S, N, K, H = 2, 20, 28, 4, 2, 8
 TILES = dict(block_q=8, block_k=8)
-IMPLS = {"dense": {}, "blockwise": TILES, "pallas": TILES}
+IMPLS = impls_with(*SMALL_FLOAT32, "bias", "mask_array")
 
 
 def keep_array():
@@ -44,7 +47,7 @@ def oracle(q, k, v, bias, keep):
     return jnp.einsum("bnts,bsne->btne", w, v)
 
 
-@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bias_and_mask_arrays_match_the_float64_oracle(impl):
     q, k, v = qkv(1, B=B, T=T, S=S, N=N, K=K, H=H)
     keep = keep_array()
@@ -55,7 +58,7 @@ def test_bias_and_mask_arrays_match_the_float64_oracle(impl):
         bias = normal(len(shape), shape)
 
         def ours(q, k, v, bias):
-            out = attn.attention(q, k, v, bias, keep, impl=impl, **IMPLS[impl])
+            out = attend(impl, **TILES)(q, k, v, bias, keep)
             return (out * dout).sum(), out
 
         (_, out), grads = jax.value_and_grad(ours, argnums=(0, 1, 2, 3), has_aux=True)(
@@ -87,19 +90,20 @@ def test_a_hidden_block_is_skipped_and_a_traced_mask_too():
     assert count_blocks(q, k, v, mask=tril, block_q=16, block_k=16) == want
     traced = jax.jit(lambda m: count_blocks(q, k, v, mask=m, block_q=16, block_k=16))(tril)
     assert tuple(int(x) for x in traced[:2]) == want[:2]
-    for impl, options in IMPLS.items():
-        got = jax.jit(
-            lambda m, impl=impl, o=options: attn.attention(q, k, v, mask=m, impl=impl, **o)
-        )
-        assert rel_err(got(tril), attn.attention(q, k, v, mask=masks.causal())) <= 1e-6
+    for impl in impls_with(*SMALL_FLOAT32, "mask_array"):
+        got = jax.jit(lambda m, impl=impl: attend(impl, **TILES)(q, k, v, mask=m))
+        assert rel_err(got(tril), attn.attention(q, k, v, mask=masks.causal())) <= 1e-6, impl
 
 
-def test_is_causal_and_windows_are_top_left_like_jax_nn():
+# The interpreted kernels' cases in the integration tier (the fast tier's time).
+@pytest.mark.parametrize(
+    "impl", params(impls_with(*SMALL_FLOAT32), interpreted_in_integration=True)
+)
+def test_is_causal_and_windows_are_top_left_like_jax_nn(impl):
     q, k, v = qkv(3, B=2, T=6, S=10, N=2)
     for kw in [dict(is_causal=True), dict(local_window_size=(2, 1)), dict(local_window_size=3)]:
         want = jax.nn.dot_product_attention(q, k, v, **kw)
-        for impl in ("dense", "blockwise"):  # pallas: the compat tests' masks
-            assert rel_err(attn.attention(q, k, v, impl=impl, **kw), want) <= 1e-6, (impl, kw)
+        assert rel_err(attend(impl, **TILES)(q, k, v, **kw), want) <= 1e-6, (impl, kw)
 
 
 def test_empty_rows_mean_is_jax_nn_and_zero_is_ours():
@@ -108,9 +112,9 @@ def test_empty_rows_mean_is_jax_nn_and_zero_is_ours():
     lengths = jnp.array([8, 6], jnp.int32)
     kw = dict(query_seq_lengths=lengths)
     want = jax.nn.dot_product_attention(q, k, v, mask=keep, **kw)
-    for impl in ("dense", "blockwise", "pallas", "xla"):
-        mean = attn.attention(q, k, v, mask=keep, impl=impl, empty_rows="mean", **kw)
-        zero = attn.attention(q, k, v, mask=keep, impl=impl, **kw)
+    for impl in impls_with(*SMALL_FLOAT32, "mask_array", "empty_rows_mean"):
+        mean = attend(impl, **TILES)(q, k, v, mask=keep, empty_rows="mean", **kw)
+        zero = attend(impl, **TILES)(q, k, v, mask=keep, **kw)
         assert rel_err(mean, want) <= 1e-6, impl
         assert not np.asarray(zero[1, 5]).any() and rel_err(zero[1, :5], want[1, :5]) <= 1e-6
         assert not np.asarray(mean[1, 6:]).any()  # padding queries: 0 in both, as in jax.nn
@@ -142,5 +146,6 @@ def test_what_cannot_read_an_array_says_so():
     with pytest.raises(ValueError, match="query_seq_lengths: expected None"):
         attn.decode_attention(q[:, :1], k, v, lengths=jnp.array([4]),
                               query_seq_lengths=jnp.array([1]))  # fmt: skip
-    with pytest.raises(ValueError, match="mask: expected no mask array for impl='splash'"):
-        attn.attention(q, k, v, mask=jnp.ones((4, 4), bool), impl="splash")
+    for impl in impls_without("mask_array"):
+        with pytest.raises(ValueError, match=f"mask: expected no mask array for impl={impl!r}"):
+            attend(impl)(q, k, v, mask=jnp.ones((4, 4), bool))
