@@ -101,13 +101,15 @@ def test_a_gate_of_zero_ends_a_sequence_forward_and_gradients(name):
     call = CALLS[name]
     q, k, v = qkv(4, B=B, T=T, N=N, H=H)
     zero, finite = gates()
-    cot = normal(5, call(q, k, v, finite, SEG).shape)
+    cot = normal(5, jax.eval_shape(call, q, k, v, finite, SEG).shape)
 
     def loss(q, k, v, g, seg):
         return (call(q, k, v, g, seg) * cot).sum()
 
+    # One program for both calls: the gate of 0 runs as one sequence (every id 1).
     grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
-    (got, got_grads), (want, want_grads) = grad(q, k, v, zero, None), grad(q, k, v, finite, SEG)
+    one = jnp.ones_like(SEG)
+    (got, got_grads), (want, want_grads) = grad(q, k, v, zero, one), grad(q, k, v, finite, SEG)
     assert np.isfinite(got) and rel_err(got, want) <= TOL
     for x, (g, w) in zip("qkvg", zip(got_grads, want_grads, strict=True), strict=True):
         assert np.isfinite(np.asarray(g)).all(), f"{name}: d{x} has a NaN"

@@ -84,7 +84,9 @@ def test_ctrl_c_during_a_cold_compile_never_crashes(tmp_path):
 def test_ctrl_c_in_the_loop_saves_or_stops_at_once(tmp_path, times):
     workdir = tmp_path / "w"
     proc = start(train_argv(workdir), tmp_path)
-    wait_for(proc, lambda: (workdir / "metrics.jsonl").exists())
+    # A record in metrics.jsonl: the loop is stepping (the file itself opens before it).
+    metrics = workdir / "metrics.jsonl"
+    wait_for(proc, lambda: metrics.exists() and metrics.stat().st_size > 0)
     status, lines = interrupt(proc, times)
     assert status == 130 and len(lines) == 1, lines
     if times == 1:  # the step in flight finishes and is saved
