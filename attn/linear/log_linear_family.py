@@ -24,33 +24,35 @@ from attn.linear.log_linear import (
     log_linear_delta_rule_step,
 )
 
-__all__ = ["LogLinearDeltaTokens", "LogLinearTokens"]
+__all__ = ["LogLinearTokens"]
 
 
 class LogLinearTokens(NamedTuple):
+    """Both families' tokens: log-linear attention's, or with ``beta`` its delta rule's
+    (``log_a`` then its log gates)."""
+
     q: jax.Array  # [B,T,K,H]
     k: jax.Array  # [B,T,K,H]
     v: jax.Array  # [B,T,N,E]
     log_a: jax.Array  # [B,T,N]
     level_weights: jax.Array  # [B,T,N,L]
-
-
-class LogLinearDeltaTokens(NamedTuple):
-    q: jax.Array  # [B,T,K,H]
-    k: jax.Array  # [B,T,K,H]
-    v: jax.Array  # [B,T,N,E]
-    beta: jax.Array  # [B,T,N]
-    level_weights: jax.Array  # [B,T,N,L]
-    log_gates: jax.Array | None = None  # [B,T,N]
+    beta: jax.Array | None = None  # [B,T,N]
 
 
 class NoParams(NamedTuple):
     pass
 
 
+def _args(t):
+    """The function's positional arrays and keywords."""
+    if t.beta is None:
+        return (t.q, t.k, t.v, t.log_a, t.level_weights), {}
+    return (t.q, t.k, t.v, t.beta, t.level_weights), dict(log_gates=t.log_a)
+
+
 def _run(fn, t, _, ids, state, options):
-    gates = {} if isinstance(t, LogLinearTokens) else dict(log_gates=t.log_gates)
-    return fn(*t[:5], **gates, initial_state=state, return_state=True,
+    args, gates = _args(t)
+    return fn(*args, **gates, initial_state=state, return_state=True,
               q_segment_ids=ids.q_seg, kv_segment_ids=ids.kv_seg, **options)  # fmt: skip
 
 
@@ -66,15 +68,16 @@ def _examples(rng, z, delta: bool):
     log_a, lam = -uniform(rng, 0.0, 0.2, B, T, N), uniform(rng, 0.1, 1.5, B, T, N, L)
     if delta:
         beta = uniform(rng, 0.05, 0.95, B, T, N)
-        return {"gdn": (LogLinearDeltaTokens(q, k, v, beta, lam, log_a), NoParams(), {})}
+        return {"gdn": (LogLinearTokens(q, k, v, log_a, lam, beta), NoParams(), {})}
     return {"mamba2": (LogLinearTokens(q, k, v, log_a, lam), NoParams(), {})}
 
 
 def _reference(t, _, options):
     scale = options.get("scale") or t.q.shape[-1] ** -0.5
-    if isinstance(t, LogLinearTokens):
-        return reference.log_linear_attention(*t, scale=scale)
-    return reference.log_linear_delta_rule(*t, scale=scale)
+    if t.beta is None:
+        return reference.log_linear_attention(*t[:5], scale=scale)
+    return reference.log_linear_delta_rule(t.q, t.k, t.v, t.beta, t.level_weights, t.log_a,
+                                           scale=scale)  # fmt: skip
 
 
 for _name, _fn, _step, _forms, _delta in (
