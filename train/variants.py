@@ -165,7 +165,8 @@ class CompareConfig:
       variants: names from ``VARIANTS``: mha, alibi, fox, gqa, mqa, mla, window,
         streaming, local_global, linear, linear_decay, linear_gated, hybrid, based,
         deltanet, gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, moba,
-        nsa, and any added with ``register_variant``.
+        nsa, rwkv7, comba, path, path_fox, the log-linear two, and any added with
+        ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       edge_lrs: up to this many more rates per variant, beyond the sweep's edge: while
         a variant's best rate (on ``seeds``) is its highest or lowest, the next one
