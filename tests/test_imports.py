@@ -220,6 +220,13 @@ def test_models_exports_its_public_surface_and_nothing_of_attn():
     for name in models.__all__:
         assert getattr(models, name) is not None, name
     assert not set(attn.__all__) & set(models.__all__)
+    # attn lifts attn.linear's names whole: each once, each there, each a family's module's.
+    assert len(attn.__all__) == len(set(attn.__all__))
+    assert set(attn.linear.__all__) <= set(attn.__all__)
+    for name in attn.__all__:
+        assert getattr(attn, name) is not None, name
+    for name in attn.linear.__all__:
+        assert getattr(attn, name) is getattr(attn.linear, name), name
     # The building blocks have one home each, their submodule.
     for gone in ("KVCache", "DecodeCache", "Heads", "Block", "EMPTY", "latent_cache_bytes"):
         assert not hasattr(models, gone), gone

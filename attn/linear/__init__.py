@@ -41,100 +41,54 @@ Modules:
   ``register_feature_map`` adds to) and FAVOR+'s projection.
 """
 
-from attn.linear import log_linear_family  # noqa: F401  (adds its records)
-from attn.linear.attention import (
-    LINEAR_FORMS,
-    LinearState,
-    init_linear_state,
-    linear_attention,
-    linear_attention_step,
+# Each family's module lists its public names (``__all__``); they are this
+# package's and ``attn``'s, so a new family adds one import here and none there.
+# The names imported ``X as X`` are this package's only, not lifted to ``attn``.
+from attn.linear import (
+    attention,
+    delta,
+    dplr,
+    log_linear,
+    log_linear_family,  # noqa: F401  (adds its records)
+    mamba,
+    product,
+    sharded,
 )
-from attn.linear.comba import COMBA_FORMS, comba, comba_step, sharded_comba
-from attn.linear.delta import DELTA_FORMS, delta_rule, delta_rule_step, init_delta_state
-from attn.linear.dplr import DPLR_FORMS, dplr_delta_rule, dplr_delta_rule_step
+from attn.linear import comba as _comba  # the module (the function ``comba`` takes the name)
+from attn.linear.attention import *  # noqa: F403
+from attn.linear.comba import *  # noqa: F403
+from attn.linear.delta import *  # noqa: F403
+from attn.linear.dplr import *  # noqa: F403
+from attn.linear.family import FAMILIES as FAMILIES
+from attn.linear.features import EXP_KERNEL_MAPS as EXP_KERNEL_MAPS
 from attn.linear.features import (
-    EXP_KERNEL_MAPS,
     FEATURE_MAPS,
-    elu1,
-    favor,
     favor_projection,
-    identity,
     linear_feature_dim,
     register_feature_map,
-    relu,
-    taylor,
 )
-from attn.linear.front import CHUNK_SIZE
-from attn.linear.log_linear import (
-    LOG_LINEAR_DELTA_FORMS,
-    LOG_LINEAR_FORMS,
-    LogLinearState,
-    init_log_linear_state,
-    log_linear_attention,
-    log_linear_attention_step,
-    log_linear_delta_rule,
-    log_linear_delta_rule_step,
-)
-from attn.linear.mamba import SSD_FORMS, init_ssd_state, ssd, ssd_decay, ssd_step
-from attn.linear.product import delta_product, delta_product_step
-from attn.linear.sharded import (
-    FAMILIES,
-    sharded_delta_product,
-    sharded_delta_rule,
-    sharded_dplr_delta_rule,
-    sharded_linear_attention,
-    sharded_short_conv,
-    sharded_ssd,
-)
+from attn.linear.features import elu1 as elu1
+from attn.linear.features import favor as favor
+from attn.linear.features import identity as identity
+from attn.linear.features import relu as relu
+from attn.linear.features import taylor as taylor
+from attn.linear.front import CHUNK_SIZE as CHUNK_SIZE
+from attn.linear.log_linear import *  # noqa: F403
+from attn.linear.mamba import *  # noqa: F403
+from attn.linear.product import *  # noqa: F403
+from attn.linear.sharded import *  # noqa: F403
 
 __all__ = [
-    "CHUNK_SIZE",
-    "COMBA_FORMS",
-    "DELTA_FORMS",
-    "DPLR_FORMS",
-    "EXP_KERNEL_MAPS",
-    "FAMILIES",
+    *attention.__all__,
+    *_comba.__all__,
+    *delta.__all__,
+    *dplr.__all__,
+    *log_linear.__all__,
+    *mamba.__all__,
+    *product.__all__,
+    *sharded.__all__,
     "FEATURE_MAPS",
-    "LINEAR_FORMS",
-    "LOG_LINEAR_DELTA_FORMS",
-    "LOG_LINEAR_FORMS",
-    "SSD_FORMS",
-    "LinearState",
-    "LogLinearState",
-    "comba",
-    "comba_step",
-    "delta_product",
-    "delta_product_step",
-    "delta_rule",
-    "delta_rule_step",
-    "dplr_delta_rule",
-    "dplr_delta_rule_step",
-    "elu1",
-    "favor",
     "favor_projection",
-    "identity",
-    "init_delta_state",
-    "init_linear_state",
-    "init_log_linear_state",
-    "init_ssd_state",
-    "linear_attention",
-    "linear_attention_step",
     "linear_feature_dim",
-    "log_linear_attention",
-    "log_linear_attention_step",
-    "log_linear_delta_rule",
-    "log_linear_delta_rule_step",
     "register_feature_map",
-    "relu",
-    "sharded_comba",
-    "sharded_delta_product",
-    "sharded_delta_rule",
-    "sharded_dplr_delta_rule",
-    "sharded_linear_attention",
-    "sharded_short_conv",
-    "sharded_ssd",
-    "ssd",
-    "ssd_decay",
-    "ssd_step",
-    "taylor",
 ]

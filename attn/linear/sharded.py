@@ -45,7 +45,6 @@ from attn.linear.mamba import SSD_FORMS, ssd, ssd_step
 from attn.linear.product import delta_product, delta_product_step
 
 __all__ = [
-    "FAMILIES",
     "sharded_delta_product",
     "sharded_delta_rule",
     "sharded_dplr_delta_rule",
