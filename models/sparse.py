@@ -15,8 +15,8 @@ soft-cap, sink logits) whose attention is one of ``attn.sparse``'s:
 
 Decode caches keep the full keys and values at one slot per position, and
 beside them what each method reads instead of all keys: MoBA each key's
-running sum along its block (``attn.sparse.block_key_sums``: a block's mean is
-its last key's sum over its length), NSA the compressed key and value of the
+block sum so far, summed as the forward pass sums a block (``attn.sparse.window_key_sums``:
+a block's mean is its last key's sum over its length), NSA the compressed key and value of the
 block ending at each token (computed once, when the block completes), DSA the
 indexer's key of each token. Prefill and decode attend over the cache in
 position order, so blocks are cut as the forward pass cut them: prefill in
@@ -200,10 +200,10 @@ def read_positions(cache, x, positions):
 
 @struct.dataclass
 class MobaCache(KVCache):
-    """A MoBA layer's keys and values, with each key's running sum along its block.
+    """A MoBA layer's keys and values, with each key's block sum so far.
 
     Attributes:
-      ksum: ``[B,S,K,H]`` float32 (``attn.sparse.block_key_sums``).
+      ksum: ``[B,S,K,H]`` float32 (``attn.sparse.window_key_sums``).
     """
 
     ksum: jax.Array
@@ -287,7 +287,7 @@ class SparseAttention(SelfAttention):
 @register_kind("moba", config=MobaConfig, family="sparse")
 class MobaAttention(SparseAttention):
     """MoBA: the softmax layer reading each query head's ``top_k`` blocks; its cache keeps
-    each key's running sum along its block (``MobaCache``)."""
+    each key's block sum so far (``MobaCache``)."""
 
     def init_cache(self, batch: int, max_len: int) -> MobaCache:
         cache = super().init_cache(batch, max_len)
@@ -296,14 +296,20 @@ class MobaAttention(SparseAttention):
                          ring=cache.ring)  # fmt: skip
 
     def _kept(self, cache, k, v, start, positions):
-        """The new keys' running sums: their own block's, continuing the cached one where
-        the first new key's block began before it."""
-        bs = self.cfg.block_size
-        sums = attn.sparse.block_key_sums(k, bs, kv_positions=positions)
-        before = jnp.maximum(start - 1, 0)
-        carry = read_positions(cache, cache.ksum, before[:, None])[:, 0]  # [B,K,H]
-        joins = (start % bs != 0)[:, None] & (positions // bs == (before // bs)[:, None])
-        return (sums + jnp.where(joins[..., None, None], carry[:, None], 0.0),)
+        """The new keys' block sums so far (``attn.sparse.window_key_sums``), each from its
+        block's keys: the cached ones, then the new."""
+        bs, T = self.cfg.block_size, k.shape[1]
+        before = start[:, None] - bs + 1 + jnp.arange(bs - 1)  # the bs - 1 positions before
+        past = read_positions(cache, cache.k, jnp.maximum(before, 0)).astype(k.dtype)
+        keys = jnp.concatenate([past, k], 1)  # [B, bs - 1 + T, K, H]
+        slot = jnp.arange(bs)
+        offset = (positions % bs)[..., None]  # [B,T,1]: each new key's slot in its block
+        # slot i of new key t's block is position (positions[t] - offset + i), at index
+        # (t - offset + i) + bs - 1 of keys; slots after the new key are empty
+        idx = jnp.arange(T)[None, :, None] - offset + slot + bs - 1
+        windows = keys[jnp.arange(k.shape[0])[:, None, None], jnp.maximum(idx, 0)]
+        windows = jnp.where((slot <= offset)[..., None, None], windows, 0)
+        return (attn.sparse.window_key_sums(windows),)
 
     def _attend(self, q, k, v, q_side, kv_side, *, training, kept, **call):
         cfg = self.cfg

@@ -18,15 +18,16 @@ paper's rule: earlier blocks compete, the current one is kept. With
 is dense attention under the same mask. Blocks never cross a segment: packed
 sequences choose among their own blocks only.
 
-The gate's dot product is exact on 8-bit operands (``attn.sparse.exact``), so
-equal means give the same bits in a forward pass, prefill chunks and decode
-steps, and ties go to the earlier block (``jax.lax.top_k``'s order). A block's
-mean comes from running sums that a forward pass adds as a tree and a cache
-one key at a time: they may differ in the last bit, which the 8-bit rounding
-absorbs unless a mean lies on a rounding boundary (about one entry in 10^5
-for a one-ulp difference). A left fold everywhere would make them exact at
-``block_size`` sequential steps over the keys, which costs more than the
-attention on a GPU.
+The gate is ``q . mean(k)`` in float32, as the paper and its naive code score
+blocks, summed in one fixed order (``attn.sparse.exact.tree_dot``), and a
+block's sum is its keys summed in one fixed order over the block's slots
+(``attn.sparse.exact.tree_sum``): a forward pass, prefill chunks and decode
+steps, whose matmuls would otherwise sum in orders their shapes choose, compute
+the same bits, so ties and near ties (a few ulps) resolve alike in all of
+them, ties to the earlier block (``jax.lax.top_k``'s order). A decode cache
+keeps, for each key, its block's sum so far in that order
+(``block_key_sums`` for whole arrays, ``window_key_sums`` for a cache's new
+keys): at a block's last key the two are the same bits.
 
 Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
 attention ``top_k x block_size`` keys per query and head, never ``T x S``.
@@ -76,8 +77,9 @@ def moba_attention(
         ``"pallas"`` (``attn.sparse.pallas``: a block-sparse kernel over each query block's
         selected blocks; default positions, no segments, modifiers or sinks).
       platform: the Pallas kernel's (``attn.sparse.pallas.block_sparse_attention``).
-      key_sums: ``[B,S,K,H]`` float32, ``block_key_sums(k, ...)`` kept by a decode cache
-        (each key's running sum along its block); None computes them from k.
+      key_sums: ``[B,S,K,H]`` float32, what a decode cache keeps (``window_key_sums``): at
+        each block's last key, the block's sum (``block_key_sums``; other keys are not
+        read); None computes them from k.
       **call_args: the call's (``attn.softmax.call.CallArgs``); default mask
         ``full()`` as everywhere, so pass ``masks.causal()`` for a decoder.
         No bias or boolean mask array (a ``ValueError``).
@@ -91,7 +93,6 @@ def moba_attention(
     block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
     chunk = positive_int(chunk, "chunk")
     sparse_pallas.check_impl(c, impl, platform, return_lse, "moba_attention")
-    exact.check_dim(c.dims.H, "q", q.shape)
     if key_sums is not None and getattr(key_sums, "shape", None) != k.shape:
         fail("key_sums", f"shape {k.shape}, as k's", getattr(key_sums, "shape", key_sums))
     out, lse = _moba(c, q, k, v, key_sums, block_size=block_size, top_k=top_k, chunk=chunk,
@@ -117,7 +118,7 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
 
     Not differentiated (the selection is discrete). ``stop <= start`` where a
     query has fewer than ``top_k`` blocks to read. A block's mean key is its
-    last key's running sum (``key_sums``, or ``block_key_sums``) over its length.
+    last key's block sum (``key_sums``, or ``block_key_sums``) over its length.
     """
     B, T, S, N, K, G, H, _ = c.dims
     q, k, _ = c.isolate(q, k, k)
@@ -167,27 +168,23 @@ def moba_select(c, q, k, *, block_size: int, top_k: int, chunk: int = DEFAULT_CH
 
 def _gate(q, means):
     """The gate ``[B,C,K,G,M]``: queries ``[B,C,K,G,H]`` against block means ``[B,C,M,K,H]``
-    (each query its own candidates) or ``[B,M,K,H]`` (shared), as exact dot products of
-    8-bit operands (``attn.sparse.exact``): the same bits in any chunk, batch or cache."""
-    (qi, qs), (mi, ms) = exact.int8(q), exact.int8(means)
-    f32 = jnp.float32
+    (each query its own candidates) or ``[B,M,K,H]`` (shared), float32 dot products in one
+    fixed order (``attn.sparse.exact.tree_dot``): the same bits in any chunk, batch or cache."""
     if means.ndim == 5:
-        dots = jnp.einsum("BCKGH,BCMKH->BCKGM", qi, mi, preferred_element_type=f32)
-        ms = jnp.moveaxis(ms, 2, 3)[:, :, :, None]  # [B,C,K,1,M]
+        means = jnp.moveaxis(means, 2, 3)[:, :, :, None]  # [B,C,K,1,M,H]
     else:
-        dots = jnp.einsum("BCKGH,BMKH->BCKGM", qi, mi, preferred_element_type=f32)
-        ms = jnp.moveaxis(ms, 1, 2)[:, None, :, None]  # [B,1,K,1,M]
-    return dots * qs[..., None] * ms
+        means = jnp.moveaxis(means, 1, 2)[:, None, :, None]  # [B,1,K,1,M,H]
+    return exact.tree_dot(q[..., None, :], means)
 
 
 def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None):
-    """Each key's running sum along its block: ``[B,S,K,H]`` float32.
+    """Each key's block sum: ``[B,S,K,H]`` float32, the sum of the keys of its block.
 
     Blocks are ``position // block_size`` within each segment's run of keys
-    (``attn.sparse.layout``); key s holds the sum of its block's keys up to and
-    including s, so a block's last key holds the block's sum. A decode cache
-    keeps these beside the keys: a new key's sum is its predecessor's plus
-    itself, or itself where its block starts.
+    (``attn.sparse.layout``), a block's keys consecutive. The sum is
+    ``exact.tree_sum`` over the block's ``block_size`` slots (key ``i`` of the block in
+    slot ``i``, zeros where the block has no key): ``window_key_sums`` gives a cache's
+    new key the same bits once it is its block's last key.
 
     Args:
       k: ``[B,S,K,H]``; kv_positions, kv_segment_ids: ``[B,S]`` (default ``arange(S)``,
@@ -205,11 +202,22 @@ def block_key_sums(k, block_size: int, *, kv_positions=None, kv_segment_ids=None
     starts = jnp.concatenate(
         [jnp.ones((B, 1), bool), (block[:, 1:] != block[:, :-1]) | (ids[:, 1:] != ids[:, :-1])], 1
     )
+    which = jnp.cumsum(starts, axis=1)  # each key's block, numbered along the row
+    x = k.astype(jnp.float32)
+    # exact.tree_sum over the slots, in place along the row: at width h a key adds the key
+    # h after it if that key is in its block (else 0, as tree_sum adds an empty slot). After
+    # the last width a block's first key holds its sum.
+    for h in exact.halves(block_size):
+        n = min(h, S)
+        later = jnp.pad(x[:, n:], ((0, 0), (0, n), (0, 0), (0, 0)))
+        same = jnp.pad(which[:, n:] == which[:, : S - n], ((0, 0), (0, n)))
+        x = x + jnp.where(same[..., None, None], later, 0.0)
+    first = jax.lax.cummax(jnp.where(starts, jnp.arange(S), 0), axis=1)
+    return x[jnp.arange(B)[:, None], first]
 
-    def add(a, b):  # a segmented sum: a run restarts where a block starts
-        (a_start, a_sum), (b_start, b_sum) = a, b
-        keep = b_start[..., None, None]
-        return a_start | b_start, jnp.where(keep, b_sum, a_sum + b_sum)
 
-    _, sums = jax.lax.associative_scan(add, (starts, k.astype(jnp.float32)), axis=1)
-    return sums
+def window_key_sums(windows):
+    """The block sums a cache keeps for new keys: ``windows [B,T,block_size,K,H]`` holds each
+    new key's block up to it (key ``i`` of the block in slot ``i``, zeros after the new
+    key); returns ``[B,T,K,H]`` float32, equal to ``block_key_sums`` at a block's last key."""
+    return exact.tree_sum(windows, axis=2)

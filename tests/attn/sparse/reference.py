@@ -34,12 +34,14 @@ def groups(kv_pos, kv_seg, size: int, b: int, seg: int):
     return out
 
 
-def moba_reads(q, k, vis, q_pos, q_seg, kv_pos, kv_seg, *, block_size, top_k):
+def moba_reads(q, k, vis, q_pos, q_seg, kv_pos, kv_seg, *, block_size, top_k, gaps=None):
     """``[B,N,T,S]`` bool: the keys MoBA's gate gives each query head (Lu et al. 2025).
 
-    A block scores ``q . mean(k over the block)`` (on 8-bit operands, ``exact_dot``); the
-    query's own block, then the blocks it
-    sees in part, are kept first; blocks it sees whole compete; ``top_k`` blocks in all.
+    A block scores ``q . mean(k over the block)`` (float64, as MoBA's paper and its
+    ``moba_attn_varlen_naive`` score in the inputs' precision); the query's own block, then
+    the blocks it sees in part, are kept first; blocks it sees whole compete; ``top_k``
+    blocks in all. ``gaps``, where given, receives each row's gate gap at the cut (the last
+    block read against the best one left out) where a block was left out.
     """
     q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
     B, T, N, _ = q.shape
@@ -55,10 +57,12 @@ def moba_reads(q, k, vis, q_pos, q_seg, kv_pos, kv_seg, *, block_size, top_k):
                     if not seen.any():
                         continue
                     own = j == int(q_pos[b, t]) // block_size
-                    gate = exact_dot(q[b, t, n], k[b, keys, n // G].mean(0))
+                    gate = q[b, t, n] @ k[b, keys, n // G].mean(0)
                     rank = 2 if own else 1 if not seen.all() else 0
                     scored.append((rank, gate, keys))
                 scored.sort(key=lambda x: (-x[0], -x[1]))  # stable: ties keep block order
+                if gaps is not None and len(scored) > top_k and scored[top_k - 1][0] == 0:
+                    gaps.append(scored[top_k - 1][1] - scored[top_k][1])
                 for *_, keys in scored[:top_k]:
                     reads[b, n, t, keys] = True
     return reads & vis[:, None]
@@ -72,16 +76,10 @@ def dsa_scores(index_q, index_k, index_w):
 
 def int8(x):
     """``x [..., F]`` rounded to integers times the power of two that puts its largest
-    magnitude in [64, 128): ``(integers, scale [...])`` (the sparse methods' 8-bit scores)."""
+    magnitude in [64, 128): ``(integers, scale [...])`` (DSA's 8-bit indexer scores)."""
     x = np.asarray(x, np.float64)
     scale = 2.0 ** (np.frexp(np.abs(x).max(-1, keepdims=True))[1] - 7)
     return np.round(x / scale), scale[..., 0]
-
-
-def exact_dot(a, b):
-    """``a . b`` on 8-bit operands (``int8``)."""
-    (ai, sa), (bi, sb) = int8(a), int8(b)
-    return float(ai @ bi) * sa * sb
 
 
 def dsa_selection_scores(index_q, index_k, index_w):
