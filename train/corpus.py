@@ -84,6 +84,9 @@ def _text_files(root: Path, skip_dirs: frozenset[str]) -> list[Path]:
         # Sorted in place so os.walk's order, and the corpus, do not depend on the filesystem.
         dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
         files += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+    for f in files:
+        if not f.exists():  # a link to nothing: the corpus would silently lose it
+            raise ValueError(f"data: expected readable files, got a broken link {str(f)!r}")
     return files
 
 
@@ -110,6 +113,13 @@ def load_corpus(path: str | None = None, val_percent: int = 10) -> Corpus:
     Returns:
       A ``Corpus``; both splits are non-empty.
     """
+    if (
+        isinstance(val_percent, bool)
+        or not isinstance(val_percent, int)
+        or not (0 < val_percent < 100)
+    ):
+        raise ValueError(f"val_percent: expected an int in 1..99 (both splits non-empty), "
+                         f"got {val_percent!r}")  # fmt: skip
     if path is None or path in CORPORA:
         find, suffix = CORPORA[path or "python"]
         root = find()

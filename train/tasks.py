@@ -163,6 +163,15 @@ class TaskConfig:
     def __post_init__(self):
         if self.name not in TASK_NAMES:
             raise ValueError(f"task.name: expected one of {TASK_NAMES}, got {self.name!r}")
+        # Sizes are counts: a float or a bool would fail later, inside a batch's indexing.
+        for name in ("seq_len", "vocab_size", "num_pairs", "hops", "num_copy", "val_percent"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int):
+                raise ValueError(f"task.{name}: expected an int, got {x!r}")
+        if self.min_pairs is not None and (
+            isinstance(self.min_pairs, bool) or not isinstance(self.min_pairs, int)
+        ):
+            raise ValueError(f"task.min_pairs: expected None or an int, got {self.min_pairs!r}")
         if self.seq_len < 2:
             raise ValueError(f"task.seq_len: expected an int >= 2, got {self.seq_len}")
         if self.name not in ("bytes", *STATE_TASKS) and self.vocab_size < 4:

@@ -318,3 +318,27 @@ def test_bad_configs_name_the_field():
         load_corpus("/does/not/exist", 10)
     with pytest.raises(ValueError, match="split"):
         make_task(MQAR).batch(0, "valid", 0, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_pairs", 2.0), ("num_pairs", True), ("seq_len", 64.5), ("min_pairs", 1.0)],
+)
+def test_sizes_that_are_not_ints_are_refused_by_name(field, value):
+    """(They failed at batch time: ``TypeError: Partition index must be integer``.)"""
+    with pytest.raises(ValueError, match=rf"^task\.{field}: expected .*int.*, got {value!r}$"):
+        TaskConfig(name="mqar", **{field: value})
+
+
+@pytest.mark.parametrize("val_percent", [0, 100, 150, -5, 10.0])
+def test_a_split_that_would_be_empty_or_a_byte_is_refused(tmp_path, val_percent):
+    (tmp_path / "a.txt").write_text("text " * 100)
+    with pytest.raises(ValueError, match=r"^val_percent: expected an int in 1\.\.99"):
+        load_corpus(str(tmp_path), val_percent)
+
+
+def test_a_broken_link_in_a_corpus_folder_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text("text " * 100)
+    (tmp_path / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
+    with pytest.raises(ValueError, match=r"^data: .*broken link .*gone\.txt"):
+        load_corpus(str(tmp_path), 10)
