@@ -34,6 +34,7 @@ from typing import Unpack
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from attn.checks import as_arrays, fail
 from attn.pallas import mosaic_backward, mosaic_forward
@@ -135,13 +136,10 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
     for name, dim in (("head dim H", d.H), ("value head dim E", d.E)):
         if dim not in HEAD_DIMS:
             fail(name, f"one of {HEAD_DIMS} for {where}", dim)
-    for name, block in (("block_q", block_q), ("block_k", block_k)):
-        if block not in BLOCKS:
-            fail(name, f"one of {BLOCKS}", repr(block))
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        fail("stages", "an int >= 1", repr(stages))
-    if isinstance(consumers, bool) or consumers not in CONSUMERS:
-        fail("consumers", f"one of {CONSUMERS}", repr(consumers))
+    # Ints (NumPy's too, as flash_attention takes them), never floats or bools: 64.0 would
+    # compare equal to 64 and fail inside Pallas.
+    block_q, block_k = (_int(b, n, BLOCKS) for b, n in ((block_q, "block_q"), (block_k, "block_k")))
+    stages, consumers = _int(stages, "stages"), _int(consumers, "consumers", CONSUMERS)
     if consumers == 2 and stages < 2:
         # Taking turns, one consumer's next product waits for the other's release of the
         # slot it would be copied into.
@@ -152,6 +150,14 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
              f"tiles that fit Hopper's {SHARED_BYTES:,} bytes of shared memory a block",
              f"{block_q}, {block_k}, {stages}, {consumers}: {need:,} bytes")  # fmt: skip
     return MosaicConfig(call.spec(), block_q, block_k, stages, interpret, consumers)
+
+
+def _int(x, name: str, allowed: tuple[int, ...] | None = None) -> int:
+    """``x`` as an int, one of ``allowed`` (else >= 1); else the uniform ``ValueError``."""
+    whole = not isinstance(x, bool) and isinstance(x, int | np.integer)
+    if not whole or (x not in allowed if allowed else x < 1):
+        fail(name, f"one of {allowed}" if allowed else "an int >= 1", repr(x))
+    return int(x)
 
 
 def _shared_bytes(d, itemsize: int, bq: int, bk: int, stages: int, consumers: int) -> int:

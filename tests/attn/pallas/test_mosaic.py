@@ -206,6 +206,19 @@ def test_refusals_name_the_argument():
         mosaic_attention(q, k, v, block_q=32)
     with pytest.raises(ValueError, match=r"^stages: expected an int >= 1, got 0"):
         mosaic_attention(q, k, v, stages=0)
+    # Floats and bools are refused by name (64.0 failed inside Pallas with a TypeError about
+    # pad_width); NumPy ints are taken as ints, as flash_attention takes them (an empty
+    # AssertionError from Pallas before).
+    for name, value in (("block_q", 64.0), ("block_k", True), ("consumers", 2.0),
+                        ("stages", 2.0)):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{name}: expected .*, got {value!r}$"):
+            mosaic_attention(q, k, v, **{name: value})
+    from attn.pallas import mosaic
+    from attn.softmax.call import check_call
+
+    config = mosaic._config(check_call(q, k, v), q, k, v, np.int64(64), np.int32(64),
+                            np.int64(2), np.int64(2), interpret=True)  # fmt: skip
+    assert all(type(x) is int for x in (config.block_q, config.block_k, config.stages))
     big = [x.astype(jnp.bfloat16) for x in qkv(3, B=1, T=256, N=2, H=128)]
     with pytest.raises(ValueError, match=r"^consumers: expected one of \(0, 1, 2\), got 3"):
         mosaic_attention(q, k, v, consumers=3)
