@@ -44,7 +44,7 @@ OPTIONS = {
     "blockwise": ("block_q", "block_k"),
     "pallas": ("block_q", "block_k", "interpret", "platform"),
     "splash": ("interpret", "platform"),
-    "mosaic": ("block_q", "block_k", "interpret"),
+    "mosaic": ("block_q", "block_k", "interpret", "platform"),
 }
 
 
@@ -165,7 +165,8 @@ def attention(
         of a real query that sees no key.
       block_q, block_k: tile sizes of ``"blockwise"``, ``"pallas"`` and ``"mosaic"``;
         interpret: of ``"pallas"``, ``"splash"`` and ``"mosaic"``; platform: of
-        ``"pallas"`` and ``"splash"``. None: each
+        ``"pallas"``, ``"splash"`` and ``"mosaic"`` (the platform the kernels are
+        lowered for, e.g. ``"cuda"`` to export from a CPU). None: each
         implementation's default. Another implementation refuses them, except
         under ``"auto"``, which passes on those its choice takes.
       **call_args: the call (``attn.softmax.call.CallArgs``), as in

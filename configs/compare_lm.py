@@ -123,6 +123,8 @@ def get_config(quick: bool = False, task: str = "bytes", scale: str = "cpu") -> 
     """The comparison at ``scale``: ``cpu`` (the committed run's) or ``gpu`` (``GPU``)."""
     if scale not in ("cpu", "gpu"):
         raise ValueError(f"scale: expected 'cpu' or 'gpu', got {scale!r}")
+    if quick and scale != "cpu":  # the quick settings are one size: they would replace gpu's
+        raise ValueError(f"scale: expected 'cpu' with --quick (its one size), got {scale!r}")
     if task != "bytes":
         raise ValueError(
             f"task: expected 'bytes' (configs/compare_mqar.py has the synthetic tasks), "

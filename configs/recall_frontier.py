@@ -44,4 +44,6 @@ from analysis.experiments.recall_frontier_grid import SCALES
 def get_config(quick: bool = False, scale: str = "cpu"):
     if scale not in SCALES:
         raise ValueError(f"scale: expected one of {sorted(SCALES)}, got {scale!r}")
+    if quick and scale != "cpu":  # quick is a scale of its own: it would replace this one
+        raise ValueError(f"scale: expected 'cpu' with --quick (its one size), got {scale!r}")
     return SCALES["quick" if quick else scale]

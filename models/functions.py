@@ -119,18 +119,47 @@ def attention_kind(name: str, fn, *, family: str, config: type | None = None, ta
             bases=(FunctionConfig,),
             frozen=True,
         )
-        config.__doc__ = f"A layer of kind {name!r}: {fn.__name__} in the softmax layer."
-        config.__module__ = getattr(fn, "__module__", __name__)
+        config.__doc__ = f"A layer of kind {name!r}: {function_name(fn)} in the softmax layer."
+        config.__module__ = _module_of(fn)
     if not (isinstance(config, type) and issubclass(config, FunctionConfig)):
         fail("config", "a dataclass subclass of models.FunctionConfig", repr(config))
     # Named after fn, so the registry tells a re-import (the same function) from a second
     # function of the same module under the same name (an error naming both).
-    qualname = f"attention_kind({getattr(fn, '__qualname__', type(fn).__qualname__)})"
+    qualname = f"attention_kind({function_name(fn)})"
     module = type(f"{config.__name__.removesuffix('Config')}Attention", (FunctionAttention,),
                   {"fn": staticmethod(fn), "__module__": config.__module__,
                    "__qualname__": qualname})  # fmt: skip
     register_kind(name, module, config=config, family=family, check=_check_for(fn, takes))
     return module
+
+
+def function_name(fn) -> str:
+    """``fn``'s name, precise enough to tell two functions of one module apart and a
+    re-import of a function from another one: its qualname, and for lambdas and nested
+    functions (which share qualnames) its line and what it captured; a partial's function
+    and arguments."""
+    if isinstance(fn, functools.partial):
+        args = [*map(_captured, fn.args), *(f"{k}={_captured(v)}" for k, v in fn.keywords.items())]
+        return f"partial({function_name(fn.func)}, {', '.join(args)})"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is not None and ("<lambda>" in name or "<locals>" in name):
+        name += f" at line {code.co_firstlineno}"
+    if cells:
+        name += f" over ({', '.join(_captured(c.cell_contents) for c in cells)})"
+    return name
+
+
+def _captured(x) -> str:
+    """A captured value as ``function_name`` names it: functions and classes by where they
+    are defined (a re-import makes new ones), anything else by its repr."""
+    if callable(x) and hasattr(x, "__qualname__"):
+        return f"{getattr(x, '__module__', '?')}.{function_name(x)}"
+    return repr(x)
+
+
+def _module_of(fn) -> str:
+    return getattr(fn.func if isinstance(fn, functools.partial) else fn, "__module__", __name__)
 
 
 def _check_for(fn, takes):
@@ -147,7 +176,7 @@ def _check_for(fn, takes):
         for field, keyword in OPTIONAL.items():
             value = getattr(cfg, field)
             if value not in (None, False) and keyword not in takes:
-                fail(field, f"unset ({fn.__name__} takes no {keyword})", repr(value))
+                fail(field, f"unset ({function_name(fn)} takes no {keyword})", repr(value))
 
     return check
 

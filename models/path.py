@@ -9,8 +9,11 @@ encoding); the transforms' directions from a low-rank projection of the
 input, a short causal convolution with SiLU, and an L2 normalization per kv
 head (``w [B,T,K,H]``); their strengths ``beta = 2 sigmoid(x W_beta + b)`` in
 (0, 2) per kv head (eigenvalue ``1 - beta`` down to -1); optionally FoX's log
-forget gates ``log sigmoid(x W_f + b)`` per query head; then
-``attn.path_attention`` and the output projection.
+forget gates ``log sigmoid(x W_f + b)`` per query head, which fla's kernel adds to
+the logits multiplied by the logit scale (``scale * (q . k~ + c_i - c_j)``), so
+the layer passes ``attn.path_attention`` (which adds its ``log_forget`` sums
+unscaled, as FoX does) the gates times ``H**-0.5``: the same weights give fla's
+output; then ``attn.path_attention`` and the output projection.
 
 Decoding keeps the keys transformed (``PathCache``): a cached key j holds
 ``H_{t-1} ... H_{j+1} k_j`` after token t - 1. A chunk of new tokens (a
@@ -158,10 +161,12 @@ class PathAttention(Heads):
         return w, beta, conv_state
 
     def _log_forget(self, x):
-        """FoX's log forget gates ``[B,T,N]`` float32, or None without the gate."""
+        """FoX's log forget gates ``[B,T,N]`` float32 times the logit scale ``H**-0.5`` (fla's
+        kernel scales the gates' sums with the logits), or None without the gate."""
         if self.forget_proj is None:
             return None
-        return jax.nn.log_sigmoid(self.forget_proj(x).astype(jnp.float32))
+        log_f = jax.nn.log_sigmoid(self.forget_proj(x).astype(jnp.float32))
+        return log_f * self.cfg.head_dim**-0.5
 
     def _path(self, q, k, v, w, beta, log_f, segment_ids, **kwargs):
         kwargs.setdefault("block_size", self.cfg.block_size)

@@ -296,17 +296,15 @@ class MobaAttention(SparseAttention):
                          ring=cache.ring)  # fmt: skip
 
     def _kept(self, cache, k, v, start, positions):
-        """The new keys' block sums so far (``attn.sparse.window_key_sums``), each from its
-        block's keys: the cached ones, then the new."""
+        """The new keys' block sums so far (``attn.sparse.window_key_sums``): slot i of new
+        key t's block holds the key at position ``positions[t] - offset + i``, cached or
+        new, up to t (empty after)."""
         bs, T = self.cfg.block_size, k.shape[1]
         before = start[:, None] - bs + 1 + jnp.arange(bs - 1)  # the bs - 1 positions before
         past = read_positions(cache, cache.k, jnp.maximum(before, 0)).astype(k.dtype)
         keys = jnp.concatenate([past, k], 1)  # [B, bs - 1 + T, K, H]
-        slot = jnp.arange(bs)
-        offset = (positions % bs)[..., None]  # [B,T,1]: each new key's slot in its block
-        # slot i of new key t's block is position (positions[t] - offset + i), at index
-        # (t - offset + i) + bs - 1 of keys; slots after the new key are empty
-        idx = jnp.arange(T)[None, :, None] - offset + slot + bs - 1
+        slot, offset = jnp.arange(bs), (positions % bs)[..., None]  # offset [B,T,1]
+        idx = jnp.arange(T)[None, :, None] - offset + slot + bs - 1  # into keys
         windows = keys[jnp.arange(k.shape[0])[:, None, None], jnp.maximum(idx, 0)]
         windows = jnp.where((slot <= offset)[..., None, None], windows, 0)
         return (attn.sparse.window_key_sums(windows),)

@@ -80,3 +80,26 @@ def _drop_compiled_programs():
 def compilation_cache_dir():
     """The persistent compilation cache's folder, for subprocesses that set it explicitly."""
     return CACHE_DIR
+
+
+def tier_errors(items) -> list[str]:
+    """Tests that no tier of ``tools/test.sh`` would run, or would run without what they
+    need: ``items`` are ``(nodeid, marker names)``. The devices tier runs ``-m devices
+    tests/devices``, the others deselect ``devices``, so a ``devices`` test elsewhere runs
+    nowhere, and a test in ``tests/devices`` without the marker (or with ``integration``
+    too) runs in a tier without the 8 devices."""
+    errors = []
+    for nodeid, names in items:
+        inside = nodeid.startswith("tests/devices/")
+        if "devices" in names and not inside:
+            errors.append(f"{nodeid}: marked devices outside tests/devices (runs in no tier)")
+        elif inside and ("devices" not in names or "integration" in names):
+            errors.append(f"{nodeid}: in tests/devices, expected the devices marker alone")
+    return errors
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every tier sees every test
+def pytest_collection_modifyitems(config, items):
+    errors = tier_errors((item.nodeid, {m.name for m in item.iter_markers()}) for item in items)
+    if errors:
+        raise pytest.UsageError("tests in no tier of tools/test.sh:\n" + "\n".join(errors))

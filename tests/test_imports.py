@@ -250,3 +250,28 @@ def test_no_written_file_is_over_500_lines():
             if count > MAX_LINES:
                 long[str(path.relative_to(ROOT))] = count
     assert not long, f"files over {MAX_LINES} lines: {long}"
+
+
+def test_a_test_is_refused_where_no_tier_of_tools_test_sh_runs_it():
+    """(A devices test outside tests/devices ran in no tier, and tools/test.sh exited 0.)"""
+    from tests.conftest import tier_errors
+
+    assert tier_errors([("tests/attn/test_x.py::t", set()),
+                        ("tests/devices/test_y.py::t", {"devices"}),
+                        ("tests/train/test_z.py::t", {"integration"})]) == []  # fmt: skip
+    errors = tier_errors([("tests/attn/test_x.py::t", {"devices"}),
+                          ("tests/devices/test_y.py::t", set()),
+                          ("tests/devices/test_y.py::u", {"devices", "integration"})])  # fmt: skip
+    assert len(errors) == 3 and "runs in no tier" in errors[0]
+    assert all("expected the devices marker alone" in e for e in errors[1:])
+
+
+def test_dry_runs_write_where_the_tree_ignores_them():
+    """(``bench/gpu.py --dry-run`` left ``bench/results/gpu-dry-run.*`` untracked.)"""
+    import subprocess
+
+    paths = [f"bench/results/{name}-dry-run.{ext}" for name in ("gpu", "tuned", "device")
+             for ext in ("json", "md", "png")]  # fmt: skip
+    ignored = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()  # fmt: skip
+    assert ignored == paths

@@ -19,6 +19,7 @@ __all__ = [
     "H200",
     "Device",
     "attention_flops",
+    "level_flops",
     "model_flops",
     "predict_comparison",
     "prediction_text",
@@ -99,9 +100,14 @@ def visible_keys(layer, seq_len: int) -> list[int]:
 
 
 def attention_flops(layer, seq_len: int) -> int:
-    """A softmax-family layer's own FLOPs for one sequence, forward + backward (0 for others)."""
+    """A layer's own FLOPs beyond its projections for one sequence, forward + backward: a
+    softmax-family layer's logits and values (PaTH's twice: each query also passes the
+    transforms of every earlier block of keys, two matmuls of its own per block), and a
+    log-linear layer's reads of its levels (``level_flops``); 0 for the others."""
     from models import KINDS
 
+    if getattr(layer, "num_levels", 0):
+        return level_flops(layer, seq_len)
     if KINDS[layer.kind].family not in ("softmax", "sparse"):
         return 0
     N = layer.num_heads
@@ -112,7 +118,21 @@ def attention_flops(layer, seq_len: int) -> int:
     flops = 3 * 2 * N * (qk + v) * pairs
     if layer.kind == "moba":  # the gate: each query against the means of its earlier blocks
         flops += 2 * N * qk * sum(t // layer.block_size for t in range(seq_len))
+    if layer.kind == "path":  # q' <- q' (I - W^T X) past each key block: 4 H per pair
+        flops *= 2
     return flops
+
+
+def level_flops(layer, seq_len: int) -> int:
+    """Log-linear attention's level reads for one sequence, forward + backward: each token
+    reads ``ceil(log2(T / C))`` levels above its chunk, each ``2 H E`` for its state and its
+    gradient's (``4 H E`` a level forward, as ``bench/_device_families_plan`` counts it);
+    a layer's one state (its chunkwise products, as the parent family's) is not counted."""
+    C, E = layer.chunk_size, layer.value_dim
+    H = getattr(layer, "state_dim", layer.head_dim)  # Mamba-2's keys are its state's
+    N = getattr(layer, "num_value_heads", layer.num_heads)
+    levels = max(0, (-(-seq_len // C) - 1).bit_length())
+    return 3 * 4 * N * H * E * levels * seq_len
 
 
 def model_flops(model_config, params: int, seq_len: int, batch: int) -> dict:
@@ -120,8 +140,9 @@ def model_flops(model_config, params: int, seq_len: int, batch: int) -> dict:
 
     ``6 x dense x tokens`` with ``dense`` every parameter but the embedding table's
     lookup, plus the output head's ``D x V`` (tied: ``params`` itself), and the
-    softmax-family layers' own products (``attention_flops``). The fixed-state
-    layers' chunkwise products are not counted (1-7% of a step's matmuls at C = 64).
+    layers' own products (``attention_flops``: softmax-family logits, PaTH's transforms,
+    log-linear levels). The fixed-state layers' chunkwise products are not counted (1-7%
+    of a step's matmuls at C = 64).
     An evaluation's forward is a third of it.
 
     Returns:

@@ -46,14 +46,16 @@ def _batch(tokens, labels) -> dict[str, np.ndarray]:
     }
 
 
-def _pair_starts(rng, batch: int, length: int, n: int) -> np.ndarray:
-    """``[batch, n]`` sorted starts of ``n`` non-overlapping 2-token pairs in ``[0, length)``.
+def _pair_starts(rng, batch: int, length: int, n: int, gap: int = 0) -> np.ndarray:
+    """``[batch, n]`` sorted starts of ``n`` non-overlapping 2-token pairs in ``[0, length)``,
+    each followed by at least ``gap`` other tokens inside ``[0, length)``.
 
-    Uniform over placements: choose n of the ``length - n`` slots that remain when
-    each pair counts as one token, then spread them out again.
+    Uniform over placements: choose n of the ``length - (1 + gap) n`` slots that remain
+    when each pair and its gap count as one token, then spread them out again.
     """
-    slots = np.sort(_sample_without_replacement(rng, batch, length - n, n), axis=1)
-    return slots + np.arange(n)  # the i-th pair starts after i earlier pairs' 2 tokens
+    width = 2 + gap
+    slots = np.sort(_sample_without_replacement(rng, batch, length - (width - 1) * n, n), axis=1)
+    return slots + (width - 1) * np.arange(n)  # after i earlier pairs and their gaps
 
 
 def mqar_batch(
@@ -190,6 +192,12 @@ def variable_tracking_batch(
     a chain chosen uniformly, labelled with that chain's value ``v``: answering
     takes ``h`` lookups back through the haystack.
 
+    With ``h > 1`` a filler token follows every assignment: ``x2 x1`` right before
+    ``x7 x6`` would also read ``x1 x7``, a second assignment of ``x1`` that no
+    reader of the tokens could tell from the real one (the values, never names,
+    end the first hop's assignments, so one hop needs no gap: RULER's multi-key
+    needle keeps its placements).
+
     Returns:
       ``dict(tokens [B,T] int32, labels [B,T] int32, weights [B,T] float32)`` with
       one labelled position per example, the last.
@@ -201,7 +209,7 @@ def variable_tracking_batch(
     values = quarter + rng.integers(0, half - quarter, size=(batch, n))
     copied = np.concatenate([values[:, :, None], names[:, :, :-1]], axis=2)  # [B, n, h]
     tokens = rng.integers(half, vocab_size, size=(batch, T))
-    starts = _pair_starts(rng, batch, T - 1, n * h)  # [B, n h], in order of position
+    starts = _pair_starts(rng, batch, T - 1, n * h, gap=int(h > 1))  # [B, n h], in order
     # Each assignment takes a random slot; sorting a chain's slots keeps its order.
     slot = np.sort(np.argsort(rng.random((batch, n * h)), axis=1).reshape(batch, n, h), axis=2)
     where = np.take_along_axis(starts, slot.reshape(batch, n * h), axis=1)  # [B, n h]

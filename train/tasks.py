@@ -107,7 +107,8 @@ class TaskConfig:
         queries need room for ``n`` gaps of two); the needles of ``needle``
         (``3 * num_pairs <= seq_len``) and of ``multikey_needle``
         (``2 * num_pairs + 1 <= seq_len``); the chains of ``variable_tracking``
-        (``2 * num_pairs * hops + 1 <= seq_len``, and ``num_pairs * hops``
+        (``3 * num_pairs * hops + 1 <= seq_len`` past one hop: a filler token after
+        each assignment keeps the parse unique; and ``num_pairs * hops``
         distinct variables in ``[1, V/4)``).
       hops: ``variable_tracking``: assignments per chain (1: the multi-key needle).
       min_pairs: MQAR: training examples hold between ``min_pairs`` and
@@ -229,11 +230,12 @@ class TaskConfig:
             h, what = self.hops, "chains"
             if isinstance(h, bool) or not isinstance(h, int) or h < 1:
                 raise ValueError(f"task.hops: expected an int >= 1, got {h!r}")
-        most = (self.seq_len - 1) // (2 * h)
+        width = 2 * h if h == 1 else 3 * h  # past one hop, a filler after each assignment
+        most = (self.seq_len - 1) // width
         if not 1 <= n <= most:
             raise ValueError(
-                f"task.num_pairs: expected 1 <= num_pairs <= (seq_len - 1) / {2 * h} = {most} "
-                f"({what} of {2 * h} tokens before the query), got {n}"
+                f"task.num_pairs: expected 1 <= num_pairs <= (seq_len - 1) / {width} = {most} "
+                f"({what} of {width} tokens before the query), got {n}"
             )
         if self.vocab_size // 4 - 1 < n * h:
             raise ValueError(

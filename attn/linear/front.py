@@ -68,7 +68,8 @@ class RecurrenceArgs(TypedDict, total=False):
         multiple of it.
       scale: multiplies q; a positive finite number, None the family's default.
       initial_state: the state the sequence continues from (zeros if None):
-        the first segment's past, with segment ids.
+        the first segment's past, with segment ids; finite (refused by name where
+        its values are known: a NaN would reach every output of its row).
       return_state: also return the final state (the last segment's).
       q_segment_ids: ``[B,T]`` ints, with ``kv_segment_ids`` (both or
         neither): packing and padding (id 0). The queries are the keys'
@@ -154,12 +155,16 @@ def check_heads(q, k, v, step: bool, per_head: dict | None = None):
 
 
 def check_state(state, name: str, shape: tuple, layout: str) -> None:
-    """Refuses ``state`` unless it is a real floating array of ``shape`` (``layout`` its axes)."""
+    """Refuses ``state`` unless it is a real floating array of ``shape`` (``layout`` its axes)
+    of finite values (where they are known: a NaN or Inf in a row's state reaches every
+    output of that row, and under a trace nothing is checked)."""
     if np.shape(state) != tuple(shape):
         fail(name, f"shape {tuple(shape)} = {layout}", f"shape {np.shape(state)}")
     dtype = jnp.result_type(state)
     if not jnp.issubdtype(dtype, jnp.floating):
         fail(name, "a real floating-point state (it is carried in float32)", f"dtype {dtype}")
+    why = "finite values (a non-finite state reaches every output of its row)"
+    checks.check_values(state, np.isfinite, name, why)
 
 
 def check_front(

@@ -150,6 +150,12 @@ def _dims(q, k, v, per_head: dict, level_weights, step: bool):
     if len(shape) != q.ndim or tuple(shape[:-1]) != (*lead, N) or shape[-1] < 1:
         want = f"shape {(*lead, N, 'L')} = [B,{t}N,L] with L >= 1 levels"
         fail("level_weights", want, shape)
+    if not jnp.issubdtype(jnp.result_type(level_weights), jnp.floating):  # as DPLR's gates
+        fail(
+            "level_weights",
+            "real floating-point weights",
+            f"dtype {jnp.result_type(level_weights)}",
+        )
     return B, T, K, N, H, E, shape[-1]
 
 
@@ -196,6 +202,9 @@ def _check_state(state, B: int, N: int, L: int, H: int, E: int, name: str = "sta
         want = f"levels {(B, N, L, H, E)} = [B,N,L,H,E] and length ({B},)"
         fail(name, want, f"levels {np.shape(state[0])}, length {np.shape(state[1])}")
     front.check_state(state[0], f"{name}.levels", (B, N, L, H, E), "[B,N,L,H,E]")
+    if not jnp.issubdtype(jnp.result_type(state[1]), jnp.integer):
+        fail(f"{name}.length", "integer token counts", f"dtype {jnp.result_type(state[1])}")
+    checks.check_values(state[1], lambda n: n >= 0, f"{name}.length", "counts >= 0 (tokens seen)")
 
 
 # ----------------------------------------------------------------------------

@@ -53,7 +53,7 @@ CONSUMERS = (0, 1, 2)  # consumer warpgroups a program (0: not specialised)
 @takes_call_args
 def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, block_k: int = 64,
                      stages: int = 2, consumers: int = 2, interpret: bool | None = None,
-                     **call_args: Unpack[CallArgs]):  # fmt: skip
+                     platform: str | None = None, **call_args: Unpack[CallArgs]):  # fmt: skip
     """Softmax attention as Mosaic GPU kernels for Hopper (forward and backward).
 
     Computes ``attn.dot_product_attention``'s function; takes its arguments
@@ -73,8 +73,11 @@ def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, bl
         warpgroup (FlashAttention-3's warp specialisation), each on its own ``block_q``
         rows (``block_k`` keys in the dk/dv kernel); the forward's two take turns. 0 runs
         one warpgroup a block that pipelines its own copies.
-      interpret: run the twin under Pallas's Mosaic GPU interpreter; None means on a CPU.
-        False lowers the Hopper kernel (give it to ``jax.export`` for ``cuda``).
+      interpret: run the twin under Pallas's Mosaic GPU interpreter; None means on a CPU
+        with no ``platform``. False lowers the Hopper kernel.
+      platform: ``"cuda"`` (or ``"gpu"``): lower the Hopper kernels whatever the host, for
+        ``jax.export`` to ``cuda`` from a CPU (as ``flash_attention``'s ``platform``);
+        None: the default backend's.
       **call_args: the call (``attn.softmax.call.CallArgs``).
 
     Returns:
@@ -83,12 +86,14 @@ def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, bl
     q, k, v = as_arrays(q, k, v)
     call = check_call(q, k, v, **call_args)
     return attend(call, q, k, v, return_lse=return_lse, block_q=block_q, block_k=block_k,
-                  stages=stages, consumers=consumers, interpret=interpret)  # fmt: skip
+                  stages=stages, consumers=consumers, interpret=interpret,
+                  platform=platform)  # fmt: skip
 
 
 def attend(call: Call, q, k, v, *, return_lse=False, block_q=64, block_k=64, stages=2,
-           consumers=2, interpret=None):  # fmt: skip
+           consumers=2, interpret=None, platform=None):  # fmt: skip
     """``mosaic_attention`` of a checked call (see there)."""
+    interpret = _interpret(interpret, platform)
     config = _config(call, q, k, v, block_q, block_k, stages, consumers, interpret)
     q, k, v = call.isolate(q, k, v)
     config, tables, rows = _schedule(config, call)
@@ -150,6 +155,19 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
              f"tiles that fit Hopper's {SHARED_BYTES:,} bytes of shared memory a block",
              f"{block_q}, {block_k}, {stages}, {consumers}: {need:,} bytes")  # fmt: skip
     return MosaicConfig(call.spec(), block_q, block_k, stages, interpret, consumers)
+
+
+def _interpret(interpret, platform) -> bool | None:
+    """``interpret`` given ``platform`` (None, or CUDA's: the Hopper kernels, not the twin)."""
+    if platform is None:
+        return interpret
+    if platform not in ("cuda", "gpu"):
+        fail("platform", "None, 'cuda' or 'gpu' for impl='mosaic' (Mosaic GPU lowers for "
+             "CUDA)", repr(platform))  # fmt: skip
+    if interpret:
+        fail("interpret", f"False or None with platform={platform!r} (the kernels, not the "
+             "twin)", repr(interpret))  # fmt: skip
+    return False
 
 
 def _int(x, name: str, allowed: tuple[int, ...] | None = None) -> int:

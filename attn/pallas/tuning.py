@@ -199,11 +199,13 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[Case, Blocks]
     """``load``'s work, cached by the file's path, modification time and size."""
     del mtime_ns, size  # the cache key: a rewritten file is read again
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(), object_pairs_hook=_unique_keys)
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read the tuning cache ({e})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+    except _DuplicateKeys as e:
+        raise ValueError(f"{path}: {e}") from None
     problem = _format_problem(data)
     if problem is not None:
         raise ValueError(f"{path}: {problem}")
@@ -223,6 +225,20 @@ def _parsed(path: str, mtime_ns: int, size: int) -> dict[str, dict[Case, Blocks]
                 raise ValueError(f"{path}: {where}: {problem}")
             out[kind][found] = blocks_of(entry)
     return out
+
+
+class _DuplicateKeys(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    """A JSON object's pairs as a dict, refusing a key given twice (JSON keeps the last: a
+    case measured twice for a device would silently lose one)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise _DuplicateKeys(f"expected each key once in an object, got {twice} twice")
+    return dict(pairs)
 
 
 def _format_problem(data) -> str | None:

@@ -17,6 +17,9 @@ softmax attention: float32 statistics, a row that sees no key gives zeros.
 With FoX's forget gate (PaTH-FoX), ``c`` is the running sum of per-token log
 gates and ``c_i - c_j = sum_{l=j+1..i} log f_l`` joins the scaled logit
 (``attn.scores.forgetting``, the modifier every softmax implementation takes).
+The gates' sums are added unscaled, as FoX adds them; fla's PaTH kernel adds
+them inside the scale (``scale * (q . k~ + c_i - c_j)``): pass
+``log_forget * scale`` for its convention (``models.PathAttention`` does).
 
 Forms (``PATH_FORMS``), the same function, tested against a float64 product
 of the ``H`` matrices on outputs and every gradient:

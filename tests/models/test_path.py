@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import attn
 import models
 from models.cache import KVCache
 from models.path import PathCache
@@ -29,31 +28,38 @@ def layer(**fields):
     )
 
 
-def test_the_layer_is_its_composition_and_its_weights_give_its_output():
-    """PaTH-FoX written out (low-rank w, conv + SiLU, unit w, beta = 2 sigmoid, log sigmoid
-    gates, the naive form); the captured weights are causal softmax rows that give it."""
+def test_the_layer_is_fla_s_composition_and_its_weights_give_its_output():
+    """PaTH-FoX as fla's ``PaTHAttention`` composes it, in float64 (low-rank w, conv + SiLU,
+    unit w, beta = 2 sigmoid, log sigmoid gates scaled with the logits as fla's kernel
+    scales them, ``attn.softmax.reference.path_attention``); the captured weights are
+    causal softmax rows that give it."""
+    from attn.softmax import reference
+
     m = layer(forget_gate=True, w_rank=3)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, T, WIDTH)), jnp.float32)
+    y, (got, weights) = nnx.jit(lambda m, x: (m(x), models.capture_weights(m, x)))(m, x)
 
-    @nnx.jit  # one program: eager scans compile piece by piece
-    def run(m, x):
-        raw = attn.short_conv(m.w_proj(m.w_down(x)), m.w_taps[...])[0]
-        w = jax.nn.silu(raw).reshape(2, T, 2, 4)
-        w = w / jnp.sqrt(jnp.sum(w * w, -1, keepdims=True) + 1e-6)
-        beta = 2 * jax.nn.sigmoid(m.beta_proj(x))
-        log_f = jax.nn.log_sigmoid(m.forget_proj(x))
-        q, k, v = (p(x).reshape(2, T, -1, 4) for p in (m.q_proj, m.k_proj, m.v_proj))
-        out = attn.path_attention(q, k, v, w, beta, log_forget=log_f, form="naive")
-        return m(x), m.o_proj(out.reshape(2, T, 16)), out, v, models.capture_weights(m, x)
-
-    y, want, out, v, (got, weights) = run(m, x)
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    dense = lambda p, a: a @ f64(p.kernel[...]) + (0 if p.bias is None else f64(p.bias[...]))  # noqa: E731
+    x64 = f64(x)
+    taps = f64(m.w_taps[...])
+    low = dense(m.w_proj, dense(m.w_down, x64))
+    raw = sum(taps[i] * np.pad(low, ((0, 0), (2 - i, 0), (0, 0)))[:, :T] for i in range(3))
+    w = (raw / (1 + np.exp(-raw))).reshape(2, T, 2, 4)
+    w = w / np.sqrt(np.sum(w * w, -1, keepdims=True) + 1e-6)
+    beta = 2 / (1 + np.exp(-dense(m.beta_proj, x64)))
+    log_f = -np.logaddexp(0, -dense(m.forget_proj, x64)) * 4**-0.5  # fla: inside the scale
+    q, k, v = (dense(p, x64).reshape(2, T, -1, 4) for p in (m.q_proj, m.k_proj, m.v_proj))
+    with jax.enable_x64():
+        out = reference.path_attention(q, k, v, w, beta, log_f, scale=4**-0.5)
+        want = dense(m.o_proj, np.asarray(out).reshape(2, T, 16))
     assert rel_err(y, want) <= 1e-5
     assert rel_err(got, want) <= 1e-5
     (weights,) = weights
     np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
     np.testing.assert_array_equal(weights * np.triu(np.ones((T, T)), 1), 0.0)
-    v_rep = jnp.repeat(v, 2, axis=2)  # each kv head read by G = 2 query heads
-    assert rel_err(jnp.einsum("bnts,bsne->btne", weights, v_rep), out) <= 1e-5
+    v_rep = np.repeat(v, 2, axis=2)  # each kv head read by G = 2 query heads
+    assert rel_err(np.einsum("bnts,bsne->btne", weights, v_rep), out) <= 1e-5
 
 
 def test_a_paged_model_keeps_path_caches_whole():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -285,6 +286,27 @@ def test_attention_kind_checks_its_arguments_and_taps_its_weights(scratch):
                        r".*attention_kind\(sigmoid_attention\); got a second one defined by "
                        r".*attention_kind\(softpick_attention\)"):  # fmt: skip
         models.attention_kind("test_fn", attn.softpick_attention, family="softpick")
+    # Any callable: a partial (an AttributeError on __name__ before); two lambdas, two
+    # closures over other values, two partials: each a second function under a taken name.
+    sig = functools.partial(attn.sigmoid_attention)
+    models.attention_kind("test_partial", sig, family="sigmoid")
+    scratch.append((models.KINDS, "test_partial"))
+    models.attention_kind("test_partial", functools.partial(attn.sigmoid_attention), family="s")
+    with pytest.raises(ValueError, match=r"^kind: 'test_partial' is already a layer kind.*"
+                       r"partial\(sigmoid_attention, \).*second one.*softcap=2\.0"):  # fmt: skip
+        models.attention_kind("test_partial", functools.partial(sig, softcap=2.0), family="s")
+
+    def closure(scale):
+        return lambda q, k, v, **kw: attn.sigmoid_attention(q * scale, k, v, **kw)
+
+    first, second = (lambda *a, **kw: attn.sigmoid_attention(*a, **kw)), closure(2.0)
+    for name, one, other in (("test_lambda", first, lambda *a, **kw: first(*a, **kw)),
+                             ("test_closure", second, closure(3.0))):  # fmt: skip
+        models.attention_kind(name, one, family="sigmoid")
+        scratch.append((models.KINDS, name))
+        models.attention_kind(name, one, family="sigmoid")  # the same function again
+        with pytest.raises(ValueError, match=rf"^kind: '{name}' is already a layer kind"):
+            models.attention_kind(name, other, family="sigmoid")
     with pytest.raises(ValueError, match=r"^sink_logits: expected unset \(sigmoid_attention takes"):
         models.KINDS["sigmoid"].config_class(num_heads=2, head_dim=8, sink_logits=True)
     with pytest.raises(ValueError, match=r"^impl: expected 'auto' for a function kind"):

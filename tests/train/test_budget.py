@@ -4,7 +4,14 @@ import dataclasses
 
 import pytest
 
-from train.budget import H200, Device, model_flops, predict_comparison, prediction_text
+from train.budget import (
+    H200,
+    Device,
+    attention_flops,
+    model_flops,
+    predict_comparison,
+    prediction_text,
+)
 from train.config import TrainConfig
 from train.tasks import TaskConfig
 from train.variants import CompareConfig, param_count, run_config
@@ -39,3 +46,20 @@ def test_a_comparisons_prediction_counts_its_runs_updates_evaluations_and_progra
     assert text.startswith(f"tiny: predicted {got['seconds']:.0f} s on one test (model FLOPs at")
     assert "| gated_deltanet |" in text and "assumptions" in text
     assert dataclasses.asdict(H200)["matmul_flops"] == 667e12  # bench/results/gpu-NVIDIA_H200.md
+
+
+def test_path_s_transforms_and_the_log_linear_levels_are_counted():
+    """(Both were priced as their parents: PaTH as MHA, log-linear Mamba-2 as Mamba-2.)"""
+    import models
+
+    T = 1024
+    mha = models.SoftmaxConfig(num_heads=4, head_dim=32)
+    path = models.PathConfig(num_heads=4, head_dim=32)
+    assert attention_flops(path, T) == 2 * attention_flops(mha, T) > 0
+    mamba = models.Mamba2Config(num_heads=4, head_dim=32, state_dim=16, chunk_size=64)
+    log = models.LogLinearMamba2Config(num_heads=4, head_dim=32, state_dim=16, chunk_size=64)
+    # 16 chunks: each token reads log2(16) = 4 levels above its chunk, 4 H E a level forward
+    assert attention_flops(mamba, T) == 0
+    assert attention_flops(log, T) == 3 * 4 * 4 * 16 * 32 * 4 * T
+    delta = models.LogLinearDeltaConfig(num_heads=2, head_dim=16, chunk_size=64)
+    assert attention_flops(delta, 2 * 64) == 3 * 4 * 2 * 16 * 16 * 1 * 128  # 2 chunks: 1 level

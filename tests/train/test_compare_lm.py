@@ -19,6 +19,17 @@ from train.compare_report import write_results
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_quick_with_another_scale_is_refused_not_replaced():
+    """--quick is one size: with --scale gpu it planned the quick runs, silently."""
+    from configs import recall_frontier
+
+    with pytest.raises(ValueError, match=r"^scale: expected 'cpu' with --quick .*got 'gpu'$"):
+        compare._parse(["--task", "bytes", "--quick", "--scale", "gpu"])
+    with pytest.raises(ValueError, match=r"^scale: expected 'cpu' with --quick .*got 'gpu'$"):
+        recall_frontier.get_config(quick=True, scale="gpu")
+    assert recall_frontier.get_config(quick=True).name == "quick"
+
+
 @pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_task_bytes_is_the_language_modelling_config():
     # One build of the full config (matching 12 variants' sizes costs seconds); the quick

@@ -91,6 +91,10 @@ def test_the_state_and_the_front_options_are_refused_alike(name):
     as_int = jax.tree.map(lambda x: x.astype(jnp.int32), state)
     with pytest.raises(ValueError, match=r"^initial_state(\.\w+)?: expected a real floating"):
         fn(*args, **kw, initial_state=as_int, form=forms)
+    nan = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan) if x.dtype.kind == "f" else x,
+                       state)  # fmt: skip
+    with pytest.raises(ValueError, match=r"^initial_state(\.\w+)?: expected finite values"):
+        fn(*args, **kw, initial_state=nan, form=forms)  # (it reached every output of the row)
     short = jax.tree.map(lambda x: x[:1], state)
     with pytest.raises(ValueError, match=r"^initial_state(\.\w+)?: expected"):
         fn(*args, **kw, initial_state=short, form=forms)

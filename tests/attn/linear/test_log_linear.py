@@ -299,4 +299,11 @@ def test_bad_input_is_named():
         log_linear_attention_step(*step_args, init_log_linear_state(Bt, N, H, E, 4))
     with pytest.raises(ValueError, match=r"^level_weights: expected"):
         log_linear_attention_step(*step_args[:4], -step_args[4], state)
+    # Integer weights (refused as the DPLR rule refuses integer gates) and a state length
+    # that counts no tokens (-3, 1.5) were taken.
+    with pytest.raises(ValueError, match=r"^level_weights: expected real floating-point"):
+        log_linear_attention(**{**good, "level_weights": np.ones(lam.shape, np.int32)})
+    for length, want in ((np.full(Bt, -3, np.int32), "counts >= 0"), (np.full(Bt, 1.5), "int")):
+        with pytest.raises(ValueError, match=rf"^state\.length: expected .*{want}"):
+            log_linear_attention_step(*step_args, state._replace(length=jnp.asarray(length)))
     assert attn.log_linear_attention is log_linear_attention

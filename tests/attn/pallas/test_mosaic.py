@@ -188,8 +188,22 @@ def test_attention_impl_mosaic_is_the_kernel():
     got = attn.attention(q, k, v, impl="mosaic", mask=masks.causal(), block_k=128)
     want = mosaic_attention(q, k, v, mask=masks.causal(), block_k=128)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    with pytest.raises(ValueError, match=r"^platform: expected None for impl='mosaic'"):
-        attn.attention(q, k, v, impl="mosaic", platform="cuda")
+
+    # platform="cuda" lowers the Hopper kernels from this CPU host, as impl="pallas" does
+    # (it was refused, and without it the call interprets on the CPU backend).
+    def exported(fn):
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+        return jax.export.export(jax.jit(fn), platforms=["cuda"])(*shapes).mlir_module()
+
+    via = exported(lambda q, k, v: attn.attention(q, k, v, impl="mosaic", platform="cuda"))
+    direct = exported(lambda q, k, v: mosaic_attention(q, k, v, interpret=False))
+    assert (
+        via.count("custom_call @mosaic_gpu_v2") == direct.count("custom_call @mosaic_gpu_v2") == 1
+    )
+    with pytest.raises(ValueError, match=r"^platform: expected None, 'cuda' or 'gpu'"):
+        attn.attention(q, k, v, impl="mosaic", platform="tpu")
+    with pytest.raises(ValueError, match=r"^interpret: expected False or None with platform"):
+        mosaic_attention(q, k, v, platform="cuda", interpret=True)
 
 
 def test_refusals_name_the_argument():

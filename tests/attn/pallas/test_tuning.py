@@ -208,6 +208,14 @@ def test_refusals_name_the_file(tmp_path):
         with pytest.raises(ValueError, match=re.escape(str(path)) + ": .*" + message) as e:
             tuning.load(path)
         assert "\n" not in str(e.value)
+    # One case twice for a device: JSON would keep the second and drop the first.
+    path = tmp_path / "twice.json"
+    entry = json.dumps(ENTRY)
+    path.write_text(f'{{"format": 1, "devices": {{"{GPU}": {{"h64-16bit-full-1024": {entry}, '
+                    f'"h64-16bit-full-1024": {entry}}}}}}}')  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": expected each key once in an "
+                       r"object, got \['h64-16bit-full-1024'\] twice$"):  # fmt: skip
+        tuning.load(path)
     path = tmp_path / "not.json"
     path.write_text("{format: 1")
     with pytest.raises(ValueError, match=re.escape(str(path)) + r": not JSON"):
