@@ -124,8 +124,8 @@ def readings(row, vocab: int) -> dict[int, list[int]]:
 )
 def test_variable_tracking_reads_one_way_and_a_solver_of_the_tokens_answers(T, n, hops, V):
     """No name has two assignments in the tokens (``x2 x1`` right before ``x7 x6`` also
-    reads ``x1 x7``: 3.9% of examples at T = 256 and 18.5% at T = 64 before a filler
-    followed each assignment), so following the query's name back through the only
+    reads ``x1 x7``: 23% of examples at T = 256 and 74% at T = 64, 6 chains of 2, before a
+    filler followed each assignment), so following the query's name back through the only
     readings reaches the label, in every example."""
     cfg = TaskConfig(name="variable_tracking", seq_len=T, vocab_size=V, num_pairs=n, hops=hops)
     task = make_task(cfg)
