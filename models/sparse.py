@@ -14,16 +14,15 @@ soft-cap, sink logits) whose attention is one of ``attn.sparse``'s:
   layer adds to the gradient of whatever objective its output enters.
 
 Decode caches keep the full keys and values at one slot per position, and
-beside them what each method reads instead of all keys: MoBA each key's
-block sum so far, summed as the forward pass sums a block (``attn.sparse.window_key_sums``:
-a block's mean is its last key's sum over its length), NSA the compressed key and value of the
-block ending at each token (computed once, when the block completes), DSA the
-indexer's key of each token. Prefill and decode attend over the cache in
-position order, so blocks are cut as the forward pass cut them: prefill in
-chunks and decoding equal the forward pass, packed rows equal each sequence
-alone, and a paged cache equals a
-contiguous one. The kinds never run as ring attention, and need a full cache
-(no ``window``: NSA has its own window branch).
+beside them what each method reads instead of all keys: MoBA each key's block
+sum so far, summed as the forward pass sums a block (``attn.sparse.window_key_sums``),
+NSA the compressed key and value of the block ending at each token (computed
+once, when the block completes), DSA the indexer's key of each token. Prefill
+and decode attend over the cache in position order, so blocks are cut as the
+forward pass cut them: prefill in chunks and decoding equal the forward pass,
+packed rows equal each sequence alone, and a paged cache equals a contiguous
+one. The kinds never run as ring attention, and need a full cache (no
+``window``: NSA has its own window branch).
 """
 
 from __future__ import annotations
