@@ -42,7 +42,7 @@ Modules:
 """
 
 # Each family's module lists its public names (``__all__``); they are this
-# package's and ``attn``'s, so a new family adds one import here and none there.
+# package's and ``attn``'s: a new family adds its import and its ``__all__`` here, none there.
 # The names imported ``X as X`` are this package's only, not lifted to ``attn``.
 from attn.linear import (
     attention,
