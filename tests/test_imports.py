@@ -275,3 +275,18 @@ def test_dry_runs_write_where_the_tree_ignores_them():
         for ext in ("json", "md", "png"):
             path = f"bench/results/{name}-dry-run.{ext}"
             assert any(fnmatch.fnmatch(path, p.strip("/")) for p in patterns), path
+
+
+def test_every_public_function_and_kind_is_named_in_the_docs():
+    """Each function ``attn`` exports and each registered layer kind is named in the README
+    or docs/architecture.md (the docs had fallen behind the families added)."""
+    import re
+
+    import attn
+    import models
+
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "architecture.md").read_text()
+    named = lambda name: re.search(rf"\b{re.escape(name)}\b", text)  # noqa: E731
+    public = [n for n in attn.__all__ if callable(getattr(attn, n))]
+    assert [n for n in public if not named(n)] == []
+    assert [k for k in models.KINDS if not named(k)] == []

@@ -105,6 +105,9 @@ def batched(attend_fn, q, k, v, call_args, empty_rows, residual, **returns):
     if residual:
         returns = dict(returns, return_lse=True, residual=True)
     rank3 = getattr(q, "ndim", None) == 3
+    if getattr(q, "ndim", None) not in (3, 4):  # the shared check would say rank 4 only
+        fail("q", "a rank-4 array [B,T,N,H] (or rank 3 [T,N,H]: one sequence)",
+             f"shape {getattr(q, 'shape', type(q).__name__)}")  # fmt: skip
     for name, x in (("k", k), ("v", v)):
         if rank3 and getattr(x, "ndim", None) != 3:
             fail(name, "rank 3 like q (rank-3 q, k, v are one sequence)", getattr(x, "shape", x))

@@ -270,7 +270,7 @@ def test_jit_and_vmap():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"q": jnp.ones((4, 8))}, "q: expected a rank-4"),
+        ({"q": jnp.ones((4, 8))}, r"q: expected a rank-4 array \[B,T,N,H\] \(or rank 3"),
         ({"q": jnp.ones((4, 4, 8))}, "k: expected rank 3 like q"),
         ({"k": jnp.ones((2, 4, 3, 8)), "v": jnp.ones((2, 4, 3, 8))}, "dividing"),
         ({"k": jnp.ones((3, 4, 2, 8)), "v": jnp.ones((3, 4, 2, 8))}, "batch"),
