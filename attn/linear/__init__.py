@@ -42,19 +42,11 @@ Modules:
 """
 
 # Each family's module lists its public names (``__all__``); they are this
-# package's and ``attn``'s: a new family adds its import and its ``__all__`` here, none there.
+# package's and ``attn``'s: a new family adds its import and its module's name here, none there.
 # The names imported ``X as X`` are this package's only, not lifted to ``attn``.
-from attn.linear import (
-    attention,
-    delta,
-    dplr,
-    log_linear,
-    log_linear_family,  # noqa: F401  (adds its records)
-    mamba,
-    product,
-    sharded,
-)
-from attn.linear import comba as _comba  # the module (the function ``comba`` takes the name)
+import importlib
+
+from attn.linear import log_linear_family  # noqa: F401  (adds its records)
 from attn.linear.attention import *  # noqa: F403
 from attn.linear.comba import *  # noqa: F403
 from attn.linear.delta import *  # noqa: F403
@@ -78,15 +70,19 @@ from attn.linear.mamba import *  # noqa: F403
 from attn.linear.product import *  # noqa: F403
 from attn.linear.sharded import *  # noqa: F403
 
+# By module name: the function ``comba`` has taken the name of its module here.
+FAMILY_MODULES = (
+    "attention",
+    "comba",
+    "delta",
+    "dplr",
+    "log_linear",
+    "mamba",
+    "product",
+    "sharded",
+)
 __all__ = [
-    *attention.__all__,
-    *_comba.__all__,
-    *delta.__all__,
-    *dplr.__all__,
-    *log_linear.__all__,
-    *mamba.__all__,
-    *product.__all__,
-    *sharded.__all__,
+    *(n for m in FAMILY_MODULES for n in importlib.import_module(f"attn.linear.{m}").__all__),
     "FEATURE_MAPS",
     "favor_projection",
     "linear_feature_dim",

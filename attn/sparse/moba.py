@@ -24,10 +24,10 @@ block's sum is its keys summed in one fixed order over the block's slots
 (``attn.sparse.exact.tree_sum``): a forward pass, prefill chunks and decode
 steps, whose matmuls would otherwise sum in orders their shapes choose, compute
 the same bits, so ties and near ties (a few ulps) resolve alike in all of
-them, ties to the earlier block (``jax.lax.top_k``'s order). A decode cache
-keeps, for each key, its block's sum so far in that order
-(``block_key_sums`` for whole arrays, ``window_key_sums`` for a cache's new
-keys): at a block's last key the two are the same bits.
+them, ties to the earlier block (``jax.lax.top_k``'s order). On whole arrays
+each key holds its block's sum (``block_key_sums``); a decode cache keeps each
+new key's block sum so far (``window_key_sums``): at a block's last key, the
+one the gate reads, the two are the same bits.
 
 Cost: the gate reads one mean per block (``T x S/block_size`` scores), the
 attention ``top_k x block_size`` keys per query and head, never ``T x S``.
@@ -220,4 +220,7 @@ def window_key_sums(windows):
     """The block sums a cache keeps for new keys: ``windows [B,T,block_size,K,H]`` holds each
     new key's block up to it (key ``i`` of the block in slot ``i``, zeros after the new
     key); returns ``[B,T,K,H]`` float32, equal to ``block_key_sums`` at a block's last key."""
+    if getattr(windows, "ndim", None) != 5:
+        fail("windows", "[B,T,block_size,K,H]: each new key's block in slots",
+             getattr(windows, "shape", type(windows).__name__))  # fmt: skip
     return exact.tree_sum(windows, axis=2)
