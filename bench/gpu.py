@@ -31,10 +31,10 @@ assignment gives the compiled program (arguments + outputs + temporaries,
 ``Compiled.memory_analysis``); the JSON also records each child's
 ``peak_bytes_in_use``. Writes ``bench/results/gpu-<device>.{json,md,png}``.
 
-On a fresh GPU machine (CUDA 12 driver), from the repository root::
+On a fresh GPU machine, from the repository root (``.[cuda12]`` for a driver older than 580)::
 
     python3 -m venv .venv && . .venv/bin/activate
-    pip install -c requirements/constraints.txt -e . && pip install "jax[cuda12]==0.10.1"
+    pip install -c requirements/constraints.txt -e ".[cuda13]"
     python bench/gpu.py                # about 7 minutes
     python bench/gpu.py --dry-run      # CPU, Pallas interpret mode, tiny shapes (tested)
 
