@@ -62,6 +62,7 @@ def decode_attention(
     return_lse: bool = False,
     impl: str = "dense",
     platform: str | None = None,
+    interpret: bool | None = None,
     **call_args: Unpack[CallArgs],
 ):
     """Attention of T query tokens per row over the ``lengths[b]`` valid keys of a cache.
@@ -82,7 +83,7 @@ def decode_attention(
       return_lse: also return the float32 log-sum-exp ``[B,T,N]``.
       impl: what computes each split: ``"dense"`` (``dot_product_attention``) or
         ``"pallas"`` (``attn.pallas.flash_attention``: its grid runs over the
-        splits as batch rows; interpret mode on a CPU).
+        splits as batch rows; on a CPU only with ``interpret=True``).
       platform: with ``"pallas"``, the platform its kernel is lowered for (as
         ``flash_attention``'s: ``jax.export`` for an accelerator from a CPU).
       **call_args: the call (``attn.softmax.call.CallArgs``), as in
@@ -99,6 +100,8 @@ def decode_attention(
     d = checks.qkv_dims(q, k, v)
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
+    if interpret is not None and impl != "pallas":
+        fail("interpret", f"None for impl={impl!r} (a setting of impl='pallas')", repr(interpret))
     for name in ("q_segment_ids", "kv_segment_ids", "query_seq_lengths", "key_value_seq_lengths"):
         if call_args.get(name) is not None:
             fail(name, "None for decode_attention (lengths and kv_valid say which slots hold keys)",
@@ -120,7 +123,7 @@ def decode_attention(
             fail("kv_valid", f"bools of shape ({d.B}, {d.S})", f"{kv_valid.dtype} {kv_valid.shape}")
         valid &= kv_valid
     return _decode(call, q, k, v, valid, splits=P, return_lse=bool(return_lse), impl=impl,
-                   platform=platform)  # fmt: skip
+                   platform=platform, interpret=interpret)  # fmt: skip
 
 
 def _check_lengths(lengths, B: int, S: int):
@@ -133,8 +136,10 @@ def _check_lengths(lengths, B: int, S: int):
     return lengths.astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "return_lse", "impl", "platform"))
-def _decode(call: Call, q, k, v, valid, *, splits, return_lse, impl, platform):
+@functools.partial(
+    jax.jit, static_argnames=("splits", "return_lse", "impl", "platform", "interpret")
+)
+def _decode(call: Call, q, k, v, valid, *, splits, return_lse, impl, platform, interpret):
     B, T, N, _ = q.shape
     S = k.shape[1]
     C = -(-S // splits)  # keys per split; the last split is padded with invalid slots
@@ -161,7 +166,9 @@ def _decode(call: Call, q, k, v, valid, *, splits, return_lse, impl, platform):
         q_segment_ids=jnp.ones((splits * B, T), jnp.int32), kv_segment_ids=cut(valid),
     )  # fmt: skip
     if impl == "pallas":
-        out, lse = flash.attend(parts, tile(q), cut(k), cut(v), return_lse=True, platform=platform)
+        out, lse = flash.attend(
+            parts, tile(q), cut(k), cut(v), return_lse=True, platform=platform, interpret=interpret
+        )
     else:
         out, lse = dense.attend(parts, tile(q), cut(k), cut(v), return_lse=True)
     outs = out.reshape(splits, B, T, N, -1)

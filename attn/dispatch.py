@@ -69,7 +69,7 @@ FLAGS = {
     "its Hopper kernels do not)",
     "head_dim_8k": "head dims H and E that are multiples of 8 up to 128, not only 64 and 128",
     "any_head_dim": "any head dims H and E (cuDNN: multiples of 8 up to 128, 256 from Hopper)",
-    "cpu": "runs on a CPU (pallas, splash and mosaic in interpret mode)",
+    "cpu": "runs on a CPU (pallas, splash and mosaic with interpret=True: their interpreter)",
 }
 _EVERY = frozenset(FLAGS)
 _JAX_NN = _EVERY - {"softcap", "sink", "return_lse", "return_weights"}

@@ -20,6 +20,7 @@ from bench._device_cases import (
     unit,
     visible,
 )
+from bench._device_common import interpreted
 
 
 def softmax_case(variant: str, dry_run: bool) -> Case:
@@ -46,6 +47,7 @@ def softmax_case(variant: str, dry_run: bool) -> Case:
 
     def run(form, a):
         kw = dict(mask=mask, impl=form, softcap=softcap, sink_logits=a.get("sinks"))
+        kw.update(interpreted(form))
         block = z[f"{form}_block"] if form in ("blockwise", "pallas") else None
         if block is not None:
             kw.update(block_q=block, block_k=block)
@@ -85,7 +87,8 @@ def moba_case(dry_run: bool) -> Case:
     sizes = dict(block_size=z["moba_block"], top_k=z["moba_top_k"])
 
     def run(form, a):
-        return attn.moba_attention(a["q"], a["k"], a["v"], mask=mask, impl=form, **sizes)
+        return attn.moba_attention(a["q"], a["k"], a["v"], mask=mask, impl=form, **sizes,
+                                   **interpreted(form))  # fmt: skip
 
     def select(form, a):
         c = check_call(a["q"], a["k"], a["v"], mask=mask)
@@ -131,7 +134,7 @@ def nsa_case(dry_run: bool) -> Case:
 
     def run(form, a):
         return attn.nsa_attention(a["q"], a["k"], a["v"], a["gates"], a["ck"], a["cv"],
-                                  mask=mask, impl=form, **sizes)  # fmt: skip
+                                  mask=mask, impl=form, **sizes, **interpreted(form))  # fmt: skip
 
     def select(form, a):
         c = check_call(a["q"], a["k"], a["v"], mask=mask)
@@ -213,7 +216,8 @@ def decode_case(dry_run: bool) -> Case:
     def run(form, a):
         if form != "paged":
             return attn.decode_attention(a["q"], a["k"], a["v"], lengths=a["lengths"],
-                                         num_splits=z["splits"], mask=mask, impl=form)  # fmt: skip
+                                         num_splits=z["splits"], mask=mask, impl=form,
+                                         **interpreted(form))  # fmt: skip
         index = jnp.where(a["tables"] >= 0, a["tables"], B * M)
         pools = [
             jnp.zeros((B * M + 1, page, *x.shape[2:]), x.dtype).at[index].set(

@@ -41,6 +41,16 @@ class Context:
         return self.deadline - time.time()
 
 
+def interpreted(impl: str = "pallas") -> dict:
+    """The setting ``impl`` takes here: ``{"interpret": True}`` for a Pallas kernel (``impl``
+    ``"pallas"``, ``"splash"`` or ``"mosaic"``) on a CPU backend, where a dry run asks for
+    the interpreter (the library never picks it in silence); else nothing."""
+    import jax
+
+    kernel = impl in ("pallas", "splash", "mosaic")
+    return {"interpret": True} if kernel and jax.default_backend() == "cpu" else {}
+
+
 def program_bytes(compiled) -> int | None:
     """Device memory XLA's buffer assignment gives a compiled program (args + outputs + temps)."""
     memory = compiled.memory_analysis()

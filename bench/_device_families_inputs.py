@@ -3,6 +3,7 @@ the peers of each item."""
 
 from __future__ import annotations
 
+from bench._device_common import interpreted
 from bench._device_families_plan import (
     BLOCKWISE_MAX_T,
     NEWER,
@@ -70,7 +71,8 @@ def setup(item: dict) -> dict:
             return _sparse_setup(item, args, r)
 
         def form(impl):
-            return lambda q, k, v: attn.attention(q, k, v, mask=causal, impl=impl)
+            return lambda q, k, v: attn.attention(q, k, v, mask=causal, impl=impl,
+                                                  **interpreted(impl))  # fmt: skip
 
         forms = {impl: form(impl) for impl in ("pallas", "mosaic", "blockwise")}
         if H not in (64, 128):  # a dry run's head dim
@@ -237,10 +239,12 @@ def _sparse_setup(item: dict, args: dict, r: Inputs) -> dict:
             top_k=item["moba_top_k"],
             mask=causal,
             impl="pallas",
+            **interpreted(),
         )
 
     def nsa(q, k, v, gates, ck, cv, *_):
-        return attn.nsa_attention(q, k, v, gates, ck, cv, mask=causal, impl="pallas", **nsa_sizes)
+        return attn.nsa_attention(q, k, v, gates, ck, cv, mask=causal, impl="pallas",
+                                  **nsa_sizes, **interpreted())  # fmt: skip
 
     def dsa(q, k, v, gates, ck, cv, iq, ik, iw):
         return attn.indexed_topk_attention(
@@ -287,7 +291,7 @@ def _decode_setup(item: dict, r: Inputs) -> dict:
         return attn.decode_attention(q, k, v, lengths=lengths)
 
     def split_pallas(q, k, v, lengths, *_):
-        return attn.decode_attention(q, k, v, lengths=lengths, impl="pallas")
+        return attn.decode_attention(q, k, v, lengths=lengths, impl="pallas", **interpreted())
 
     def paged(q, k, v, lengths, pool_k, pool_v, tables):
         return attn.paged_decode_attention(q, pool_k, pool_v, tables, lengths)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from bench._device_common import best_seconds, grad_step
+from bench._device_common import best_seconds, grad_step, interpreted
 
 TITLE = "The Pallas kernel's tiles and launch settings (tuning)"
 WEIGHT = 0.38  # about 170 s of the run's 450 s
@@ -224,7 +224,7 @@ class Sweep:
         from attn.pallas import flash_attention
 
         def forward(q, k, v):
-            return flash_attention(q, k, v, mask=self.mask, tiles=tiles)
+            return flash_attention(q, k, v, mask=self.mask, tiles=tiles, **interpreted())
 
         fn = forward if mode == "fwd" else grad_step(forward, (0, 1, 2))
         args = self.args if mode == "fwd" else (*self.args, self.ct)

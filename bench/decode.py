@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/decode.py`
     sys.path.insert(0, str(ROOT))
 
+from bench._device_common import interpreted  # noqa: E402
 from bench._report import write_report  # noqa: E402
 
 IMPLS = ("xla", "unsplit", "split", "split_best", "paged")
@@ -173,7 +174,9 @@ def _steps(cfg: Config, S: int):
     split_fns = {s: jax.jit(functools.partial(_decode, splits=s)) for s in best}
     paged = jax.jit(lambda q, pk, pv, t, n: attn.paged_decode_attention(q, pk, pv, t, n))
     if _with_pallas(cfg):
-        fns["pallas"] = jax.jit(functools.partial(_decode, splits=None, impl="pallas"))
+        fns["pallas"] = jax.jit(
+            functools.partial(_decode, splits=None, impl="pallas", **interpreted())
+        )
         peer = _peer(S)
         if peer is not None:
             fns["pallas_peer"] = jax.jit(peer)
@@ -186,10 +189,11 @@ def _with_pallas(cfg: Config) -> bool:
     return jax.default_backend() == "gpu" if cfg.pallas is None else cfg.pallas
 
 
-def _decode(q, k, v, n, splits, impl="dense"):
+def _decode(q, k, v, n, splits, impl="dense", interpret=None):
     import attn
 
-    return attn.decode_attention(q, k, v, lengths=n, num_splits=splits, impl=impl)
+    return attn.decode_attention(q, k, v, lengths=n, num_splits=splits, impl=impl,
+                                 interpret=interpret)  # fmt: skip
 
 
 PEER_BLOCK_K = 128  # the peer kernel's default key block

@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from anywhere: `python bench/gpu.py`
     sys.path.insert(0, str(ROOT))
 
+from bench._device_common import interpreted  # noqa: E402
 from bench._gpu_report import markdown, plot  # noqa: E402
 from bench._report import write_report  # noqa: E402
 
@@ -201,21 +202,22 @@ def measure_point(p: dict, spec: dict, limit: int | None) -> dict:
         "window_sinks": masks.causal()
         & (masks.sliding_window(window) | masks.initial_tokens(INITIAL_TOKENS)),
     }[p["mask"]]
+    kernel = interpreted()  # a dry run's CPU: the interpreter, asked for
     if p["impl"] == "pallas":
 
         def fn(q, k, v):
-            return attn.pallas.flash_attention(q, k, v, mask=mask)
+            return attn.pallas.flash_attention(q, k, v, mask=mask, **kernel)
 
     elif p["impl"] == "mosaic":
 
         def fn(q, k, v):
-            return attn.attention(q, k, v, mask=mask, impl="mosaic")
+            return attn.attention(q, k, v, mask=mask, impl="mosaic", **kernel)
 
     elif p["impl"] == "mosaic_1wg":
         from attn.pallas.mosaic import mosaic_attention
 
         def fn(q, k, v):
-            return mosaic_attention(q, k, v, mask=mask, consumers=0)
+            return mosaic_attention(q, k, v, mask=mask, consumers=0, **kernel)
 
     elif p["impl"] == "blockwise":
 

@@ -106,6 +106,27 @@ def row_inputs(config: FlashConfig, ints: KernelInts, q_rows, kv_rows) -> tuple[
 PLATFORMS = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
+def interpret_mode(interpret: bool | None, platform: str, compiled: bool, what: str) -> bool:
+    """Whether a kernel runs in Pallas's interpreter: as ``interpret`` says.
+
+    None asks for the compiled kernel. Where none is compiled for ``platform``
+    (``compiled`` False: a CPU, or a TPU kernel elsewhere) that is refused rather
+    than interpreted in silence: the interpreter is 10 to 100x slower than the
+    XLA forms ``impl="auto"`` picks, so it runs only when asked for.
+
+    Raises:
+      ValueError: ``interpret`` is None and only the interpreter runs ``what`` on
+        ``platform``, naming ``interpret=True``.
+    """
+    if interpret is None:
+        if not compiled:
+            fail("interpret", f"True to run {what} on platform {platform!r}, where only Pallas's "
+                 "interpreter runs it (10 to 100x slower than the XLA forms impl='auto' picks)",
+                 None)  # fmt: skip
+        return False
+    return bool(interpret)
+
+
 def compiler_params(config: FlashConfig, backward: bool = False):
     """Triton launch settings when lowering for a GPU (the forward kernel's, or with
     ``backward`` the dq and dk/dv kernels'); nothing elsewhere.

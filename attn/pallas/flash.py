@@ -46,6 +46,7 @@ from attn.pallas.common import (
     KernelInts,
     flash_call,
     head_view,
+    interpret_mode,
     logits,
     masked_unless_full,
     matmul,
@@ -97,7 +98,8 @@ def flash_attention(
         cache; None takes ``tiles``, else the tuning cache's entry for the GPU
         (``attn.pallas.tuning``), else ``attn.pallas.blocks.BLOCKS`` for the
         platform. Compiled, they must be powers of two >= 16.
-      interpret: run the kernels in Pallas interpret mode; None means on a CPU.
+      interpret: run the kernels in Pallas interpret mode; None compiles them, and is
+        refused for ``platform`` ``"cpu"``, where only the interpreter runs them.
       platform: the platform the kernels are lowered for: ``"gpu"`` (or
         ``"cuda"``/``"rocm"``: Triton), ``"tpu"`` or ``"cpu"``; None is
         ``jax.default_backend()``. Give it to ``jax.export`` a call for an
@@ -152,7 +154,7 @@ def _config(call: Call, dtype, block_q, block_k, interpret, platform, tiles=None
     if given not in PLATFORMS:
         fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
     platform = PLATFORMS[given]
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    interpret = interpret_mode(interpret, given, platform != "cpu", "impl='pallas'")
     table = _table(call, dtype, platform, interpret, tiles, device_kind)
     minimum = 1 if interpret else blocks_lib.MIN_BLOCK
     T, S = call.dims.T, call.dims.S

@@ -38,7 +38,7 @@ import numpy as np
 
 from attn.checks import as_arrays, fail
 from attn.pallas import mosaic_backward, mosaic_forward
-from attn.pallas.common import FlashConfig
+from attn.pallas.common import FlashConfig, interpret_mode
 from attn.pallas.mosaic_common import ROW_ALIGN, MosaicConfig, round_up
 from attn.pallas.schedule import schedules
 from attn.softmax.call import Call, CallArgs, check_call, takes_call_args
@@ -73,8 +73,9 @@ def mosaic_attention(q, k, v, *, return_lse: bool = False, block_q: int = 64, bl
         warpgroup (FlashAttention-3's warp specialisation), each on its own ``block_q``
         rows (``block_k`` keys in the dk/dv kernel); the forward's two take turns. 0 runs
         one warpgroup a block that pipelines its own copies.
-      interpret: run the twin under Pallas's Mosaic GPU interpreter; None means on a CPU
-        with no ``platform``. False lowers the Hopper kernel.
+      interpret: True runs the twin under Pallas's Mosaic GPU interpreter; False or None
+        lowers the Hopper kernel (None is refused on a non-GPU backend without
+        ``platform``, where only the interpreter runs it).
       platform: ``"cuda"`` (or ``"gpu"``): lower the Hopper kernels whatever the host, for
         ``jax.export`` to ``cuda`` from a CPU (as ``flash_attention``'s ``platform``);
         None: the default backend's.
@@ -131,7 +132,8 @@ def _config(call: Call, q, k, v, block_q, block_k, stages, consumers, interpret)
     call.refuse_pairs(where)
     if call.score_mod is not None:
         fail("score_mod", f"None for {where} (it takes softcap=)", type(call.score_mod).__name__)
-    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    backend = jax.default_backend()
+    interpret = interpret_mode(interpret, backend, backend == "gpu", where)
     # The twin also takes float32, which checks its math at float32's precision.
     dtypes = DTYPES + ((jnp.float32,) if interpret else ())
     if q.dtype not in dtypes or k.dtype != q.dtype or v.dtype != q.dtype:

@@ -45,7 +45,7 @@ import numpy as np
 from attn import masks, scores
 from attn.checks import as_arrays, fail
 from attn.pallas.blocks import SPLASH_BLOCK
-from attn.pallas.common import PLATFORMS
+from attn.pallas.common import PLATFORMS, interpret_mode
 from attn.softmax.call import MASKED, Call, CallArgs, check_call, takes_call_args
 
 # The largest [T,S] boolean mask the NumPy fallback builds when tracing (64 MB).
@@ -230,7 +230,8 @@ def splash_attention(
 
     Args: as ``attn.dot_product_attention`` (no ``bias`` or returned weights,
     ``return_lse`` must be False, and ``score_mod`` may only be a soft-cap),
-    plus ``interpret`` (None: interpret mode unless lowering for a TPU) and
+    plus ``interpret`` (True: Pallas's interpreter; None compiles, refused unless
+    lowering for a TPU, where alone the kernel compiles) and
     ``platform`` (the platform lowered for, None: ``jax.default_backend()``;
     ``"tpu"`` exports the Mosaic kernel from any host with ``jax.export``).
 
@@ -257,7 +258,7 @@ def attend(call: Call, q, k, v, *, return_lse=False, interpret=None, platform=No
     platform = jax.default_backend() if platform is None else platform
     if platform not in PLATFORMS:
         fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
-    interpret = PLATFORMS[platform] != "tpu" if interpret is None else bool(interpret)
+    interpret = interpret_mode(interpret, platform, PLATFORMS[platform] == "tpu", "impl='splash'")
     bq, bk = _block(T, not interpret), _block(S, not interpret)
     Tp, Sp = _padded(T, not interpret), _padded(S, not interpret)
     q_positions, kv_positions = call.given[:2]

@@ -60,6 +60,7 @@ def moba_attention(
     return_lse: bool = False,
     impl: str = "gather",
     platform: str | None = None,
+    interpret: bool | None = None,
     key_sums=None,
     **call_args: Unpack[CallArgs],
 ):
@@ -76,7 +77,8 @@ def moba_attention(
       impl: ``"gather"`` (XLA: the selected keys gathered per query, any call) or
         ``"pallas"`` (``attn.sparse.pallas``: a block-sparse kernel over each query block's
         selected blocks; default positions, no segments, modifiers or sinks).
-      platform: the Pallas kernel's (``attn.sparse.pallas.block_sparse_attention``).
+      platform, interpret: the Pallas kernel's (``attn.sparse.pallas.block_sparse_attention``;
+        on a CPU it runs only with ``interpret=True``).
       key_sums: ``[B,S,K,H]`` float32, what a decode cache keeps (``window_key_sums``): at
         each block's last key, the block's sum (``block_key_sums``; other keys are not
         read); None computes them from k.
@@ -92,22 +94,23 @@ def moba_attention(
     layout.check_runs(c)
     block_size, top_k = positive_int(block_size, "block_size"), positive_int(top_k, "top_k")
     chunk = positive_int(chunk, "chunk")
-    sparse_pallas.check_impl(c, impl, platform, return_lse, "moba_attention")
+    sparse_pallas.check_impl(c, impl, platform, interpret, return_lse, "moba_attention")
     if key_sums is not None and getattr(key_sums, "shape", None) != k.shape:
         fail("key_sums", f"shape {k.shape}, as k's", getattr(key_sums, "shape", key_sums))
     out, lse = _moba(c, q, k, v, key_sums, block_size=block_size, top_k=top_k, chunk=chunk,
-                     impl=impl, platform=platform)  # fmt: skip
+                     impl=impl, platform=platform, interpret=interpret)  # fmt: skip
     return (out, lse) if return_lse else out
 
 
-@gather.jit_static("block_size", "top_k", "chunk", "impl", "platform")
-def _moba(c, q, k, v, key_sums, *, block_size, top_k, chunk, impl, platform):
+@gather.jit_static("block_size", "top_k", "chunk", "impl", "platform", "interpret")
+def _moba(c, q, k, v, key_sums, *, block_size, top_k, chunk, impl, platform, interpret):
     start, stop = moba_select(c, q, k, block_size=block_size, top_k=top_k, chunk=chunk,
                               key_sums=key_sums)  # fmt: skip
     if impl == "pallas":
         ids = sparse_pallas.block_ids(start, stop, block_size)
-        out = sparse_pallas.block_sparse_attention(c, q, k, v, ids, block=block_size,
-                                                   platform=platform)  # fmt: skip
+        out = sparse_pallas.block_sparse_attention(
+            c, q, k, v, ids, block=block_size, platform=platform, interpret=interpret
+        )
         return out, None
     return gather.gathered_attention(c, q, k, v, start, stop, block=block_size, chunk=chunk)
 

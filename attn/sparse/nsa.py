@@ -165,6 +165,7 @@ def nsa_attention(
     chunk: int = DEFAULT_CHUNK,
     impl: str = "gather",
     platform: str | None = None,
+    interpret: bool | None = None,
     **call_args: Unpack[CallArgs],
 ):
     """NSA's three branches, gated (module docstring). Defaults: the paper's sizes.
@@ -186,7 +187,8 @@ def nsa_attention(
       impl: ``"gather"`` (XLA) or ``"pallas"``: the selected branch as the block-sparse
         kernel of ``attn.sparse.pallas`` (default positions, no segments, modifiers or
         sinks), the other branches in XLA.
-      platform: the Pallas kernel's.
+      platform, interpret: the Pallas kernel's (on a CPU it runs only with
+        ``interpret=True``).
       **call_args: the call's (``attn.softmax.call.CallArgs``); no bias or mask array.
 
     Returns:
@@ -194,7 +196,7 @@ def nsa_attention(
     """
     c = check_call(q, k, v, **call_args)
     c.refuse_pairs("nsa_attention")
-    sparse_pallas.check_impl(c, impl, platform, False, "nsa_attention")
+    sparse_pallas.check_impl(c, impl, platform, interpret, False, "nsa_attention")
     layout.check_runs(c)
     B, T, S, N, K, _, H, E = c.dims
     block, stride = _compression(compress_block, compress_stride)
@@ -229,18 +231,20 @@ def nsa_attention(
         local_blocks=local_blocks,
         impl=impl,
         platform=platform,
+        interpret=interpret,
         **sizes,
     )
 
 
-@gather.jit_static(*SIZES, "chunk", "impl", "platform")
-def _nsa(c, q, k, v, gates, ck, cv, *, impl, platform, **sizes):
+@gather.jit_static(*SIZES, "chunk", "impl", "platform", "interpret")
+def _nsa(c, q, k, v, gates, ck, cv, *, impl, platform, interpret, **sizes):
     chunk, block = sizes["chunk"], sizes["select_block"]
     o_cmp, start, stop = compressed_branch(c, q, ck, cv, **sizes)
     if impl == "pallas":
         ids = sparse_pallas.block_ids(start, stop, block)
-        o_slc = sparse_pallas.block_sparse_attention(c, q, k, v, ids, block=block,
-                                                     platform=platform)  # fmt: skip
+        o_slc = sparse_pallas.block_sparse_attention(
+            c, q, k, v, ids, block=block, platform=platform, interpret=interpret
+        )
     else:
         o_slc, _ = gather.gathered_attention(c, q, k, v, start, stop, block=block, chunk=chunk)
     w_start, w_stop = window_ranges(c, sizes["window"])

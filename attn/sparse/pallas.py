@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from attn.checks import fail
-from attn.pallas.common import PLATFORMS, allowed, matmul
+from attn.pallas.common import PLATFORMS, allowed, interpret_mode, matmul
 from attn.softmax.call import MASKED, Call
 from attn.sparse import gather
 
@@ -36,13 +36,15 @@ DEFAULT_BLOCK_Q = 64
 IMPLS = ("gather", "pallas")
 
 
-def check_impl(c: Call, impl, platform, return_lse: bool, where: str) -> None:
+def check_impl(c: Call, impl, platform, interpret, return_lse: bool, where: str) -> None:
     """A sparse function's ``impl``: ``"gather"`` takes any call, ``"pallas"`` what
-    ``check_kernel_call`` allows, and returns no lse."""
+    ``check_kernel_call`` allows, and returns no lse; ``interpret`` is the kernel's."""
     if impl not in IMPLS:
         fail("impl", f"one of {IMPLS}", repr(impl))
     if platform is not None and platform not in PLATFORMS:
         fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
+    if interpret is not None and impl != "pallas":
+        fail("interpret", f"None for impl={impl!r} (a setting of impl='pallas')", repr(interpret))
     if impl == "pallas":
         check_kernel_call(c, where)
         if return_lse:
@@ -101,7 +103,8 @@ def block_sparse_attention(c: Call, q, k, v, ids, *, block: int, block_q: int | 
         or N (who shares a selection, as in ``attn.sparse.gather``).
       block_q: queries per program (default 64, or T's next power of two, at least 16,
         when smaller).
-      interpret: Pallas interpret mode; None: on a CPU.
+      interpret: Pallas interpret mode; None compiles, refused on a CPU (only the
+        interpreter runs the kernel there).
       platform: lower for ``"cpu"``, ``"gpu"`` (``"cuda"``) or ``"tpu"``; None: the host's.
 
     Returns:
@@ -111,7 +114,7 @@ def block_sparse_attention(c: Call, q, k, v, ids, *, block: int, block_q: int | 
     if given not in PLATFORMS:
         fail("platform", f"one of {sorted(PLATFORMS)} or None", repr(platform))
     platform = PLATFORMS[given]
-    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    interpret = interpret_mode(interpret, given, platform != "cpu", "the block-sparse kernel")
     T = c.dims.T
     bq = block_q or min(DEFAULT_BLOCK_Q, max(16, _pow2(T)))
     if not interpret and platform == "gpu":  # Triton's tiles are powers of two, at least 16

@@ -120,12 +120,16 @@ def test_pallas_splits_equal_the_xla_ones():
     q, k, v = qkv(7, B=4, T=1, S=S, N=4, K=2)
     kw = dict(lengths=LENGTHS, num_splits=3, mask=MASKS["streaming"],
               sink_logits=np.array([0.5, -1.0, 2.0, 0.0], np.float32), return_lse=True)  # fmt: skip
-    out, lse = attn.decode_attention(q, k, v, impl="pallas", **kw)
+    out, lse = attn.decode_attention(q, k, v, impl="pallas", interpret=True, **kw)
     want, want_lse = attn.decode_attention(q, k, v, **kw)
     assert rel_err(out, want) < TOL
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
     with pytest.raises(ValueError, match="impl: expected one of"):
         attn.decode_attention(q, k, v, lengths=LENGTHS, impl="cudnn")
+    with pytest.raises(ValueError, match=r"^interpret: expected True to run impl='pallas'"):
+        attn.decode_attention(q, k, v, lengths=LENGTHS, impl="pallas")  # never in silence
+    with pytest.raises(ValueError, match=r"^interpret: expected None for impl='dense'"):
+        attn.decode_attention(q, k, v, lengths=LENGTHS, interpret=True)
 
 
 def test_gradients_equal_one_dense_call_over_the_valid_keys():

@@ -121,13 +121,14 @@ def test_auto_on_gpu_takes_cudnn_where_it_fits_else_pallas(monkeypatch):
     assert choose(q, k, v, bias=bias) == "pallas"  # cuDNN's biased training needs even T, S
     assert choose(q, k, v, bias=bias, softcap=5.0) == "pallas"  # read per tile
     assert choose(*even, mask=jnp.ones((8, 8), bool)) == "pallas"  # no materialized mask
-    # And the Pallas kernel it picks computes dense's function (interpret mode here).
+    # And the Pallas kernel it picks computes dense's function (interpreted on this CPU host,
+    # which only runs it when asked: the option reaches the implementation auto picks).
     q, k, v = qkv(7, B=2, T=9, N=4, K=2)
     seg = jnp.asarray([[1] * 6 + [2] * 3, [1] * 9], jnp.int32)
     kw = dict(mask=masks.causal(), q_segment_ids=seg, kv_segment_ids=seg)
     assert choose(q, k, v, **kw) == "pallas"
     want = attn.attention(q, k, v, impl="dense", **kw)
-    assert rel_err(attn.attention(q, k, v, **kw), want) <= 1e-5
+    assert rel_err(attn.attention(q, k, v, interpret=True, **kw), want) <= 1e-5
 
 
 def test_auto_on_tpu_takes_splash_where_it_maps_else_blockwise(monkeypatch):
@@ -154,6 +155,12 @@ def test_auto_on_cpu_is_unchanged(monkeypatch):
     assert choose(*long, bias=jnp.zeros((1, 2, 128, 128)), return_weights=True) == "dense"
     fake_platform(monkeypatch, "METAL")  # anything else: the reference
     assert choose(*long, mask=masks.causal()) == "dense"
+    # Never an interpreter: whatever the call asks for, on a CPU auto picks compiled XLA.
+    sinks = jnp.zeros((2,), jnp.float32)
+    fake_platform(monkeypatch, "cpu")
+    for x in (qkv(9, B=1, T=9, N=2), long):
+        for extra in ({}, dict(softcap=5.0, sink_logits=sinks), dict(return_lse=True)):
+            assert choose(*x, mask=masks.causal(), **extra) in ("dense", "blockwise")
 
 
 def test_the_blockwise_tile_kernel_is_at_most_12_frames_below_attention():

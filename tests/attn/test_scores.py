@@ -337,7 +337,7 @@ def test_bad_modifiers_are_named():
     with pytest.raises(ValueError, match=r"^cap: expected a positive finite float"):
         scores.softcap(0.0)
     with pytest.raises(ValueError, match=r"^score_mod: expected None or scores\.softcap"):
-        splash_attention(q, k, v, score_mod=scores.alibi(jnp.ones(4)))
+        splash_attention(q, k, v, score_mod=scores.alibi(jnp.ones(4)), interpret=True)
     with pytest.raises(ValueError, match=r"^platform: expected one of"):
         flash_attention(q, k, v, platform="metal")
     assert math.isclose(float(scores.softcap(2.0).apply(jnp.float32(100.0), 0, 0)), 2.0)

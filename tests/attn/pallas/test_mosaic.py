@@ -96,7 +96,9 @@ def test_twin_forward_and_gradients_float32(mask, shape, extra):
         seg = segments(2, shape["T"], kw.pop("segments"))
         kw.update(q_segment_ids=seg, kv_segment_ids=seg)
     blocks = {name: kw.pop(name) for name in ("block_k", "consumers") if name in kw}
-    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, **kw, **blocks)
+    out, lse, grads = value_and_grads(
+        mosaic_attention, q, k, v, mask=mask, interpret=True, **kw, **blocks
+    )
     want, want_lse, want_grads = value_and_grads(attn.dot_product_attention, q, k, v, mask=mask,
                                                  **kw)  # fmt: skip
     assert out.shape == want.shape and rel_err(out, want) <= TOL
@@ -115,7 +117,9 @@ def test_twin_16_bit_against_float64(dtype):
     q, k, v = qkv(2, B=2, T=64, S=200, N=2, K=1, H=128, dtype=dtype)
     q_pos = jnp.stack([jnp.arange(136, 200), jnp.arange(60, 124)])
     mask = masks.causal() & masks.chunked(96)
-    out, lse, grads = value_and_grads(mosaic_attention, q, k, v, mask=mask, q_positions=q_pos)
+    out, lse, grads = value_and_grads(
+        mosaic_attention, q, k, v, mask=mask, interpret=True, q_positions=q_pos
+    )
     assert out.dtype == dtype and [g.dtype for g in grads[:3]] == [dtype] * 3
     ok = np.stack([np.asarray(mask.allowed(q_pos[b], np.arange(200))) for b in range(2)])
     want = np_attention(q, k, v, ok, sink_logits=np.array([0.5, -1.0]))
@@ -185,12 +189,12 @@ def test_hopper_kernels_export_for_cuda(case):
 
 def test_attention_impl_mosaic_is_the_kernel():
     q, k, v = qkv(7, B=1, T=128, N=2, K=1, H=64, dtype=jnp.bfloat16)
-    got = attn.attention(q, k, v, impl="mosaic", mask=masks.causal(), block_k=128)
-    want = mosaic_attention(q, k, v, mask=masks.causal(), block_k=128)
+    got = attn.attention(q, k, v, impl="mosaic", mask=masks.causal(), block_k=128, interpret=True)
+    want = mosaic_attention(q, k, v, mask=masks.causal(), block_k=128, interpret=True)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
     # platform="cuda" lowers the Hopper kernels from this CPU host, as impl="pallas" does
-    # (it was refused, and without it the call interprets on the CPU backend).
+    # (it was refused; without it, or interpret=True, the call is refused on a CPU host).
     def exported(fn):
         shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
         return jax.export.export(jax.jit(fn), platforms=["cuda"])(*shapes).mlir_module()
@@ -204,29 +208,32 @@ def test_attention_impl_mosaic_is_the_kernel():
         attn.attention(q, k, v, impl="mosaic", platform="tpu")
     with pytest.raises(ValueError, match=r"^interpret: expected False or None with platform"):
         mosaic_attention(q, k, v, platform="cuda", interpret=True)
+    # On this CPU only the interpreter runs it: asked for, never picked in silence.
+    with pytest.raises(ValueError, match=r"^interpret: expected True to run impl='mosaic'"):
+        attn.attention(q, k, v, impl="mosaic")
 
 
 def test_refusals_name_the_argument():
     q, k, v = qkv(3, B=1, T=64, N=2, H=64, dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match=r"^q, k, v: expected all in one of bfloat16, float"):
-        mosaic_attention(q.astype(jnp.float32), k, v)
+        mosaic_attention(q.astype(jnp.float32), k, v, interpret=True)
     with pytest.raises(ValueError, match=r"^q, k, v: expected all in one of bfloat16 or float16"):
         mosaic_attention(q, k, v.astype(jnp.float32), interpret=False)
     with pytest.raises(ValueError, match=r"^head dim H: expected one of \(64, 128\)"):
-        mosaic_attention(q[..., :32], k[..., :32], v)
+        mosaic_attention(q[..., :32], k[..., :32], v, interpret=True)
     with pytest.raises(ValueError, match=r"^value head dim E: expected one of"):
-        mosaic_attention(q, k, v[..., :48])
+        mosaic_attention(q, k, v[..., :48], interpret=True)
     with pytest.raises(ValueError, match=r"^block_q: expected one of \(64, 128\), got 32"):
-        mosaic_attention(q, k, v, block_q=32)
+        mosaic_attention(q, k, v, block_q=32, interpret=True)
     with pytest.raises(ValueError, match=r"^stages: expected an int >= 1, got 0"):
-        mosaic_attention(q, k, v, stages=0)
+        mosaic_attention(q, k, v, stages=0, interpret=True)
     # Floats and bools are refused by name (64.0 failed inside Pallas with a TypeError about
     # pad_width); NumPy ints are taken as ints, as flash_attention takes them (an empty
     # AssertionError from Pallas before).
     for name, value in (("block_q", 64.0), ("block_k", True), ("consumers", 2.0),
                         ("stages", 2.0)):  # fmt: skip
         with pytest.raises(ValueError, match=rf"^{name}: expected .*, got {value!r}$"):
-            mosaic_attention(q, k, v, **{name: value})
+            mosaic_attention(q, k, v, **{name: value}, interpret=True)
     from attn.pallas import mosaic
     from attn.softmax.call import check_call
 
@@ -235,16 +242,16 @@ def test_refusals_name_the_argument():
     assert all(type(x) is int for x in (config.block_q, config.block_k, config.stages))
     big = [x.astype(jnp.bfloat16) for x in qkv(3, B=1, T=256, N=2, H=128)]
     with pytest.raises(ValueError, match=r"^consumers: expected one of \(0, 1, 2\), got 3"):
-        mosaic_attention(q, k, v, consumers=3)
+        mosaic_attention(q, k, v, consumers=3, interpret=True)
     with pytest.raises(ValueError, match=r"^stages: expected >= 2 with consumers=2"):
-        mosaic_attention(q, k, v, stages=1)
-    mosaic_attention(q, k, v, stages=1, consumers=1)  # one consumer takes one stage
+        mosaic_attention(q, k, v, stages=1, interpret=True)
+    mosaic_attention(q, k, v, stages=1, consumers=1, interpret=True)  # one consumer takes one stage
     with pytest.raises(ValueError, match=r"^block_q, block_k, stages, consumers: expected tiles"):
         mosaic_attention(*big, block_q=128, block_k=128, stages=3, interpret=False)
     with pytest.raises(ValueError, match=r"^score_mod: expected None for impl='mosaic'"):
-        mosaic_attention(q, k, v, score_mod=attn.scores.alibi(jnp.ones(2)))
+        mosaic_attention(q, k, v, score_mod=attn.scores.alibi(jnp.ones(2)), interpret=True)
     with pytest.raises(ValueError, match=r"^bias: expected no bias array for impl='mosaic'"):
-        mosaic_attention(q, k, v, bias=normal(4, (1, 2, 64, 64)))
+        mosaic_attention(q, k, v, bias=normal(4, (1, 2, 64, 64)), interpret=True)
 
 
 def test_window_and_sinks_visit_a_fraction_of_causal_tiles_at_32k():

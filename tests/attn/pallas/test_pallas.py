@@ -1,6 +1,6 @@
 """The Pallas flash-attention kernel computes the dense reference's function.
 
-Run in Pallas interpret mode on the CPU (what ``interpret=None`` picks there).
+Run in Pallas interpret mode on the CPU (``interpret=True``: None refuses there).
 Forward, lse and the gradients w.r.t. q, k, v (and sink logits, and through the
 lse's cotangent) are compared with ``attn.dot_product_attention`` in float32;
 bfloat16 inputs with the float64 oracle (forward) and the float32 reference
@@ -26,7 +26,7 @@ from tests.util import normal, np_attention, qkv, rel_err
 TOL = 1e-5  # float32, the same function computed in another order
 GRAD_TOL = 1e-4  # float32 gradients (composed: recomputed P, dS, then matmuls)
 BF16_TOL = 1e-2
-BLOCKS = dict(block_q=16, block_k=16)
+BLOCKS = dict(block_q=16, block_k=16, interpret=True)
 
 
 def outputs_and_grads(fn, q, k, v, sink_logits=None, traced=None, **kw):
@@ -141,7 +141,7 @@ def test_lse_merges_two_key_halves_and_default_blocks():
     pos = jnp.arange(40, 70)
     kw = dict(mask=masks.causal(), q_positions=pos, return_lse=True)
     halves = [
-        flash_attention(q, k[:, s], v[:, s], kv_positions=jnp.arange(70)[s], **kw)
+        flash_attention(q, k[:, s], v[:, s], kv_positions=jnp.arange(70)[s], interpret=True, **kw)
         for s in (slice(0, 35), slice(35, 70))
     ]  # default block sizes (the CPU entry of attn.pallas.blocks); one compile serves both
     out, lse = attn.merge_attention(*halves[0], *halves[1])
@@ -180,7 +180,12 @@ def test_schedule_is_blockwise_schedule_and_its_transpose():
 def test_bad_arguments_are_named():
     q, k, v = qkv(8, B=1, T=8, N=2)
     with pytest.raises(ValueError, match="block_q"):
-        flash_attention(q, k, v, block_q=0)
+        flash_attention(q, k, v, block_q=0, interpret=True)
+    # On a CPU only the interpreter runs the kernel: asked for, never picked in silence.
+    refused = r"^interpret: expected True to run impl='pallas' on platform 'cpu'"
+    for call in (flash_attention, lambda *a: attn.attention(*a, impl="pallas")):
+        with pytest.raises(ValueError, match=refused):
+            call(q, k, v)
     with pytest.raises(ValueError, match="block_k: expected a power of two"):
         flash_attention(q, k, v, block_k=24, interpret=False)
     with pytest.raises(ValueError, match="q_segment_ids/kv_segment_ids"):

@@ -62,7 +62,7 @@ def outputs_and_grads(fn, q, k, v, **kw):
 
 
 def assert_matches_dense(q, k, v, **kw):
-    out, grads = outputs_and_grads(splash_attention, q, k, v, **kw)
+    out, grads = outputs_and_grads(splash_attention, q, k, v, interpret=True, **kw)
     want, want_grads = outputs_and_grads(attn.dot_product_attention, q, k, v, **kw)
     assert out.dtype == want.dtype and rel_err(out, want) <= TOL
     for g, w in zip(grads, want_grads, strict=True):
@@ -92,7 +92,7 @@ def test_full_mask_hides_padding_keys_and_empty_rows_without_sinks():
     seg = jnp.asarray(np.r_[np.full(140, 1), np.full(10, 4)], jnp.int32)[None]
     kv_seg = jnp.asarray(np.r_[np.full(140, 1), np.full(10, 5)], jnp.int32)[None]
     kw = dict(mask=masks.full(), q_segment_ids=seg, kv_segment_ids=kv_seg)
-    out = splash_attention(q, k, v, **kw)
+    out = splash_attention(q, k, v, interpret=True, **kw)
     assert rel_err(out, attn.dot_product_attention(q, k, v, **kw)) <= TOL
     assert not np.asarray(out)[0, 140:].any()  # splash alone would give a mean of V
 
@@ -100,13 +100,15 @@ def test_full_mask_hides_padding_keys_and_empty_rows_without_sinks():
 def test_what_does_not_map_is_refused_with_the_reason(monkeypatch):
     q, k, v = qkv(4, B=2, T=150, N=2, H=8)
     with pytest.raises(ValueError, match="return_lse: expected False for impl='splash'"):
-        splash_attention(q, k, v, return_lse=True)
+        splash_attention(q, k, v, return_lse=True, interpret=True)
     with pytest.raises(ValueError, match="kv_positions: expected the same positions"):
-        splash_attention(q, k, v, kv_positions=jnp.stack([jnp.arange(150), jnp.arange(150) + 1]))
-    with pytest.raises(ValueError, match="q_positions: expected concrete positions"):
-        jax.jit(lambda p: splash_attention(q, k, v, mask=masks.causal(), q_positions=p))(
-            jnp.arange(150)
+        splash_attention(
+            q, k, v, kv_positions=jnp.stack([jnp.arange(150), jnp.arange(150) + 1]), interpret=True
         )
+    with pytest.raises(ValueError, match="q_positions: expected concrete positions"):
+        jax.jit(
+            lambda p: splash_attention(q, k, v, mask=masks.causal(), q_positions=p, interpret=True)
+        )(jnp.arange(150))
     with pytest.raises(ValueError, match="bias"):
         attn.attention(q, k, v, impl="splash", bias=jnp.zeros((1, 2, 150, 150)))
     monkeypatch.setattr(splash, "NUMPY_MASK_LIMIT", 2**10)

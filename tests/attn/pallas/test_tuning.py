@@ -152,7 +152,7 @@ def test_tiles_are_taken_whole_and_checked(cache):
         with pytest.raises(ValueError, match=message):
             flash_attention(q, q, q, tiles=value, platform="gpu")
     with pytest.raises(ValueError, match=r"device_kind: expected a jax.Device.device_kind"):
-        flash_attention(q, q, q, device_kind="")
+        flash_attention(q, q, q, device_kind="", platform="gpu")
 
 
 def test_export_for_cuda_carries_a_named_devices_entry(cache):

@@ -86,7 +86,8 @@ def test_the_gate_is_float32_and_picks_what_the_paper_picks_at_close_calls():
     for impl in ("gather", "pallas"):
 
         def fast(q, k, v, impl=impl):
-            return moba_attention(q, k, v, block_size=32, top_k=3, mask=masks.causal(), impl=impl)
+            kernel = dict(impl=impl, interpret=True if impl == "pallas" else None)
+            return moba_attention(q, k, v, block_size=32, top_k=3, mask=masks.causal(), **kernel)
 
         out, vjp = jax.vjp(fast, *(jnp.asarray(x) for x in (q, k, v)))
         assert rel_err(out, want) <= RTOL, impl

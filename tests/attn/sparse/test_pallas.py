@@ -31,9 +31,10 @@ def test_the_kernel_computes_the_gathered_function_and_its_gradients(method):
     mask = masks.causal() & masks.sliding_window(20)
 
     def run(impl, q, k, v):
+        kernel = dict(impl=impl, interpret=True if impl == "pallas" else None)
         if method == "moba":
-            return moba_attention(q, k, v, block_size=8, top_k=2, mask=mask, impl=impl)
-        return nsa_attention(q, k, v, gates, ck, cv, mask=mask, impl=impl, **NSA)
+            return moba_attention(q, k, v, block_size=8, top_k=2, mask=mask, **kernel)
+        return nsa_attention(q, k, v, gates, ck, cv, mask=mask, **kernel, **NSA)
 
     ct = normal(4, (B, T, N, H))
     outs = {}
@@ -57,7 +58,7 @@ def test_block_lists_are_each_query_blocks_union():
 
 def test_what_the_kernel_cannot_take_is_refused():
     q, k, v = qkv(0, B=1, T=16, N=2, H=8)
-    kw = dict(block_size=4, top_k=2, impl="pallas")
+    kw = dict(block_size=4, top_k=2, impl="pallas", interpret=True)
     seg = np.ones((1, 16), np.int32)
     with pytest.raises(ValueError, match="q_segment_ids"):
         moba_attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, **kw)
@@ -73,6 +74,11 @@ def test_what_the_kernel_cannot_take_is_refused():
         moba_attention(q, k, v, block_size=4, top_k=2, impl="pallas", platform="npu")
     with pytest.raises(ValueError, match="block_size: expected a power of two >= 16"):
         moba_attention(q, k, v, block_size=4, top_k=2, impl="pallas", platform="cuda")
+    # On this CPU only the interpreter runs the kernel: asked for, never picked in silence.
+    with pytest.raises(ValueError, match=r"^interpret: expected True to run the block-sparse"):
+        moba_attention(q, k, v, block_size=4, top_k=2, impl="pallas")
+    with pytest.raises(ValueError, match=r"^interpret: expected None for impl='gather'"):
+        moba_attention(q, k, v, block_size=4, top_k=2, interpret=True)
 
 
 @pytest.mark.parametrize("method", ["moba", "nsa"])
