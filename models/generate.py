@@ -13,7 +13,7 @@ from flax import nnx
 from attn.checks import fail, positive_int
 from attn.paged import PageTable, pages_for
 from models.cache import DecodeCache, cache_overflow, full_cache_slots, set_block_tables
-from models.inputs import check_lengths, check_tokens, pad_prompts
+from models.inputs import bucket, check_lengths, check_tokens, pad_prompts, pad_to
 from models.sampling import sample, sampling, token_logprobs
 
 
@@ -73,6 +73,10 @@ def generate(
 
     Returns:
       ``[B, max_new_tokens]`` int32 tokens, and the log-probabilities if asked.
+
+    Prompts are right-padded to a bucket's width (``models.inputs.bucket``: a power
+    of two from 16, within a given cache's room), so one compile serves every
+    prompt length of a bucket; a default cache has that width's room.
     """
     if isinstance(prompt, list | tuple):
         if prompt_lengths is not None:
@@ -91,6 +95,11 @@ def generate(
         lengths = jnp.full((B,), T, jnp.int32)
     if cache is None and hasattr(model, "encoder_blocks"):
         fail("cache", "model.init_cache(B, max_len, src=...) for an EncoderDecoder", None)
+    # Padded to its bucket's width (as much as a given cache has room for): one compiled
+    # program serves every prompt length of the bucket.
+    slots = None if not isinstance(cache, DecodeCache) else full_cache_slots(cache)
+    width = bucket(T, None if slots is None else slots - int(max_new_tokens) + 1)
+    prompt, T = pad_to(prompt, width), width
     if page_size is not None:
         if cache is not None:
             fail("page_size", "None when a cache is given", page_size)

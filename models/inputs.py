@@ -14,7 +14,20 @@ import numpy as np
 from attn import checks, masks
 from attn.checks import concrete, fail
 
-__all__ = ["check_lengths", "check_positions", "check_tokens", "segments"]
+__all__ = [
+    "MIN_BUCKET",
+    "bucket",
+    "check_lengths",
+    "check_positions",
+    "check_tokens",
+    "pad_to",
+    "segments",
+]
+
+# Prompts are padded to a bucket's width (a power of two, at least MIN_BUCKET), so
+# generate and serve compile once per bucket of prompt lengths, not once per length:
+# a compile costs seconds, the padded positions a prefill of at most twice the tokens.
+MIN_BUCKET = 16
 
 
 def check_tokens(tokens, name: str = "tokens", vocab: int | None = None):
@@ -52,6 +65,18 @@ def pad_prompts(prompts, name: str = "prompt"):
     for b, p in enumerate(rows):
         tokens[b, : len(p)] = p
     return jnp.asarray(tokens), jnp.asarray([len(p) for p in rows], jnp.int32)
+
+
+def bucket(n: int, limit: int | None = None) -> int:
+    """The width ``n`` tokens are padded to: the next power of two, at least ``MIN_BUCKET``,
+    at most ``limit`` (the room there is), and never below ``n``."""
+    width = max(MIN_BUCKET, 1 << (max(int(n), 1) - 1).bit_length())
+    return max(int(n), width if limit is None else min(width, int(limit)))
+
+
+def pad_to(tokens, width: int):
+    """``[B,T]`` tokens right-padded with 0 to ``[B,width]`` (``width >= T``)."""
+    return jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
 
 
 def check_lengths(lengths, B: int, T: int, name: str = "lengths", minimum: int = 0):

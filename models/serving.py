@@ -16,8 +16,10 @@ Window layers keep their ring buffers and recurrent layers their states
 (``Decoder.init_cache``); both are cleared with the row.
 
 Everything on the device is two jitted programs (a prefill of ``[batch, T]``,
-T the longest prompt, and a one-token step), compiled once per run; the
-bookkeeping (which request holds which row, the page table) is on the host.
+T the longest prompt's bucket, and a one-token step), compiled once per bucket
+(``models.inputs.bucket``: powers of two from 16) of the longest prompt and of
+the longest request, not once per run; the bookkeeping (which request holds
+which row, the page table) is on the host.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from attn import checks
 from attn.checks import fail
 from attn.paged import PageTable, pages_for
 from models.cache import clear_rows, set_block_tables
-from models.inputs import check_tokens, pad_prompts
+from models.inputs import bucket, check_tokens, pad_prompts, pad_to
 from models.sampling import Sampling, sample, sampling, token_logprobs
 from models.transformer import Decoder
 
@@ -67,8 +69,8 @@ def serve(
       prompts: a list of R 1-D token sequences of any lengths.
       max_new_tokens: tokens to generate per request: an int, or one int per prompt.
       batch: rows decoded at once (requests beyond them wait for a free row).
-      max_len: the most tokens a row holds; default the longest request
-        (prompt + new tokens).
+      max_len: the most tokens a row holds; default the longest request's (prompt
+        + new tokens) bucket (``models.inputs.bucket``: the next power of two).
       page_size: tokens per page of a paged cache, or None (contiguous caches).
       num_pages: pages per pool (paged only); default enough for ``batch`` rows
         of ``max_len``. A request needing more pages than the pool has is a
@@ -99,9 +101,10 @@ def serve(
     options = sampling(temperature, top_k, top_p, min_p, key, eos_id, V)
     fed = lengths + new - 1  # positions a request writes (its last token is not fed back)
     longest = int((lengths + new).max())
-    max_len = longest if max_len is None else checks.positive_int(max_len, "max_len")
+    max_len = bucket(longest) if max_len is None else checks.positive_int(max_len, "max_len")
     if max_len < fed.max():
         fail("max_len", f"at least {int(fed.max())} (the longest prompt + new tokens - 1)", max_len)
+    tokens = pad_to(tokens, bucket(tokens.shape[1], max_len))  # the prefill's width: its bucket's
     cache = model.init_cache(batch, max_len, page_size=page_size, num_pages=num_pages)
     table = None
     if page_size is not None:

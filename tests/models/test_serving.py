@@ -218,6 +218,29 @@ def test_generate_on_pages_sized_to_each_row():
         models.generate(model, prompts, 5, cache=cache, page_size=PAGE)
 
 
+@pytest.mark.integration  # two compiles at T = 32: the fast tier's minutes are full
+def test_generate_and_serve_compile_once_per_bucket_of_prompt_lengths():
+    """Prompts of 17 and 30 tokens share the bucket of 32: the second call of each of
+    generate and serve runs the first's programs, and its tokens are the forward pass's."""
+    generate, serving = (importlib.import_module(f"models.{m}") for m in ("generate", "serving"))
+    bucket = importlib.import_module("models.inputs").bucket
+    assert [bucket(n) for n in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 64]
+    assert bucket(30, limit=20) == 30 and bucket(17, limit=20) == 20
+    model = model_for(SMALL)
+    rng = np.random.default_rng(5)
+    sizes = []
+    for n in (17, 30):
+        prompt = rng.integers(0, VOCAB, n)
+        out = models.generate(model, [prompt], 3)
+        sizes.append(generate._generate._cache_size())
+        full = forward(model, jnp.asarray(np.concatenate([prompt, out[0, :-1]]))[None])
+        np.testing.assert_array_equal(out[0], np.argmax(full[0, n - 1 :], axis=-1))
+        served = models.serve(model, [prompt[:5], prompt], 2, batch=2)
+        sizes.append(serving._prefill_and_sample._cache_size())
+        np.testing.assert_array_equal(served[1], out[0, :2])
+    assert sizes[2:] == sizes[:2]  # no new program for the second length
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
