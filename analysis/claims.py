@@ -263,12 +263,15 @@ class Args:
       out: where table.md and results.json (and, with ``run``, the runs) go.
       only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 18.
       results: where claims 10-18 are read from without ``run`` (the committed results).
+      no_compilation_cache: ``run`` compiles afresh, without the persistent compilation
+        cache (``train.cli.compilation_cache_dir``).
     """
 
     run: bool = False
     out: Path = Path("results/claims")
     only: str = ""
     results: Path = COMMITTED
+    no_compilation_cache: bool = False
 
 
 def _numbers(only: str) -> list[int]:
@@ -302,6 +305,10 @@ def main(argv=None) -> int:
         description=f"{Args.__doc__.splitlines()[0]}\n\n{PLUGIN_HELP}",
     )
     numbers = _numbers(args.only)
+    if args.no_compilation_cache:
+        import train.cli
+
+        train.cli.disable_compilation_cache()
     t0 = time.perf_counter()
     rows = collect(numbers, run=args.run, results=args.results, out=args.out)
     total = time.perf_counter() - t0

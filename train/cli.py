@@ -22,6 +22,7 @@ from train.config import TrainConfig
 
 __all__ = [
     "compilation_cache_dir",
+    "disable_compilation_cache",
     "enable_compilation_cache",
     "load_config",
     "machine_tag",
@@ -29,6 +30,7 @@ __all__ = [
     "pattern_help",
     "pattern_presets",
     "with_pattern",
+    "without_cache_flag",
 ]
 
 
@@ -98,7 +100,8 @@ def parse(
       ValueError: a bad plugin, config file, layer pattern or vocabulary override.
     """
     _, argv = plugins.from_argv(sys.argv[1:] if argv is None else argv)
-    description += f" {plugins.FLAG_HELP}."
+    argv = without_cache_flag(argv)
+    description += f" {plugins.FLAG_HELP}. {CACHE_FLAG_HELP}."
     parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False)
     parser.add_argument("--config", default=default_config)
     for flags, kwargs in extra:
@@ -265,8 +268,31 @@ def compilation_cache_dir() -> Path:
     return Path(base) if Path(base).name == tag else Path(base) / tag
 
 
-def enable_compilation_cache() -> None:
-    """Persists compiled programs across processes and runs.
+# The commands' flag that turns the persistent cache off, and the variable that carries
+# it to the processes they start (a comparison's workers, an experiment's runs).
+NO_CACHE_FLAG = "--no-compilation-cache"
+NO_CACHE_VAR = "ATTNLAB_NO_COMPILATION_CACHE"
+CACHE_FLAG_HELP = (
+    f"{NO_CACHE_FLAG}: compile afresh, without the persistent compilation cache "
+    "(~/.cache/attnlab/jax, or $JAX_COMPILATION_CACHE_DIR)"
+)
+
+
+def disable_compilation_cache() -> None:
+    """Turns ``enable_compilation_cache`` off for this process and those it starts."""
+    os.environ[NO_CACHE_VAR] = "1"
+
+
+def without_cache_flag(argv: list[str]) -> list[str]:
+    """``argv`` less ``--no-compilation-cache``; given, it calls ``disable_compilation_cache``."""
+    if NO_CACHE_FLAG in argv:
+        disable_compilation_cache()
+    return [a for a in argv if a != NO_CACHE_FLAG]
+
+
+def enable_compilation_cache() -> bool:
+    """Persists compiled programs across processes and runs, unless turned off
+    (``--no-compilation-cache``, or ``ATTNLAB_NO_COMPILATION_CACHE=1``); returns whether it did.
 
     Runs that differ only in data (learning rate, seed: the learning rate lives in
     the optimizer state) compile to the same program, so a sweep compiles each
@@ -279,6 +305,9 @@ def enable_compilation_cache() -> None:
     machine``: a false alarm of XLA (openxla/xla#44565; the check counts LLVM's
     tuning hints as CPU features), harmless with the folder per CPU; see the README.
     """
+    if os.environ.get(NO_CACHE_VAR, "") not in ("", "0"):
+        return False
     jax.config.update("jax_compilation_cache_dir", str(compilation_cache_dir()))
     # Small models compile in about a second; those are worth caching too.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    return True

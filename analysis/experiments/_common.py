@@ -246,11 +246,14 @@ class Args:
       quick: the tiny settings the tests use (seconds, numbers not meaningful).
       out: the output folder; default ``results/<name>``.
       config: the experiment's config file; default ``configs/<name>.py``.
+      no_compilation_cache: compile afresh, without the persistent compilation cache
+        (``train.cli.compilation_cache_dir``).
     """
 
     quick: bool = False
     out: Path | None = None
     config: Path | None = None
+    no_compilation_cache: bool = False
 
 
 def main(name: str, doc: str | None, argv=None) -> int:
@@ -272,6 +275,8 @@ def main(name: str, doc: str | None, argv=None) -> int:
     # while its config file builds the classes of ``analysis.experiments.<name>``: the run
     # must be that module's, or equal dataclasses from the two copies compare unequal.
     run = importlib.import_module(f"analysis.experiments.{name}").run
+    if args.no_compilation_cache:
+        train.cli.disable_compilation_cache()
     train.cli.enable_compilation_cache()  # later runs and checkpoint loads skip compiling
     path = args.config or REPO_ROOT / "configs" / f"{name}.py"
     config = train.cli.load_config(path, quick=args.quick)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -102,6 +104,18 @@ def test_compilation_cache_is_one_folder_per_cpu(tmp_path, monkeypatch):
     assert folder.parent == tmp_path and folder.name == f"cpu-{cli.machine_tag()}"
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(folder))  # a child process: as is
     assert cli.compilation_cache_dir() == folder
+
+
+def test_no_compilation_cache_turns_it_off_here_and_for_the_processes_started(monkeypatch):
+    monkeypatch.setenv(cli.NO_CACHE_VAR, "0")  # restored after the test: "0" is on
+    before = jax.config.jax_compilation_cache_dir
+    assert cli.without_cache_flag(["--steps", "3"]) == ["--steps", "3"]
+    assert os.environ[cli.NO_CACHE_VAR] == "0"
+    config, _ = cli.parse("p", "d", ["--config", "configs/mqar.py", cli.NO_CACHE_FLAG,
+                                     "--steps", "3"], default_config=None)  # fmt: skip
+    assert config.steps == 3 and os.environ[cli.NO_CACHE_VAR] == "1"  # children inherit it
+    assert cli.enable_compilation_cache() is False
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 def test_run_batch_is_the_runs_batch():
