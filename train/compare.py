@@ -39,8 +39,10 @@ matched parameters, two learning rates, train short and test long); it reports
 bits per byte (test loss / ln 2) instead of accuracy and trains to the cap.
 
 Each run trains in ``runs/<name>/<variant>/lr<lr>_seed<seed>`` with
-checkpoints, so an interrupted comparison picks up where it stopped, and a run
-that reached its target stays stopped (``--fresh`` starts over). ``--quick``
+checkpoints (by steps, and every ``train.ckpt_seconds``), so an interrupted
+comparison picks up where it stopped, losing at most about a minute of each run,
+and a run that reached its target stays stopped (``--fresh`` starts over). One
+bar (``train.pool``) follows every run's steps, with the rate and the time left. ``--quick``
 uses the config file's quick settings (``get_config(quick=True)``, about a
 minute); every field can still be overridden, e.g. ``--quick --train.steps 20
 --variants mha linear``.
@@ -54,21 +56,16 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below run is one l
     exit_on_sigint("python -m train.compare")
 
 import contextlib
-import ctypes
+import functools
 import math
-import multiprocessing
-import os
 import shutil
 import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
-from train import interrupt, plugins
+from train import plugins
 from train.cli import enable_compilation_cache, parse
 from train.compare_report import (
     best_lr,
@@ -81,6 +78,7 @@ from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
 from train.lengths import loss_at_lengths
 from train.loop import NonFiniteLossError, train
 from train.metrics import read_metrics
+from train.pool import Pool, WorkersInterrupted
 from train.variants import (
     TASKS,
     VARIANTS,
@@ -135,63 +133,6 @@ def _train_one(config: CompareConfig, variant: str, lr: float, seed: int, desc: 
     return record
 
 
-def worker_init(started, plugin_names=()) -> None:
-    """A worker process: one core of its own (the runs share the machine), cached compilation,
-    and the parent's plugins imported (before any config naming what they add arrives).
-
-    XLA:CPU sizes its thread pools by the cores the process may run on, so
-    worker i is pinned to core i (modulo the cores it was given) before JAX
-    starts its backend. No XLA flag does this: ``--xla_cpu_multi_thread_eigen=false``
-    still kept 1.9 of 2 cores busy on a jitted matmul, and flags without a
-    leading ``--`` are silently ignored.
-
-    On Linux the worker also dies with its parent (``PR_SET_PDEATHSIG``): a
-    parent killed by a signal it cannot handle (SIGTERM, SIGKILL) would
-    otherwise leave its workers training on, unseen, on the cores the next
-    command runs on. Their runs keep their checkpoints either way.
-
-    Args:
-      started: a shared counter of the workers started so far.
-      plugin_names: the plugins the parent loaded (``train.plugins.loaded()``).
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides (run_comparison)
-    _die_with_parent()
-    plugins.load(plugin_names)
-    with started.get_lock():
-        index = started.value
-        started.value += 1
-    if hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the workers share the cores
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[index % len(cores)]})
-    enable_compilation_cache()
-
-
-# prctl(2) options: the signal a process gets when its parent dies, and reading it back.
-PR_SET_PDEATHSIG, PR_GET_PDEATHSIG = 1, 2
-
-
-def _die_with_parent() -> None:
-    """Asks Linux to SIGKILL this process when its parent exits (elsewhere: nothing)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-class ComparisonInterrupted(KeyboardInterrupt):
-    """Ctrl-C stopped a comparison; the runs resume where their checkpoints are."""
-
-
-def stop_workers(signum=None, frame=None) -> None:
-    """SIGINT while workers train: kill them and stop. Their runs' checkpoints are
-    crash-safe (a run killed at any moment resumes bit for bit), so rerunning the
-    comparison loses nothing saved. The main thread is only waiting for them here,
-    so the exception lands in plain Python code."""
-    for child in multiprocessing.active_children():
-        child.kill()
-    raise ComparisonInterrupted("the workers were stopped; every run keeps its checkpoints")
-
-
 def _per_lr(variant: str, runs: list[dict]) -> dict[float, list[dict]]:
     """The variant's run records by learning rate, in increasing order of rate."""
     rates = sorted({r["lr"] for r in runs if r["variant"] == variant})
@@ -219,60 +160,34 @@ def _done_line(desc: str, summary: dict, bits: bool) -> str:
     return f"{desc}: {score} at step {summary['step']}, {summary['wall_s']:.0f} s"
 
 
+def _train_spec(config: CompareConfig, item) -> dict:
+    """``_train_one`` of ``item = ((variant, lr, seed), label)`` (picklable for the workers)."""
+    (variant, lr, seed), desc = item
+    return _train_one(config, variant, lr, seed, desc, False)
+
+
 @contextlib.contextmanager
 def _runner(config: CompareConfig, planned: list[int]):
     """``run(specs) -> records``: trains ``(variant, lr, seed)`` specs in order of the list
     (numbered ``[i/n]`` across calls, ``n = planned[0]``, which the caller may raise
     between calls), in this process or in a pool of ``config.jobs`` workers kept for
-    every call."""
+    every call, under one bar over every run's steps (``train.pool``)."""
     count = [0]
     bits = metric(config.train.task) == "bits_per_byte"
-
-    def descs(specs):
-        first = count[0]
-        count[0] += len(specs)
-        return [
-            f"[{first + i + 1}/{planned[0]}] {v} lr={lr:g} seed={s}"
-            for i, (v, lr, s) in enumerate(specs)
-        ]
-
-    if config.jobs == 1:
-        yield lambda specs: [
-            _train_one(config, *spec, desc, config.progress)
-            for spec, desc in zip(specs, descs(specs), strict=True)
-        ]
-        return
-    if interrupt.active():  # the command line: Ctrl-C stops the workers, then this process
-        signal.signal(signal.SIGINT, stop_workers)
-        # Workers killed that way leave the semaphore of the core counter registered;
-        # multiprocessing's tracker (started below, with this environment) frees it,
-        # and says so in a warning that would be the only noise of an interrupt.
-        os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
-    context = multiprocessing.get_context("spawn")  # fork and XLA's threads do not mix
-    with (
-        ProcessPoolExecutor(
-            config.jobs,
-            mp_context=context,
-            initializer=worker_init,
-            initargs=(context.Value("i", 0), plugins.loaded()),
-        ) as pool,
-        tqdm(total=planned[0], desc=config.name, disable=not config.progress) as bar,
-    ):
+    with Pool(config.jobs, config.name, config.progress) as pool:
 
         def run(specs):
-            labels = descs(specs)
-            bar.total = planned[0]
-            futures = {
-                pool.submit(_train_one, config, *spec, desc, False): i
-                for i, (spec, desc) in enumerate(zip(specs, labels, strict=True))
-            }
-            runs = [None] * len(specs)
-            for future in as_completed(futures):
-                i = futures[future]
-                runs[i] = future.result()
-                bar.write(_done_line(labels[i], runs[i]["summary"], bits))
-                bar.update(1)
-            return runs
+            first = count[0]
+            count[0] += len(specs)
+            labels = [f"[{first + i + 1}/{planned[0]}] {v} lr={lr:g} seed={s}"
+                      for i, (v, lr, s) in enumerate(specs)]  # fmt: skip
+            return pool.run(
+                functools.partial(_train_spec, config),
+                list(zip(specs, labels, strict=True)),
+                steps_of=lambda item: config.train.steps,
+                done=lambda item, record: pool.write(_done_line(item[1], record["summary"], bits)),
+                labels=[f"{v} s{s}" for v, _, s in specs],
+            )
 
         yield run
 
@@ -351,7 +266,7 @@ def main(argv=None) -> int:
     except ValueError as e:  # an output folder that cannot be written, a busy run: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (TrainingInterrupted, ComparisonInterrupted) as e:  # Ctrl-C: saved, stopped
+    except (TrainingInterrupted, WorkersInterrupted) as e:  # Ctrl-C: saved, stopped
         print(f"python -m train.compare: interrupted: {e}; run the same command to resume",
               file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED

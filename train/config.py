@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -111,6 +112,10 @@ class TrainConfig:
         are the curve's, the rest a larger sample where the result is read (its
         standard error shrinks as one over the root of the batches).
       ckpt_every: save a checkpoint every this many steps (and at the end).
+      ckpt_seconds: also save one at the first step this many seconds after the last
+        save (or the session's start), so a run killed early loses at most about that
+        much; None saves by steps only. Read on one process only: processes of a job
+        could disagree on the moment, so a job of several saves by steps.
       keep_checkpoints: how many recent checkpoints to keep.
       log_every: write a train record to ``metrics.jsonl`` every this many steps.
       mesh: None trains on one device (the default path). ``"data=2,fsdp=4"``
@@ -138,6 +143,7 @@ class TrainConfig:
     eval_batches: int = 4
     final_eval_batches: int | None = None
     ckpt_every: int = 200
+    ckpt_seconds: float | None = 60.0
     keep_checkpoints: int = 2
     log_every: int = 10
     mesh: str | None = None
@@ -155,6 +161,10 @@ class TrainConfig:
                 f"final_eval_batches: expected None or an int >= eval_batches "
                 f"({self.eval_batches}), got {f!r}"
             )
+        c = self.ckpt_seconds
+        if c is not None and (isinstance(c, bool) or not isinstance(c, int | float)
+                              or not 0 < c < math.inf):  # fmt: skip
+            raise ValueError(f"ckpt_seconds: expected None or a positive number, got {c!r}")
         for name in ("keep_checkpoints", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")

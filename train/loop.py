@@ -54,7 +54,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from models.mesh import SEQ_AXIS
-from train import optimizer, sharding
+from train import optimizer, pool, sharding
 from train.checkpoint import Checkpointer, load_state, snapshot
 from train.config import TrainConfig, check_resume, to_json, write_record
 from train.interrupt import StopOnSigint, TrainingInterrupted
@@ -163,6 +163,7 @@ def _train_locked(config, workdir, mesh, stop_at, model_fn, progress, desc, t_be
         dynamic_ncols=True,
     )
     done, stop = start, StopOnSigint(workdir, run.busy, run.ckpt.latest_step)
+    pool.report(start, start, end)  # a pool's bar: this run's work is end - start
     try:
         with run.metrics_log(start) as log, stop:
             done, end, reached_now = _run_steps(run, start, end, log, stop, bar)
@@ -241,6 +242,7 @@ class Session:
         self.schedule = jax.jit(optimizer.make_schedule(config.optim, config.steps))
         self.ckpt = Checkpointer(workdir, keep=config.keep_checkpoints)
         self.saving = False
+        self.saved_at = time.perf_counter()  # the last save, or the session's start
         self.totals = {"wall_s": 0.0, "train_s": 0.0, "train_tokens": 0}
         self.window: list[tuple[float, float]] = []
         # Every record written, carried by each checkpoint so a damaged metrics.jsonl
@@ -320,6 +322,14 @@ class Session:
             self.ckpt.save(done, snapshot(self.model, self.optimizer, done), meta)  # verifiable
         finally:
             self.saving = False
+            self.saved_at = time.perf_counter()
+
+    def save_due(self) -> bool:
+        """Whether ``ckpt_seconds`` have passed since the last save (one process only)."""
+        seconds = self.config.ckpt_seconds
+        if seconds is None or jax.process_count() > 1:
+            return False
+        return time.perf_counter() - self.saved_at >= seconds
 
     def busy(self) -> bool:
         """Whether a checkpoint is being written (here or in the background)."""
@@ -421,9 +431,10 @@ def _run_steps(run: Session, start: int, end: int, log, stop, bar) -> tuple[int,
         run.step(batch_at(step), done)
         done = step + 1
         bar.update(1)
+        pool.report(start, done, end)
         record_now = done % config.log_every == 0 or done == config.steps
         eval_now = done % config.eval_every == 0 or done == config.steps
-        save_now = done % config.ckpt_every == 0 or done == end
+        save_now = done % config.ckpt_every == 0 or done == end or run.save_due()
         if not (record_now or eval_now or save_now or len(run.pending) >= MAX_PENDING):
             continue
         gnorm = run.flush(done)

@@ -132,47 +132,25 @@ def train_run(config, out_dir: Path, name: str, *, progress: bool = False) -> tu
     return summary, workdir
 
 
-def run_all(worker, todo: Sequence, jobs: int, report=None) -> dict:
-    """``{item: worker(item)}`` for every item of ``todo``, ``jobs`` at a time.
+def run_all(worker, todo: Sequence, jobs: int, report=None, *, steps_of, desc: str,
+            progress: bool = True) -> dict:  # fmt: skip
+    """``{item: worker(item)}`` for every item of ``todo``, ``jobs`` at a time, under one
+    bar over the runs' steps (``train.pool.Pool``; ``steps_of(item)``: the steps its run
+    trains at most).
 
     With ``jobs > 1`` (and several items) each runs in a spawned process pinned
-    to a core (``train.compare.worker_init``; ``worker`` must be picklable, a
+    to a core (``train.pool.worker_init``; ``worker`` must be picklable, a
     module-level function or a ``functools.partial`` of one), and Ctrl-C stops
     the workers (their runs keep their checkpoints); ``report(item, result)`` is
     called as each finishes.
     """
-    import multiprocessing
-    import os
-    import signal
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from train.pool import Pool
 
-    import train.compare
-    from train import plugins
-
-    results = {}
-    if jobs == 1 or len(todo) <= 1:
-        for item in todo:
-            results[item] = worker(item)
-            if report is not None:
-                report(item, results[item])
-        return results
-    if train.interrupt.active():
-        signal.signal(signal.SIGINT, train.compare.stop_workers)
-        os.environ["PYTHONWARNINGS"] = "ignore:resource_tracker:UserWarning"
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        jobs,
-        mp_context=context,
-        initializer=train.compare.worker_init,
-        initargs=(context.Value("i", 0), plugins.loaded()),
-    ) as pool:
-        futures = {pool.submit(worker, item): item for item in todo}
-        for future in as_completed(futures):
-            item = futures[future]
-            results[item] = future.result()
-            if report is not None:
-                report(item, results[item])
-    return results
+    todo = list(todo)
+    with Pool(jobs if len(todo) > 1 else 1, desc, progress) as pool:
+        results = pool.run(worker, todo, steps_of, report,
+                           labels=[getattr(item, "name", str(item)) for item in todo])  # fmt: skip
+    return dict(zip(todo, results, strict=True))
 
 
 def plot_lengths(path: Path, panels: dict, lengths, *, ylabel: str, dashed=(), chance=None):

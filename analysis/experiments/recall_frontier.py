@@ -239,8 +239,8 @@ def main(argv=None) -> int:
     import tyro
 
     import train.cli
-    from train.compare import ComparisonInterrupted
     from train.interrupt import EXIT_INTERRUPTED, TrainingInterrupted
+    from train.pool import WorkersInterrupted
 
     args = tyro.cli(Args, args=argv, prog=f"python -m analysis.experiments.{NAME}",
                     description=__doc__.split("\n\n")[0])  # fmt: skip
@@ -258,7 +258,7 @@ def main(argv=None) -> int:
     out = args.out or Path("results") / (NAME + ("-quick" if args.quick else ""))
     try:
         results = run(scale, out, jobs=args.jobs, progress=args.progress)
-    except (TrainingInterrupted, ComparisonInterrupted) as e:
+    except (TrainingInterrupted, WorkersInterrupted) as e:
         print(f"python -m analysis.experiments.{NAME}: {e}; run it again to resume",
               file=sys.stderr)  # fmt: skip
         return EXIT_INTERRUPTED

@@ -101,7 +101,7 @@ def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run
     """Trains every unfinished run of ``scale`` under ``out/runs``, then extends those still
     learning at their caps (``next_cap``), in waves, until none is; returns every summary,
     each with ``learning_at_cap`` (whether it ended at its last cap still learning)."""
-    from tqdm.auto import tqdm
+    from train.pool import Pool
 
     todo, summaries = [], {}
     for run in runs(scale):
@@ -110,26 +110,26 @@ def train_all(scale: Scale, out: Path, *, jobs: int, progress: bool) -> dict[Run
             todo.append(run)
         else:
             summaries[run] = done
-    bar = tqdm(total=len(todo), desc=f"{NAME} ({scale.name})", disable=not progress)
 
-    def report(run, summary):
-        summaries[run] = summary
-        bar.write(
-            f"{run.name}: test accuracy {summary['test_accuracy']:.3f} at step {summary['step']}"
-        )
-        bar.update(1)
+    with Pool(jobs, f"{NAME} ({scale.name})", progress) as pool:
 
-    _common.run_all(functools.partial(_train_run, scale, out), todo, jobs, report)
-    while more := [
-        (run, cap) for run in runs(scale) if (cap := next_cap(scale, out, run, summaries[run]))
-    ]:
-        bar.write(f"extending {len(more)} runs still learning at their caps")
-        bar.total += len(more)
-        bar.refresh()
-        _common.run_all(
-            functools.partial(_extend_run, scale, out), more, jobs, lambda i, s: report(i[0], s)
-        )
-    bar.close()
+        def report(run, summary):
+            summaries[run] = summary
+            pool.write(
+                f"{run.name}: test accuracy {summary['test_accuracy']:.3f} at step "
+                f"{summary['step']}"
+            )
+
+        pool.run(functools.partial(_train_run, scale, out), todo,
+                 lambda run: train_config(scale, run, None).steps, report,
+                 labels=[run.name for run in todo])  # fmt: skip
+        while more := [
+            (run, cap) for run in runs(scale) if (cap := next_cap(scale, out, run, summaries[run]))
+        ]:
+            pool.write(f"extending {len(more)} runs still learning at their caps")
+            extend = functools.partial(_extend_run, scale, out)
+            pool.run(extend, more, lambda item: item[1], lambda item, s: report(item[0], s),
+                     labels=[r.name for r, _ in more])  # fmt: skip
     for run, summary in summaries.items():
         summary["learning_at_cap"] = learning_at_cap(out, run, summary)
     return summaries

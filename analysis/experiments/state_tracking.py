@@ -269,7 +269,8 @@ def train_all(config: Config, out: Path) -> dict[Run, dict]:
         print(f"{run.name}: accuracy at 1x {result['lengths']['1']['accuracy']:.3f}", flush=True)
 
     worker = functools.partial(_train_and_test, config, out=str(out))
-    return _common.run_all(worker, runs(config), config.jobs, report if config.jobs > 1 else None)
+    return _common.run_all(worker, runs(config), config.jobs, report, desc=NAME,
+                           steps_of=lambda run: train_config(config, run).steps)  # fmt: skip
 
 
 def best(config: Config, results: dict[Run, dict]) -> dict[str, dict[str, dict]]:

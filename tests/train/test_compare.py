@@ -20,6 +20,7 @@ from flax import nnx
 from attn import linear_state_bytes
 from models import Decoder
 from train import compare
+from train import pool as pool_lib
 from train.compare_plots import plot_recall_vs_state
 from train.compare_report import aggregate, first_reached, summarize_variant
 from train.config import TrainConfig
@@ -392,7 +393,7 @@ def _death_signal() -> int:
     import ctypes
 
     value = ctypes.c_int(0)
-    ctypes.CDLL(None).prctl(compare.PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
+    ctypes.CDLL(None).prctl(pool_lib.PR_GET_PDEATHSIG, ctypes.byref(value), 0, 0, 0)
     return value.value
 
 
@@ -402,6 +403,6 @@ def test_workers_die_with_their_parent():
     # A comparison killed by SIGTERM or SIGKILL must not leave its workers training on.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        1, mp_context=context, initializer=compare.worker_init, initargs=(context.Value("i", 0),)
+        1, mp_context=context, initializer=pool_lib.worker_init, initargs=(context.Value("i", 0),)
     ) as pool:
         assert pool.submit(_death_signal).result() == signal.SIGKILL

@@ -99,6 +99,17 @@ def test_bf16_compute_trains_as_float32_does():
     assert floats and set(floats) == {jnp.dtype("float32")}  # parameters and Adam's moments
 
 
+def test_a_checkpoint_every_ckpt_seconds_off_the_step_grid(tmp_path):
+    """A run killed before its first ``ckpt_every`` loses at most ``ckpt_seconds`` of work."""
+    config = dataclasses.replace(get_config(), ckpt_every=1000, ckpt_seconds=1e-9)
+    train(config, tmp_path / "timed", stop_at=5, progress=False)
+    ckpt = Checkpointer(tmp_path / "timed")
+    assert ckpt.all_steps() == [4, 5]  # every step is past its 1e-9 s: the 2 kept
+    ckpt.close()
+    with pytest.raises(ValueError, match=r"^ckpt_seconds: expected None or a positive number"):
+        dataclasses.replace(config, ckpt_seconds=0)
+
+
 @pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_resume_is_exact_in_process(tmp_path):
     config = get_config()  # 40 steps, checkpoints every 10, eval every 20

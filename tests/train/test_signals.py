@@ -8,6 +8,7 @@ row, in a comparison with two worker processes, and in an experiment.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import train
+from train.workdir import saved_steps
 
 pytestmark = pytest.mark.integration
 
@@ -97,13 +99,17 @@ def test_ctrl_c_in_the_loop_saves_or_stops_at_once(tmp_path, times):
         train.load_run(workdir)
 
 
-def test_ctrl_c_in_a_comparison_with_workers(tmp_path):
+def test_ctrl_c_in_a_comparison_with_workers(tmp_path, compilation_cache_dir):
+    """Stopped before any run reached its ``ckpt_every``: each run keeps the checkpoint of its
+    last ``ckpt_seconds``, the same command resumes from it, and the results are an
+    uninterrupted comparison's."""
     argv = ["train.compare", "--quick", "--variants", "mha", "linear", "--jobs", "2",
-            "--train.steps", "100000", "--no-progress", "--results-dir", "results",
-            "--runs-dir", "runs", "--name", "c"]  # fmt: skip
-    proc = start(argv, tmp_path)
+            "--train.steps", "60", "--train.ckpt-every", "1000", "--train.ckpt-seconds", "1",
+            "--no-progress", "--results-dir", "results", "--runs-dir", "runs"]  # fmt: skip
+    proc = start([*argv, "--name", "c"], tmp_path, compilation_cache_dir)
     runs = tmp_path / "runs" / "c"
-    wait_for(proc, lambda: any(runs.glob("*/*/metrics.jsonl")))
+    dirs = [runs / v / "lr0.003_seed0" for v in ("mha", "linear")]
+    wait_for(proc, lambda: all(saved_steps(d) for d in dirs))
     status, lines = interrupt(proc)
     assert status == 130 and len(lines) == 1, lines
     assert lines[0].startswith("python -m train.compare: interrupted")
@@ -111,6 +117,21 @@ def test_ctrl_c_in_a_comparison_with_workers(tmp_path):
     time.sleep(0.5)
     ps = subprocess.run(["ps", "-eo", "ppid="], capture_output=True, text=True).stdout.split()
     assert str(proc.pid) not in ps  # no worker left behind
+    kept = [saved_steps(d) for d in dirs]
+    assert all(s and s[-1] < 60 for s in kept), kept  # saved by time, not by steps
+
+    results = {}
+    for name in ("c", "straight"):  # resumed, then the same comparison uninterrupted
+        again = start([*argv, "--name", name], tmp_path, compilation_cache_dir)
+        _, err = again.communicate(timeout=300)
+        assert again.returncode == 0, err[-2000:]
+        assert err.count("resuming from step") == (2 if name == "c" else 0), err[-2000:]
+        data = json.loads((tmp_path / "results" / name / "results.json").read_text())
+        results[name] = [
+            (r["variant"], r["curves"], {k: r["summary"][k] for k in ("step", "test_loss")})
+            for r in data["runs"]
+        ]
+    assert results["c"] == results["straight"]  # bit for bit
 
 
 def test_ctrl_c_in_an_experiment(tmp_path):
