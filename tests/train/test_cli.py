@@ -143,7 +143,8 @@ def test_a_plugin_kind_returning_ints_ends_the_run_in_one_line(tmp_path):
          "--workdir", "w", "--model.pattern", "int_out", "--no-progress"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
     )  # fmt: skip
-    lines = done.stderr.strip().splitlines()
+    # XLA's false alarm on loading a cached program (README) is not the command's line.
+    lines = [x for x in done.stderr.strip().splitlines() if "cpu_aot_loader" not in x]
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith("error: kind 'int_out': expected int_plugin.int_attention to ")
     assert lines[0].endswith("got int32 (8, 16, 2, 8)") and done.stdout == ""
