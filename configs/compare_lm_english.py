@@ -37,7 +37,8 @@ FINAL_EVAL_BATCHES = 128
 
 
 def get_config(quick: bool = False, task: str = "bytes", scale: str = "cpu") -> CompareConfig:
-    """The English comparison; ``scale="gpu"`` is ``compare_lm``'s GPU scale on this corpus."""
+    """The English comparison; ``scale="small"`` and ``"gpu"`` are ``compare_lm``'s scales on
+    this corpus."""
     config = compare_lm.get_config(quick=quick, task=task, scale=scale)
     train = config.train
     if scale == "gpu":
@@ -53,11 +54,12 @@ def get_config(quick: bool = False, task: str = "bytes", scale: str = "cpu") -> 
         task=dataclasses.replace(train.task, data="shakespeare", val_percent=15),
         final_eval_batches=final,
     )
+    widened = not quick and scale != "small"  # small: one rate, no sweep to widen
     return dataclasses.replace(
         config,
         train=train,
         variants=VARIANTS if not quick else config.variants,
-        edge_lrs=1 if not quick else 0,
+        edge_lrs=1 if widened else 0,
         edge_ratio=3.0,
-        name="compare_lm_english" + ("_quick" if quick else ""),
+        name="compare_lm_english" + ("_quick" if quick else "_small" if scale == "small" else ""),
     )

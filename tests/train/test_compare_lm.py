@@ -30,6 +30,26 @@ def test_quick_with_another_scale_is_refused_not_replaced():
     assert recall_frontier.get_config(quick=True).name == "quick"
 
 
+def test_the_small_scale_is_each_comparison_in_five_minutes():
+    """``--scale small`` (docs/results/README.md ranks it against the full runs): the recall
+    comparison's every run, each the first steps of its full run; the English one's every
+    variant and 2 seeds at one rate, half the width, depth and context."""
+    full, small = compare._parse([]), compare._parse(["--scale", "small"])
+    assert (small.variants, small.seeds, small.name) == (full.variants, full.seeds,
+                                                         "compare_mqar_small")  # fmt: skip
+    assert small.train.steps < full.train.steps == small.train.optim.decay_steps
+    assert dataclasses.replace(small.train, steps=full.train.steps, optim=full.train.optim) == (
+        full.train
+    )
+    english = REPO / "configs" / "compare_lm_english.py"
+    small = load_config(english, scale="small")
+    full = load_config(english)
+    assert small.variants == full.variants and small.name == "compare_lm_english_small"
+    assert (small.seeds, small.lrs, small.best_lr_seeds, small.edge_lrs) == ((0, 1), (1e-2,), (), 0)
+    assert (small.train.model.width, small.num_layers, small.train.task.seq_len) == (64, 2, 128)
+    assert small.train.task.data == "shakespeare" and small.match_params == "mha"
+
+
 @pytest.mark.integration  # the fast tier's 4 minutes are full
 def test_task_bytes_is_the_language_modelling_config():
     # One build of the full config (matching 12 variants' sizes costs seconds); the quick
@@ -60,8 +80,10 @@ def test_the_gpu_scale_is_sized_to_eight_minutes_on_an_h200(capsys):
     model = gpu.train.model
     assert (model.width, gpu.num_layers, gpu.train.task.seq_len) == (512, 8, 1024)
     assert (model.dtype, model.param_dtype, gpu.name) == ("bfloat16", "float32", "compare_lm_gpu")
-    with pytest.raises(ValueError, match=r"^--scale: .*compare_mqar\.py' has one scale"):
+    with pytest.raises(ValueError, match=r"^scale: expected 'cpu' or 'small', got 'gpu'$"):
         compare._parse(["--scale", "gpu"])
+    with pytest.raises(ValueError, match=r"^--scale: .*mqar\.py' has one scale"):
+        load_config(REPO / "configs" / "mqar.py", scale="gpu")
     from analysis.experiments import recall_frontier_grid as grid
 
     scale = grid.SCALES["gpu"]
