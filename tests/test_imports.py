@@ -290,3 +290,30 @@ def test_every_public_function_and_kind_is_named_in_the_docs():
     public = [n for n in attn.__all__ if callable(getattr(attn, n))]
     assert [n for n in public if not named(n)] == []
     assert [k for k in models.KINDS if not named(k)] == []
+
+
+NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+NUMBERS = (NUMBERS + "fifteen sixteen seventeen eighteen nineteen twenty").split()
+
+
+def test_counts_in_the_docs_are_the_code_s():
+    """A count of variants or kinds in the README or the design docs is the code's (the main
+    job's variants, the registered kinds); the committed results' pages count their runs."""
+    import re
+
+    import models
+    from configs import compare_mqar
+
+    counts = {"variants": len(compare_mqar.VARIANTS), "kinds": len(models.KINDS)}
+    pattern = re.compile(
+        rf"\b({'|'.join(NUMBERS)}|\d+) (?:attention |layer )?(variants|kinds)\b", re.IGNORECASE
+    )
+    docs = ["README.md", *(f"docs/{n}.md" for n in ("architecture", "models-and-training",
+                                                     "families", "extending"))]  # fmt: skip
+    found = []
+    for doc in docs:
+        for number, what in pattern.findall((ROOT / doc).read_text()):
+            n = int(number) if number.isdigit() else NUMBERS.index(number.lower())
+            found.append((doc, number, what))
+            assert n == counts[what], f"{doc}: {number} {what}, the code has {counts[what]}"
+    assert found  # the main job's count is quoted (README), so this reads something
