@@ -122,8 +122,10 @@ def run_dir(out_dir: Path, name: str) -> Path:
     return Path(out_dir) / "runs" / name
 
 
-def train_run(config, out_dir: Path, name: str, *, progress: bool = False) -> tuple[dict, Path]:
-    """Trains (or resumes, or finds finished) one run under ``out_dir/runs/name``.
+def train_run(config, out_dir: Path, name: str, *, progress: bool = True) -> tuple[dict, Path]:
+    """Trains (or resumes, or finds finished) one run under ``out_dir/runs/name``, with
+    ``train.loop``'s bar (its steps, their rate and the run's time left) unless ``progress``
+    is False; the grids' experiments train in a ``train.pool.Pool`` instead (one bar).
 
     Returns ``(summary, workdir)``.
     """
