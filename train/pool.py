@@ -208,11 +208,12 @@ class Pool:
     def _here(self, worker, number: int, item, done):
         """One item in this process, the bar following its steps."""
         global _slot, _on_report
+        outer = _slot, _on_report  # a pool inside a worker's item: the worker's slot after
         _slot, _on_report = [number, -1, -1, -1], lambda: self._take(_slot) or self._show()
         try:
             result = worker(item)
         finally:
-            _slot, _on_report = None, None
+            _slot, _on_report = outer
         self.items[number][4] = True
         self._show()
         if done is not None:
