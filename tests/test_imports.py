@@ -292,6 +292,21 @@ def test_every_public_function_and_kind_is_named_in_the_docs():
     assert [k for k in models.KINDS if not named(k)] == []
 
 
+def test_every_module_is_in_the_architecture_table():
+    """Each module of the packages is named in docs/architecture.md (its table maps modules
+    to the sections that describe them; a row names its folder once, then bare file names)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = [
+        str(path.relative_to(ROOT))
+        for package in ("attn", "models", "train", "analysis")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.name != "__init__.py"
+        and f"{path.name}`" not in text
+        and f"{path.parent.relative_to(ROOT)}/`" not in text
+    ]
+    assert missing == []
+
+
 NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
 NUMBERS = (NUMBERS + "fifteen sixteen seventeen eighteen nineteen twenty").split()
 
