@@ -25,6 +25,10 @@ Modules:
   eigenvalues), ``ssd_step``;
 * ``product``: DeltaProduct, several delta-rule steps per token:
   ``delta_product``, ``delta_product_step``;
+* ``ttt``: TTT-Linear (Sun et al. 2024), a linear model trained at test time a
+  mini-batch at a time: ``ttt_linear`` (``TTT_FORMS``: dual, primal, recurrent),
+  ``ttt_linear_step``, ``TTTState``, ``ttt_zero_state`` (not yet a record: no
+  segment ids or layer kind so far, and no sharded form, its state being nonlinear);
 * ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
   once (``check_front``), and the one default ``CHUNK_SIZE``;
 * ``family``: a family as one record (``Family``), the registry of them
@@ -69,6 +73,7 @@ from attn.linear.log_linear import *  # noqa: F403
 from attn.linear.mamba import *  # noqa: F403
 from attn.linear.product import *  # noqa: F403
 from attn.linear.sharded import *  # noqa: F403
+from attn.linear.ttt import *  # noqa: F403
 
 # By module name: the function ``comba`` has taken the name of its module here.
 FAMILY_MODULES = (
@@ -80,6 +85,7 @@ FAMILY_MODULES = (
     "mamba",
     "product",
     "sharded",
+    "ttt",
 )
 __all__ = [
     *(n for m in FAMILY_MODULES for n in importlib.import_module(f"attn.linear.{m}").__all__),

@@ -31,6 +31,7 @@ __all__ = [
     "log_linear_delta_rule",
     "segment_runs",
     "ssd",
+    "ttt_linear",
 ]
 
 
@@ -201,6 +202,52 @@ def comba(q, k, v, p, beta, log_gates=None, *, scale: float, initial_state=None)
     S0 = jnp.zeros((B, N, H, E), q.dtype) if initial_state is None else initial_state
     S, out = jax.lax.scan(step, S0, xs)
     return jnp.moveaxis(out, 0, 1), S
+
+
+def ttt_linear(q, k, v, eta, norm_scale, norm_bias, position_lr, *, mini_batch: int,
+               initial_state=None, eps: float = 1e-6):  # fmt: skip
+    """TTT-Linear (Sun et al. 2024) a token at a time, its LayerNorm's gradient in closed form.
+
+    Token j's gradient, at the weights ``W0, b0`` its mini-batch started from: with
+    ``z = k_j W0 + b0``, ``xh = (z - mean z) / s``, ``s = sqrt(var z + eps)`` and
+    ``u = gamma (gamma xh + beta - (v_j - k_j))``, it is ``g = (u - mean u - xh mean(u xh)) / s``.
+    Query i of the mini-batch reads ``W0 - lr_i sum_{j<=i} eta_j k_j^T g_j`` (and the bias
+    likewise), outputs ``q_i + LN(q_i W_i + b_i)``, and the mini-batch's last token's
+    weights start the next. q, k, v ``[B,T,N,H]``, eta ``[B,T,N]``; the state
+    ``(W, b, dW, db, count)`` as ``attn.linear.ttt.TTTState``. Returns ``(out, state)``.
+    """
+    B, _, N, H = q.shape
+    if initial_state is None:
+        zeros = jnp.zeros((B, N, H, H), q.dtype)
+        initial_state = (zeros, zeros[..., 0], zeros, zeros[..., 0], jnp.zeros((B,), int))
+    lrs = jnp.asarray(position_lr)
+
+    def norm(z):
+        xh = (z - z.mean(-1, keepdims=True)) / jnp.sqrt(z.var(-1, keepdims=True) + eps)
+        return xh, norm_scale * xh + norm_bias
+
+    def token(state, x):
+        W0, b0, dW, db, count = state
+        qt, kt, vt, et = x
+        z = jnp.einsum("bnh,bnhe->bne", kt, W0) + b0
+        xh, ln = norm(z)
+        u = norm_scale * (ln - (vt - kt))
+        g = u - u.mean(-1, keepdims=True) - xh * (u * xh).mean(-1, keepdims=True)
+        g = g / jnp.sqrt(z.var(-1, keepdims=True) + eps)
+        dW = dW + et[..., None, None] * kt[..., :, None] * g[..., None, :]
+        db = db + et[..., None] * g
+        lr = lrs[count][:, None, None]  # [B,1,1]
+        Wt, bt = W0 - lr[..., None] * dW, b0 - lr * db
+        out = qt + norm(jnp.einsum("bnh,bnhe->bne", qt, Wt) + bt)[1]
+        full = (count + 1 == mini_batch)[:, None, None]
+        state = (jnp.where(full[..., None], Wt, W0), jnp.where(full, bt, b0),
+                 jnp.where(full[..., None], 0.0, dW), jnp.where(full, 0.0, db),
+                 jnp.where(count + 1 == mini_batch, 0, count + 1))  # fmt: skip
+        return state, out
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, eta))
+    state, out = jax.lax.scan(token, tuple(jnp.asarray(x) for x in initial_state), xs)
+    return jnp.moveaxis(out, 0, 1), state
 
 
 def fenwick_levels(T: int, L: int, t=None):
