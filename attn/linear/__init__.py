@@ -25,10 +25,11 @@ Modules:
   eigenvalues), ``ssd_step``;
 * ``product``: DeltaProduct, several delta-rule steps per token:
   ``delta_product``, ``delta_product_step``;
-* ``ttt``: TTT-Linear (Sun et al. 2024), a linear model trained at test time a
-  mini-batch at a time: ``ttt_linear`` (``TTT_FORMS``: dual, primal, recurrent),
-  ``ttt_linear_step``, ``TTTState``, ``ttt_zero_state`` (not yet a record: no
-  segment ids or layer kind so far, and no sharded form, its state being nonlinear);
+* ``ttt``: TTT-Linear and TTT-MLP (Sun et al. 2024), a model trained at test time
+  a mini-batch at a time: ``ttt_linear`` and ``ttt_mlp`` (``TTT_FORMS``: dual,
+  primal, recurrent, in ``ttt_forms``), their steps, ``TTTState``,
+  ``ttt_zero_state`` (not yet a record: no segment ids or layer kinds so far, and
+  no sharded form, the state being nonlinear);
 * ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
   once (``check_front``), and the one default ``CHUNK_SIZE``;
 * ``family``: a family as one record (``Family``), the registry of them

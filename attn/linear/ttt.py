@@ -1,26 +1,27 @@
-"""TTT-Linear: a linear model trained at test time on the sequence, one mini-batch at a time.
+"""TTT-Linear and TTT-MLP: a model trained at test time on the sequence, a mini-batch at a time.
 
-TTT-Linear (Sun et al. 2024, "Learning to (Learn at Test Time): RNNs with
-Expressive Hidden States") keeps per head an inner model
-``f(x) = x + LN(x W + b)``, with ``W [H, H]``, ``b [H]`` and a LayerNorm of its
-own (``norm_scale``, ``norm_bias``, eps 1e-6), and trains it on the keys to
-reconstruct the values: token j's loss is ``1/2 |LN(k_j W + b) - (v_j - k_j)|^2``
-and its gradient ``g_j`` (w.r.t. ``z = k_j W + b``) is taken at the weights the
-token's mini-batch started from. Within a mini-batch of ``mini_batch`` tokens,
-the query at position i of the mini-batch reads
+TTT (Sun et al. 2024, "Learning to (Learn at Test Time): RNNs with Expressive
+Hidden States") keeps per head an inner model ``f(x) = x + LN(f_res(x))`` with a
+LayerNorm of its own (``norm_scale``, ``norm_bias``, eps 1e-6): TTT-Linear's
+``f_res(x) = x W + b`` (``W [H,H]``), TTT-MLP's ``gelu(x W1 + b1) W2 + b2``
+(``W1 [H,F]``, ``W2 [F,H]``, F = 4H by default). It trains the model on the keys
+to reconstruct the values: token j's loss is ``1/2 |LN(f_res(k_j)) - (v_j - k_j)|^2``,
+its gradient taken at the weights the token's mini-batch started from. Within a
+mini-batch of ``mini_batch`` tokens, the query at position i reads the weights
 
-    W_i = W_0 - lr_i sum_{j <= i} eta_j k_j^T g_j,   b_i = b_0 - lr_i sum_{j <= i} eta_j g_j
-    o_i = q_i + LN(q_i W_i + b_i)
+    theta_i = theta_0 - lr_i sum_{j <= i} eta_j grad_theta loss_j
+    o_i = q_i + LN(f_res(q_i; theta_i))
 
-and the next mini-batch starts from the last position's ``W``, ``b``. So the
+and the next mini-batch starts from the last position's weights. So the
 rate of token j's gradient for query i is ``position_lr[i] * eta[j]``, as in
 the authors' code (ttt-lm-jax): ``eta`` is the per-token learnable rate (the
 layer's ``base_lr * sigmoid(x theta) / H``), ``position_lr`` the per-position
 factor (``1 / (i + 1)`` by default; learnable in the layer).
 
 Forms, all the same function: ``"dual"`` (the paper's dual form: per
-mini-batch, matmuls and no ``W_i`` formed), ``"primal"`` (every ``W_i`` formed)
-and ``"recurrent"`` (a token at a time, what ``ttt_linear_step`` does). T need
+mini-batch, matmuls and no ``theta_i`` formed), ``"primal"`` (every ``theta_i``
+formed, ``attn.linear.ttt_forms``) and ``"recurrent"`` (a token at a time, what
+``ttt_linear_step`` and ``ttt_mlp_step`` do). T need
 not be a multiple of the mini-batch: a sequence's last mini-batch may be
 partial, and the state (``TTTState``) then holds the mini-batch's start weights,
 its sums so far and its count, so a later call or step continues it exactly.
@@ -42,39 +43,52 @@ import numpy as np
 
 from attn import checks
 from attn.checks import fail
+from attn.linear import ttt_forms
 
-__all__ = ["TTT_FORMS", "TTTState", "ttt_linear", "ttt_linear_step", "ttt_zero_state"]
+__all__ = [
+    "TTT_FORMS",
+    "TTTState",
+    "ttt_linear",
+    "ttt_linear_step",
+    "ttt_mlp",
+    "ttt_mlp_step",
+    "ttt_zero_state",
+]
 
 TTT_FORMS = ("dual", "primal", "recurrent")
 MINI_BATCH = 16  # the paper's b
-EPS = 1e-6  # the inner LayerNorm's, as the authors'
 
 
 class TTTState(NamedTuple):
     """Per row and head, where a sequence's inner model is, in float32.
 
     Attributes:
-      W: ``[B,N,H,H]`` the weights the current mini-batch started from.
-      b: ``[B,N,H]`` its bias.
-      dW: ``[B,N,H,H]`` the mini-batch's gradients so far, each times its token's eta.
-      db: ``[B,N,H]`` likewise for the bias.
+      params: the weights the current mini-batch started from: TTT-Linear's
+        ``(W [B,N,H,H], b [B,N,H])``, TTT-MLP's ``(W1 [B,N,H,F], b1 [B,N,F],
+        W2 [B,N,F,H], b2 [B,N,H])``.
+      sums: the mini-batch's gradients so far, each times its token's eta (``params``'
+        shapes).
       count: ``[B]`` int32, the mini-batch's tokens so far (0 at a boundary).
     """
 
-    W: jax.Array
-    b: jax.Array
-    dW: jax.Array
-    db: jax.Array
+    params: tuple
+    sums: tuple
     count: jax.Array
 
 
-def ttt_zero_state(B: int, N: int, H: int, W=None, b=None) -> TTTState:
-    """The state of a sequence's start: ``W [N,H,H]`` and ``b [N,H]`` (a layer's learned
-    initial model, the same for every row; zeros if None) at a mini-batch boundary."""
-    W = jnp.zeros((N, H, H)) if W is None else jnp.asarray(W)
-    b = jnp.zeros((N, H)) if b is None else jnp.asarray(b)
-    W, b = (jnp.broadcast_to(x.astype(jnp.float32), (B, *x.shape)) for x in (W, b))
-    return TTTState(W, b, jnp.zeros_like(W), jnp.zeros_like(b), jnp.zeros((B,), jnp.int32))
+def ttt_zero_state(B: int, N: int, H: int, *, mlp: bool = False, hidden: int | None = None,
+                   params=None) -> TTTState:  # fmt: skip
+    """The state of a sequence's start, at a mini-batch boundary: ``params`` (a layer's
+    learned initial model, per head ``[N,...]`` and the same for every row; zeros if None)
+    of TTT-Linear, or of TTT-MLP with ``mlp`` (``hidden`` F, default 4H)."""
+    if params is None:
+        F = 4 * H if hidden is None else hidden
+        shapes = [(N, H, F), (N, F), (N, F, H), (N, H)] if mlp else [(N, H, H), (N, H)]
+        params = tuple(jnp.zeros(s) for s in shapes)
+    params = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, *np.shape(x)))
+                   for x in params)  # fmt: skip
+    sums = tuple(jnp.zeros_like(x) for x in params)
+    return TTTState(params, sums, jnp.zeros((B,), jnp.int32))
 
 
 def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
@@ -97,37 +111,64 @@ def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
     Returns:
       ``out [B,T,N,H]`` in the inputs' dtype (and the state).
     """
-    B, _, N, H = _check(q, k, v, eta, norm_scale, norm_bias, step=False)
-    if form not in TTT_FORMS:
-        fail("form", f"one of {TTT_FORMS}", repr(form))
-    b_size = checks.positive_int(mini_batch, "mini_batch")
-    lr = _position_lr(position_lr, b_size)
-    state = _state(initial_state, B, N, H)
-    heads = [jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v)]  # [B,N,T,H]
-    rates = jnp.moveaxis(eta.astype(jnp.float32), 2, 1)  # [B,N,T]
-    count = jnp.broadcast_to(state.count[:, None], (B, N))
-    # Without a state every row starts at a mini-batch boundary: no room for a shift.
-    static = (form, b_size, initial_state is None)
-    run = functools.partial(_recurrent if form == "recurrent" else _blocked, static=static)
-    per_head = jax.vmap(jax.vmap(run, (0, 0, 0, 0, None, 0, 0, 0)),
-                        (0, 0, 0, 0, None, None, None, 0))  # fmt: skip
-    out, final = per_head(*heads, rates, lr, norm_scale.astype(jnp.float32),
-                          norm_bias.astype(jnp.float32), (*state[:4], count))  # fmt: skip
-    out = jnp.moveaxis(out, 1, 2).astype(jnp.result_type(q, k, v))
-    final = TTTState(*final[:4], final[4][:, 0])
-    return (out, final) if return_state else out
+    return _ttt(False, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
+                initial_state, return_state)  # fmt: skip
+
+
+def ttt_mlp(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
+            mini_batch: int = MINI_BATCH, form: str = "dual", initial_state=None,
+            return_state: bool = False):  # fmt: skip
+    """TTT-MLP over a sequence: ``ttt_linear``'s arguments, the inner model a two-layer MLP
+    (its width F from ``initial_state``; ``ttt_zero_state(..., mlp=True)``'s 4H if None)."""
+    return _ttt(True, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
+                initial_state, return_state)  # fmt: skip
 
 
 def ttt_linear_step(q, k, v, eta, state: TTTState, *, norm_scale, norm_bias, position_lr=None,
                     mini_batch: int = MINI_BATCH):  # fmt: skip
     """One token of ``ttt_linear``: q, k, v ``[B,N,H]``, eta ``[B,N]``; returns
     ``(out [B,N,H], state)`` (the recurrent form on one token)."""
+    return _step(ttt_linear, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batch)
+
+
+def ttt_mlp_step(q, k, v, eta, state: TTTState, *, norm_scale, norm_bias, position_lr=None,
+                 mini_batch: int = MINI_BATCH):  # fmt: skip
+    """One token of ``ttt_mlp`` (as ``ttt_linear_step``)."""
+    return _step(ttt_mlp, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batch)
+
+
+def _step(fn, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batch):
     _check(q, k, v, eta, norm_scale, norm_bias, step=True)
     add = lambda x: x[:, None]  # noqa: E731
-    out, state = ttt_linear(add(q), add(k), add(v), add(eta), norm_scale=norm_scale,
-                            norm_bias=norm_bias, position_lr=position_lr, mini_batch=mini_batch,
-                            form="recurrent", initial_state=state, return_state=True)  # fmt: skip
+    out, state = fn(add(q), add(k), add(v), add(eta), norm_scale=norm_scale,
+                    norm_bias=norm_bias, position_lr=position_lr, mini_batch=mini_batch,
+                    form="recurrent", initial_state=state, return_state=True)  # fmt: skip
     return out[:, 0], state
+
+
+def _ttt(mlp, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
+         initial_state, return_state):  # fmt: skip
+    B, _, N, H = _check(q, k, v, eta, norm_scale, norm_bias, step=False)
+    if form not in TTT_FORMS:
+        fail("form", f"one of {TTT_FORMS}", repr(form))
+    b_size = checks.positive_int(mini_batch, "mini_batch")
+    lr = _position_lr(position_lr, b_size)
+    state = _state(initial_state, B, N, H, mlp)
+    heads = [jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v)]  # [B,N,T,H]
+    rates = jnp.moveaxis(eta.astype(jnp.float32), 2, 1)  # [B,N,T]
+    count = jnp.broadcast_to(state.count[:, None], (B, N))
+    # Without a state every row starts at a mini-batch boundary: no room for a shift.
+    static = (form, b_size, initial_state is None)
+    run = ttt_forms.recurrent if form == "recurrent" else ttt_forms.blocked
+    run = functools.partial(run, static=static)
+    per_head = jax.vmap(jax.vmap(run, (0, 0, 0, 0, None, 0, 0, 0)),
+                        (0, 0, 0, 0, None, None, None, 0))  # fmt: skip
+    out, (params, sums, counts) = per_head(
+        *heads, rates, lr, norm_scale.astype(jnp.float32), norm_bias.astype(jnp.float32),
+        (state.params, state.sums, count),
+    )  # fmt: skip
+    out = jnp.moveaxis(out, 1, 2).astype(jnp.result_type(q, k, v))
+    return (out, TTTState(params, sums, counts[:, 0])) if return_state else out
 
 
 def _check(q, k, v, eta, norm_scale, norm_bias, step: bool):
@@ -155,101 +196,23 @@ def _position_lr(position_lr, b_size: int):
     return jnp.asarray(position_lr, jnp.float32)
 
 
-def _state(state, B: int, N: int, H: int) -> TTTState:
+def _state(state, B: int, N: int, H: int, mlp: bool) -> TTTState:
     if state is None:
-        return ttt_zero_state(B, N, H)
+        return ttt_zero_state(B, N, H, mlp=mlp)
     if not isinstance(state, TTTState):
         fail("initial_state", "a TTTState (ttt_zero_state, or a returned state)",
              type(state).__name__)  # fmt: skip
-    shapes = TTTState((B, N, H, H), (B, N, H), (B, N, H, H), (B, N, H), (B,))
-    for name, x, shape in zip(TTTState._fields, state, shapes, strict=True):
-        if np.shape(x) != shape:
-            fail(f"initial_state.{name}", f"shape {shape}", f"shape {np.shape(x)}")
-    return TTTState(*(x.astype(jnp.float32) for x in state[:4]), state.count.astype(jnp.int32))
-
-
-def _norm(z, scale, bias):
-    """The inner model's LayerNorm over the last axis."""
-    mean = z.mean(-1, keepdims=True)
-    var = jnp.square(z - mean).mean(-1, keepdims=True)
-    return (z - mean) * jax.lax.rsqrt(var + EPS) * scale + bias
-
-
-def _grads(k, v, W, b, scale, bias):
-    """``g [.., H]``: each key's loss gradient w.r.t. ``z = k W + b`` (target ``v - k``)."""
-    z = k @ W + b
-    out, back = jax.vjp(lambda z: _norm(z, scale, bias), z)
-    return back(out - (v - k))[0]
-
-
-def _recurrent(q, k, v, eta, lr, scale, bias, state, *, static):
-    """One row and head, a token at a time: q, k, v ``[T,H]``, eta ``[T]``."""
-    _, b_size, _ = static
-
-    def step(carry, x):
-        W, b, dW, db, count = carry
-        qt, kt, vt, et = x
-        g = _grads(kt, vt, W, b, scale, bias)
-        dW, db = dW + et * jnp.outer(kt, g), db + et * g
-        Wt, bt = W - lr[count] * dW, b - lr[count] * db
-        out = qt + _norm(qt @ Wt + bt, scale, bias)
-        full = count + 1 == b_size  # the mini-batch's last token: its weights are the next start
-        zero = jnp.zeros_like
-        carry = (jnp.where(full, Wt, W), jnp.where(full, bt, b), jnp.where(full, zero(dW), dW),
-                 jnp.where(full, zero(db), db), jnp.where(full, 0, count + 1))  # fmt: skip
-        return carry, out
-
-    final, out = jax.lax.scan(step, tuple(state), (q, k, v, eta))
-    return out, final
-
-
-def _blocked(q, k, v, eta, lr, scale, bias, state, *, static):
-    """One row and head by mini-batches (the dual or the primal form).
-
-    The row's tokens are laid on the mini-batch grid: shifted right by the state's count
-    (the first tokens finish its mini-batch) and padded to whole mini-batches, pads
-    having eta 0 (they change nothing) and outputs dropped.
-    """
-    form, b_size, aligned = static
-    T, H = q.shape
-    count = state[4]
-    L = -(-(T + (0 if aligned else b_size - 1)) // b_size) * b_size  # room for any count
-    idx = jnp.arange(L) - count
-    real = (idx >= 0) & (idx < T)
-
-    def grid(x):
-        x = jnp.where(real.reshape(-1, *([1] * (x.ndim - 1))), x[jnp.clip(idx, 0, T - 1)], 0)
-        return x.reshape(L // b_size, b_size, *x.shape[1:])
-
-    end = count + T  # the grid index past the row's last token
-    last = (end - 1) // b_size  # its mini-batch
-    tril = jnp.tril(jnp.ones((b_size, b_size), jnp.float32))
-
-    def block(carry, xs):
-        W, b, dW0, db0, final = carry
-        Q, K, V, E, m = xs
-        G = _grads(K, V, W, b, scale, bias)  # [b,H]
-        EG = E[:, None] * G
-        dW, db = dW0 + K.T @ EG, db0 + EG.sum(0)
-        if form == "dual":
-            sums_b = db0 + (tril * E) @ G  # [b,H]: row i is sum_{j<=i} eta_j g_j, with the carry
-            qdW = Q @ dW0 + (jnp.tril(Q @ K.T) * E) @ G
-            Z = Q @ W + b - lr[:, None] * (qdW + sums_b)
-        else:
-            Ws = W - lr[:, None, None] * (dW0 + jnp.cumsum(K[:, :, None] * EG[:, None, :], 0))
-            bs = b - lr[:, None] * (db0 + jnp.cumsum(EG, 0))
-            Z = jnp.einsum("ih,ihe->ie", Q, Ws) + bs
-        out = Q + _norm(Z, scale, bias)
-        W1, b1 = W - lr[-1] * dW, b - lr[-1] * db
-        here = m == last  # the row's last mini-batch: its state, whole or part
-        whole = end % b_size == 0
-        kept = (jnp.where(whole, W1, W), jnp.where(whole, b1, b), jnp.where(whole, 0.0, dW),
-                jnp.where(whole, 0.0, db))  # fmt: skip
-        final = jax.tree.map(lambda a, f: jnp.where(here, a, f), kept, final)
-        return (W1, b1, jnp.zeros_like(dW), jnp.zeros_like(db), final), out
-
-    xs = (*(grid(x) for x in (q, k, v, eta)), jnp.arange(L // b_size))
-    init = (*state[:4], tuple(state[:4]))
-    (_, _, _, _, final), out = jax.lax.scan(block, init, xs)
-    out = out.reshape(L, H)[jnp.clip(jnp.arange(T) + count, 0, L - 1)]
-    return out, (*final, end % b_size)
+    if len(state.params) != (4 if mlp else 2) or len(state.sums) != len(state.params):
+        want = "TTT-MLP's 4 arrays (W1, b1, W2, b2)" if mlp else "TTT-Linear's 2 arrays (W, b)"
+        fail("initial_state.params", f"{want}, and sums of the same", f"{len(state.params)}")
+    F = np.shape(state.params[0])[-1] if mlp else H
+    linear = [(B, N, H, H), (B, N, H)]
+    shapes = [(B, N, H, F), (B, N, F), (B, N, F, H), (B, N, H)] if mlp else linear
+    for field in ("params", "sums"):
+        for i, (x, shape) in enumerate(zip(getattr(state, field), shapes, strict=True)):
+            if np.shape(x) != shape:
+                fail(f"initial_state.{field}[{i}]", f"shape {shape}", f"shape {np.shape(x)}")
+    if np.shape(state.count) != (B,):
+        fail("initial_state.count", f"shape ({B},)", f"shape {np.shape(state.count)}")
+    as32 = lambda xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)  # noqa: E731
+    return TTTState(as32(state.params), as32(state.sums), jnp.asarray(state.count, jnp.int32))
