@@ -122,14 +122,18 @@ def run_dir(out_dir: Path, name: str) -> Path:
     return Path(out_dir) / "runs" / name
 
 
-def train_run(config, out_dir: Path, name: str, *, progress: bool = True) -> tuple[dict, Path]:
+def train_run(config, out_dir: Path, name: str, *, progress: bool | None = None
+              ) -> tuple[dict, Path]:  # fmt: skip
     """Trains (or resumes, or finds finished) one run under ``out_dir/runs/name``, with
-    ``train.loop``'s bar (its steps, their rate and the run's time left) unless ``progress``
-    is False; the grids' experiments train in a ``train.pool.Pool`` instead (one bar).
+    ``train.loop``'s bar (its steps, their rate and the run's time left) where ``progress``
+    (None: when stderr is a terminal, so logs and pipes get the results' lines only); the
+    grids' experiments train in a ``train.pool.Pool`` instead (one bar).
 
     Returns ``(summary, workdir)``.
     """
     workdir = run_dir(out_dir, name)
+    if progress is None:
+        progress = sys.stderr.isatty()
     summary = train.loop.train(config, workdir, progress=progress, desc=name)
     return summary, workdir
 
