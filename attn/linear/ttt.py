@@ -99,7 +99,8 @@ def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
     Args:
       q, k, v: ``[B,T,N,H]``.
       eta: ``[B,T,N]`` each token's gradient rate.
-      norm_scale, norm_bias: ``[N,H]`` the inner LayerNorm's.
+      norm_scale, norm_bias: ``[N,H]`` the inner LayerNorm's; both None for a model
+        without one (``f(x) = x + f_res(x)``: the regression view's special case).
       position_lr: ``[mini_batch]`` the rate's factor at each position of a mini-batch;
         None is ``1 / (i + 1)``.
       mini_batch: tokens per mini-batch (the paper's b), a positive int.
@@ -164,7 +165,8 @@ def _ttt(mlp, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form
     per_head = jax.vmap(jax.vmap(run, (0, 0, 0, 0, None, 0, 0, 0)),
                         (0, 0, 0, 0, None, None, None, 0))  # fmt: skip
     out, (params, sums, counts) = per_head(
-        *heads, rates, lr, norm_scale.astype(jnp.float32), norm_bias.astype(jnp.float32),
+        *heads, rates, lr, *(None if x is None else jnp.asarray(x, jnp.float32)
+                             for x in (norm_scale, norm_bias)),
         (state.params, state.sums, count),
     )  # fmt: skip
     out = jnp.moveaxis(out, 1, 2).astype(jnp.result_type(q, k, v))
@@ -182,8 +184,11 @@ def _check(q, k, v, eta, norm_scale, norm_bias, step: bool):
     checks.float_array(eta, "eta", len(lead) + 1, "[B,N]" if step else "[B,T,N]")
     if eta.shape != (*lead, N):
         fail("eta", f"shape {(*lead, N)}", f"shape {eta.shape}")
+    if (norm_scale is None) != (norm_bias is None):
+        fail("norm_scale, norm_bias", "both arrays or both None (no LayerNorm)",
+             f"{type(norm_scale).__name__}, {type(norm_bias).__name__}")  # fmt: skip
     for name, x in (("norm_scale", norm_scale), ("norm_bias", norm_bias)):
-        if np.shape(x) != (N, H):
+        if x is not None and np.shape(x) != (N, H):
             fail(name, f"shape {(N, H)} = [N,H]", f"shape {np.shape(x)}")
     return (lead[0], 1, N, H) if step else (*lead, N, H)
 

@@ -21,7 +21,9 @@ EPS = 1e-6  # the inner LayerNorm's, as the authors'
 
 
 def norm(z, scale, bias):
-    """The inner model's LayerNorm over the last axis."""
+    """The inner model's LayerNorm over the last axis (none where ``scale`` is None)."""
+    if scale is None:
+        return z
     mean = z.mean(-1, keepdims=True)
     var = jnp.square(z - mean).mean(-1, keepdims=True)
     return (z - mean) * jax.lax.rsqrt(var + EPS) * scale + bias

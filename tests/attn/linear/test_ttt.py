@@ -126,6 +126,7 @@ def test_bad_input_is_named():
         (dict(v=v[..., :4]), r"^q, k, v: expected one shape"),
         (dict(eta=eta[:, :, :1]), r"^eta: expected shape \(2, 21, 2\)"),
         (dict(norm_scale=scale[:1]), r"^norm_scale: expected shape \(2, 8\) = \[N,H\]"),
+        (dict(norm_bias=None), r"^norm_scale, norm_bias: expected both arrays or both None"),
         (dict(form="chunkwise"), r"^form: expected one of \('dual', 'primal', 'recurrent'\)"),
         (dict(mini_batch=0), r"^mini_batch: expected a positive int"),
         (dict(position_lr=np.ones(3)), r"^position_lr: expected shape \(16,\) = \[mini_batch\]"),
