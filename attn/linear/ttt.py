@@ -43,7 +43,7 @@ import numpy as np
 
 from attn import checks
 from attn.checks import fail
-from attn.linear import ttt_forms
+from attn.linear import front, ttt_forms
 
 __all__ = [
     "TTT_FORMS",
@@ -174,23 +174,19 @@ def _ttt(mlp, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form
 
 
 def _check(q, k, v, eta, norm_scale, norm_bias, step: bool):
-    layout = "[B,N,H]" if step else "[B,T,N,H]"
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        checks.float_array(x, name, 3 if step else 4, layout)
-    if not q.shape == k.shape == v.shape:
-        fail("q, k, v", f"one shape {layout} (the target is v - k)",
-             f"{q.shape}, {k.shape}, {v.shape}")  # fmt: skip
-    *lead, N, H = q.shape
-    checks.float_array(eta, "eta", len(lead) + 1, "[B,N]" if step else "[B,T,N]")
-    if eta.shape != (*lead, N):
-        fail("eta", f"shape {(*lead, N)}", f"shape {eta.shape}")
+    """The heads as every family checks them (``front.check_heads``), one width and one head
+    count for q, k and v (the target is ``v - k``), and the LayerNorm's ``[N,H]``."""
+    B, T, _, N, H, _ = front.check_heads(q, k, v, step, {"eta": eta})
+    if v.shape != q.shape:
+        fail("v", f"the shape of q and k {tuple(q.shape)} (the target is v - k)",
+             f"shape {tuple(v.shape)}")  # fmt: skip
     if (norm_scale is None) != (norm_bias is None):
         fail("norm_scale, norm_bias", "both arrays or both None (no LayerNorm)",
              f"{type(norm_scale).__name__}, {type(norm_bias).__name__}")  # fmt: skip
     for name, x in (("norm_scale", norm_scale), ("norm_bias", norm_bias)):
         if x is not None and np.shape(x) != (N, H):
             fail(name, f"shape {(N, H)} = [N,H]", f"shape {np.shape(x)}")
-    return (lead[0], 1, N, H) if step else (*lead, N, H)
+    return B, T, N, H
 
 
 def _position_lr(position_lr, b_size: int):

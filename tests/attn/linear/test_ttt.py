@@ -123,8 +123,9 @@ def test_bad_input_is_named():
     kw = dict(norm_scale=scale, norm_bias=bias)
     mlp_state = attn.ttt_zero_state(B, N, H, mlp=True)
     cases = [
-        (dict(v=v[..., :4]), r"^q, k, v: expected one shape"),
-        (dict(eta=eta[:, :, :1]), r"^eta: expected shape \(2, 21, 2\)"),
+        (dict(v=v[..., :4]), r"^v: expected the shape of q and k \(2, 21, 2, 8\)"),
+        (dict(k=k[:, :, :1]), r"^k: expected the shape of q"),
+        (dict(eta=eta[:, :, :1]), r"^eta: expected shape \(2, 21, 2\) = \[B,T,N\]"),
         (dict(norm_scale=scale[:1]), r"^norm_scale: expected shape \(2, 8\) = \[N,H\]"),
         (dict(norm_bias=None), r"^norm_scale, norm_bias: expected both arrays or both None"),
         (dict(form="chunkwise"), r"^form: expected one of \('dual', 'primal', 'recurrent'\)"),
