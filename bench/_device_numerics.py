@@ -91,11 +91,12 @@ def _fixed(pairs, forms, dtype: str, precision: str) -> list[tuple]:
 
 
 def _training(family):
-    return ("chunkwise",)
+    """The form a family trains with: chunkwise, or its first (TTT's dual form)."""
+    return ("chunkwise",) if "chunkwise" in family.forms else family.forms[:1]
 
 
 def _others(family):
-    return tuple(form for form in family.forms if form != "chunkwise")
+    return tuple(form for form in family.forms if form not in _training(family))
 
 
 # (case, form, dtype, precision), most important first: a budget cut drops the tail, so the

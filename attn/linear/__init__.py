@@ -28,13 +28,14 @@ Modules:
 * ``ttt``: TTT-Linear and TTT-MLP (Sun et al. 2024), a model trained at test time
   a mini-batch at a time: ``ttt_linear`` and ``ttt_mlp`` (``TTT_FORMS``: dual,
   primal, recurrent, in ``ttt_forms``), their steps, ``TTTState``,
-  ``ttt_zero_state`` (not yet a record: no segment ids or layer kinds so far, and
-  no sharded form, the state being nonlinear);
+  ``ttt_zero_state`` (records in ``ttt_family``; no sharded form, the state being
+  nonlinear in its past);
 * ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
   once (``check_front``), and the one default ``CHUNK_SIZE``;
 * ``family``: a family as one record (``Family``), the registry of them
   (``FAMILIES``) and the one driver that shards any of them (``sharded``);
 * ``log_linear_family``: the log-linear records (no sharded form);
+* ``ttt_family``: TTT-Linear's and TTT-MLP's records (no sharded form);
 * ``sharded``: the first six records and every family (and ``attn.conv``'s
   short convolution) with the sequence split over a mesh axis:
   ``sharded_linear_attention``, ``sharded_delta_rule``, ``sharded_delta_product``,
@@ -51,7 +52,7 @@ Modules:
 # The names imported ``X as X`` are this package's only, not lifted to ``attn``.
 import importlib
 
-from attn.linear import log_linear_family  # noqa: F401  (adds its records)
+from attn.linear import log_linear_family, ttt_family  # noqa: F401  (add their records)
 from attn.linear.attention import *  # noqa: F403
 from attn.linear.comba import *  # noqa: F403
 from attn.linear.delta import *  # noqa: F403

@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import checks
+from attn import checks, masks
 from attn.checks import fail
-from attn.linear import front, ttt_forms
+from attn.linear import front, segments, ttt_forms
 
 __all__ = [
     "TTT_FORMS",
@@ -82,18 +82,23 @@ def ttt_zero_state(B: int, N: int, H: int, *, mlp: bool = False, hidden: int | N
     learned initial model, per head ``[N,...]`` and the same for every row; zeros if None)
     of TTT-Linear, or of TTT-MLP with ``mlp`` (``hidden`` F, default 4H)."""
     if params is None:
-        F = 4 * H if hidden is None else hidden
-        shapes = [(N, H, F), (N, F), (N, F, H), (N, H)] if mlp else [(N, H, H), (N, H)]
-        params = tuple(jnp.zeros(s) for s in shapes)
+        params = _zero_model(N, H, mlp, hidden)
     params = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, *np.shape(x)))
                    for x in params)  # fmt: skip
     sums = tuple(jnp.zeros_like(x) for x in params)
     return TTTState(params, sums, jnp.zeros((B,), jnp.int32))
 
 
+def _zero_model(N: int, H: int, mlp: bool, hidden: int | None):
+    F = 4 * H if hidden is None else hidden
+    shapes = [(N, H, F), (N, F), (N, F, H), (N, H)] if mlp else [(N, H, H), (N, H)]
+    return tuple(jnp.zeros(s, jnp.float32) for s in shapes)
+
+
 def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
-               mini_batch: int = MINI_BATCH, form: str = "dual", initial_state=None,
-               return_state: bool = False):  # fmt: skip
+               mini_batch: int = MINI_BATCH, form: str = "dual", model=None,
+               initial_state=None, return_state: bool = False, q_segment_ids=None,
+               kv_segment_ids=None):  # fmt: skip
     """TTT-Linear over a sequence (module docstring).
 
     Args:
@@ -105,24 +110,30 @@ def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
         None is ``1 / (i + 1)``.
       mini_batch: tokens per mini-batch (the paper's b), a positive int.
       form: one of ``TTT_FORMS``.
-      initial_state: a ``TTTState`` (``ttt_zero_state``: zeros if None), possibly inside
-        a mini-batch (a previous call's final state).
-      return_state: also return the final ``TTTState``.
+      model: the inner model a sequence starts from, per head: ``(W [N,H,H], b [N,H])``
+        (a layer's learned initial weights; zeros if None). A packed segment restarts
+        from it, and so does a row without ``initial_state``.
+      initial_state: a ``TTTState`` (``ttt_zero_state``), possibly inside a mini-batch
+        (a previous call's final state): the first segment's past.
+      return_state: also return the final ``TTTState`` (the last segment's).
+      q_segment_ids, kv_segment_ids: ``[B,T]`` ints, both or neither, as every
+        fixed-state family takes them (``attn.linear.front.RecurrenceArgs``): a segment
+        starts from ``model`` with its own mini-batch grid; padding (id 0) trains nothing,
+        moves no mini-batch and reads nothing.
 
     Returns:
       ``out [B,T,N,H]`` in the inputs' dtype (and the state).
     """
-    return _ttt(False, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
-                initial_state, return_state)  # fmt: skip
+    return _ttt(False, q, k, v, eta, locals())
 
 
 def ttt_mlp(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
-            mini_batch: int = MINI_BATCH, form: str = "dual", initial_state=None,
-            return_state: bool = False):  # fmt: skip
+            mini_batch: int = MINI_BATCH, form: str = "dual", model=None, initial_state=None,
+            return_state: bool = False, q_segment_ids=None, kv_segment_ids=None):  # fmt: skip
     """TTT-MLP over a sequence: ``ttt_linear``'s arguments, the inner model a two-layer MLP
-    (its width F from ``initial_state``; ``ttt_zero_state(..., mlp=True)``'s 4H if None)."""
-    return _ttt(True, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
-                initial_state, return_state)  # fmt: skip
+    (``model``: ``(W1 [N,H,F], b1 [N,F], W2 [N,F,H], b2 [N,H])``; its width F from
+    ``model`` or ``initial_state``, else 4H)."""
+    return _ttt(True, q, k, v, eta, locals())
 
 
 def ttt_linear_step(q, k, v, eta, state: TTTState, *, norm_scale, norm_bias, position_lr=None,
@@ -147,30 +158,90 @@ def _step(fn, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batc
     return out[:, 0], state
 
 
-def _ttt(mlp, q, k, v, eta, norm_scale, norm_bias, position_lr, mini_batch, form,
-         initial_state, return_state):  # fmt: skip
-    B, _, N, H = _check(q, k, v, eta, norm_scale, norm_bias, step=False)
-    if form not in TTT_FORMS:
-        fail("form", f"one of {TTT_FORMS}", repr(form))
-    b_size = checks.positive_int(mini_batch, "mini_batch")
-    lr = _position_lr(position_lr, b_size)
-    state = _state(initial_state, B, N, H, mlp)
+def _ttt(mlp, q, k, v, eta, a):
+    """The checked call of either model (``a``: the public function's keywords)."""
+    B, T, N, H = _check(q, k, v, eta, a["norm_scale"], a["norm_bias"], step=False)
+    form = front.check_form(a["form"], TTT_FORMS)
+    b_size = checks.positive_int(a["mini_batch"], "mini_batch")
+    lr = _position_lr(a["position_lr"], b_size)
+    q_seg, kv_seg = checks.same_token_segment_ids(a["q_segment_ids"], a["kv_segment_ids"], B, T)
+    given = a["initial_state"]
+    model = _model(a["model"], given, N, H, mlp)
+    state = ttt_zero_state(B, N, H, params=model) if given is None else _state(given, model, B)
+    q = masks.drop_padding(q, q_seg)
+    k, v, eta = (masks.drop_padding(x, kv_seg) for x in (k, v, eta))
     heads = [jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v)]  # [B,N,T,H]
     rates = jnp.moveaxis(eta.astype(jnp.float32), 2, 1)  # [B,N,T]
+    real, start, q_read = _segments(q_seg, kv_seg, B, T)
+    norms = tuple(None if x is None else jnp.asarray(x, jnp.float32)
+                  for x in (a["norm_scale"], a["norm_bias"]))  # fmt: skip
     count = jnp.broadcast_to(state.count[:, None], (B, N))
-    # Without a state every row starts at a mini-batch boundary: no room for a shift.
-    static = (form, b_size, initial_state is None)
-    run = ttt_forms.recurrent if form == "recurrent" else ttt_forms.blocked
-    run = functools.partial(run, static=static)
-    per_head = jax.vmap(jax.vmap(run, (0, 0, 0, 0, None, 0, 0, 0)),
-                        (0, 0, 0, 0, None, None, None, 0))  # fmt: skip
-    out, (params, sums, counts) = per_head(
-        *heads, rates, lr, *(None if x is None else jnp.asarray(x, jnp.float32)
-                             for x in (norm_scale, norm_bias)),
-        (state.params, state.sums, count),
-    )  # fmt: skip
-    out = jnp.moveaxis(out, 1, 2).astype(jnp.result_type(q, k, v))
-    return (out, TTTState(params, sums, counts[:, 0])) if return_state else out
+
+    def run(fn, static, layout):
+        per_head = jax.vmap(jax.vmap(functools.partial(fn, static=static),
+                                     (0, 0, 0, 0, None, 0, 0, 0, 0, None)),
+                            (0, 0, 0, 0, None, None, None, 0, None, 0))  # fmt: skip
+        return per_head(*heads, rates, lr, *norms, (state.params, state.sums, count), model,
+                        layout)  # fmt: skip
+
+    recurrent = functools.partial(run, ttt_forms.recurrent, (form, b_size), (real, start))
+    if form == "recurrent":
+        out, final = recurrent()
+    else:
+        # Room for a count's shift (none without a state), and, with segment ids, for a
+        # few segments' partial last mini-batches; rows that need more run token by token.
+        extra = 0 if q_seg is None else -(-T // (4 * b_size))
+        L = (-(-(T + (0 if given is None else b_size - 1)) // b_size) + extra) * b_size
+        layout, fits = _grid(real, start, state.count, b_size, L)
+        blocked = functools.partial(run, ttt_forms.blocked, (form, b_size, L), layout)
+        out, final = blocked() if q_seg is None else jax.lax.cond(fits, blocked, recurrent)
+    out = jnp.moveaxis(out, 1, 2)
+    if q_read is not None:
+        out = jnp.where(q_read[:, :, None, None], out, 0.0)
+    out = out.astype(front.out_dtype(q, k, v))
+    params, sums, counts = final
+    return front.returned(out, TTTState(params, sums, counts[:, 0]), a["return_state"])
+
+
+def _segments(q_seg, kv_seg, B: int, T: int):
+    """``(real, start, q_read)`` ``[B,T]`` bools (``q_read`` None without ids): the tokens
+    that train the model, the first tokens of segments after a row's first, and the
+    queries that read (``attn.linear.segments.causal``'s rules, which every family's)."""
+    if kv_seg is None:
+        return jnp.ones((B, T), bool), jnp.zeros((B, T), bool), None
+    rules = segments.causal(q_seg, kv_seg, None, 1)
+    return rules.key_real, jnp.isneginf(rules.log_a[..., 0]), rules.q_read
+
+
+def _grid(real, start, count, b_size: int, L: int):
+    """Where each token sits on the blocked forms' grid of L slots: ``((slot [B,T], reset
+    [B,L/b], end [B]), fits)``.
+
+    A row's segments follow each other in whole blocks of ``b_size`` slots: segment s
+    takes ``ceil((offset_s + length_s) / b)`` blocks, its tokens (padding left out) at
+    ``offset_s`` on, the first segment's offset the state's count, the others' 0. A block
+    that begins a segment after the first restarts the model (``reset``); ``end`` is the
+    slot past the row's last token (the count, without one). ``fits``: every row's tokens
+    are within the L slots.
+    """
+    T = real.shape[1]
+
+    def row(real, start, count):
+        seg = jnp.cumsum(start)  # the token's segment in the row
+        before = jnp.cumsum(real) - real  # real tokens before it
+        at = lambda x: jnp.zeros(T, jnp.int32).at[seg].add(x)  # noqa: E731  per segment
+        base, length = at(jnp.where(start, before, 0)), at(real.astype(jnp.int32))
+        offset = jnp.where(jnp.arange(T) == 0, count, 0)
+        blocks = (offset + length + b_size - 1) // b_size
+        first = b_size * (jnp.cumsum(blocks) - blocks)  # the slot each segment starts at
+        slot = jnp.where(real, first[seg] + offset[seg] + before - base[seg], L)
+        end = jnp.where(real.any(), jnp.max(jnp.where(real, slot, -1)) + 1, count)
+        begins = jnp.where((jnp.arange(T) > 0) & (length > 0), first // b_size, L)
+        reset = jnp.zeros(L // b_size, bool).at[begins].set(True, mode="drop")
+        return (slot, reset, end), end <= L
+
+    layout, fits = jax.vmap(row)(real, start, count)
+    return layout, fits.all()
 
 
 def _check(q, k, v, eta, norm_scale, norm_bias, step: bool):
@@ -197,22 +268,40 @@ def _position_lr(position_lr, b_size: int):
     return jnp.asarray(position_lr, jnp.float32)
 
 
-def _state(state, B: int, N: int, H: int, mlp: bool) -> TTTState:
-    if state is None:
-        return ttt_zero_state(B, N, H, mlp=mlp)
-    if not isinstance(state, TTTState):
-        fail("initial_state", "a TTTState (ttt_zero_state, or a returned state)",
-             type(state).__name__)  # fmt: skip
-    if len(state.params) != (4 if mlp else 2) or len(state.sums) != len(state.params):
-        want = "TTT-MLP's 4 arrays (W1, b1, W2, b2)" if mlp else "TTT-Linear's 2 arrays (W, b)"
-        fail("initial_state.params", f"{want}, and sums of the same", f"{len(state.params)}")
-    F = np.shape(state.params[0])[-1] if mlp else H
-    linear = [(B, N, H, H), (B, N, H)]
-    shapes = [(B, N, H, F), (B, N, F), (B, N, F, H), (B, N, H)] if mlp else linear
+def _model(model, state, N: int, H: int, mlp: bool):
+    """The per-head model ``[N,...]`` float32 segments restart from: ``model`` checked, or
+    zeros of the state's width (TTT-MLP's F: the state's, else 4H)."""
+    want = "TTT-MLP's 4 arrays (W1, b1, W2, b2)" if mlp else "TTT-Linear's 2 arrays (W, b)"
+    for name, x in (("model", model), ("initial_state", state)):
+        if x is None:
+            continue
+        arrays = x.params if name == "initial_state" and isinstance(x, TTTState) else x
+        if not isinstance(arrays, tuple | list) or len(arrays) != (4 if mlp else 2):
+            field = "initial_state.params" if name == "initial_state" else name
+            if name == "initial_state" and not isinstance(x, TTTState):
+                fail(name, "a TTTState (ttt_zero_state, or a returned state)", type(x).__name__)
+            fail(field, want, f"{type(arrays).__name__} of {len(arrays)}")
+    hidden = None
+    if mlp and model is not None:
+        hidden = np.shape(model[0])[-1]
+    elif mlp and state is not None:
+        hidden = np.shape(state.params[0])[-1]
+    zero = _zero_model(N, H, mlp, hidden)
+    if model is None:
+        return zero
+    for i, (x, z) in enumerate(zip(model, zero, strict=True)):
+        front.check_state(x, f"model[{i}]", z.shape, "[N,...] (per head)")
+    return tuple(jnp.asarray(x, jnp.float32) for x in model)
+
+
+def _state(state: TTTState, model, B: int) -> TTTState:
+    """``state`` checked against the model's shapes (per row), in float32."""
     for field in ("params", "sums"):
-        for i, (x, shape) in enumerate(zip(getattr(state, field), shapes, strict=True)):
-            if np.shape(x) != shape:
-                fail(f"initial_state.{field}[{i}]", f"shape {shape}", f"shape {np.shape(x)}")
+        arrays = getattr(state, field)
+        if len(arrays) != len(model):
+            fail(f"initial_state.{field}", f"{len(model)} arrays, as params", len(arrays))
+        for i, (x, m) in enumerate(zip(arrays, model, strict=True)):
+            front.check_state(x, f"initial_state.{field}[{i}]", (B, *m.shape), "[B,N,...]")
     if np.shape(state.count) != (B,):
         fail("initial_state.count", f"shape ({B},)", f"shape {np.shape(state.count)}")
     as32 = lambda xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)  # noqa: E731

@@ -8,8 +8,9 @@ model is ``f(x) = x + LN(f_res(x))``; a token's loss
 mini-batch's gradients, each times its token's rate.
 
 Every form takes q, k, v ``[T,H]``, eta ``[T]``, the per-position rates ``lr [b]``,
-the LayerNorm's ``scale``, ``bias [H]`` and the state ``(params, sums, count)``, and
-returns ``(out [T,H], (params, sums, count))``.
+the LayerNorm's ``scale``, ``bias [H]``, the state ``(params, sums, count)``, the
+model a segment restarts from and the row's segments as the form reads them
+(``layout``), and returns ``(out [T,H], (params, sums, count))``.
 """
 
 from __future__ import annotations
@@ -47,13 +48,20 @@ def token_grads(params, k, v, scale, bias):
     return jax.grad(loss)(params)
 
 
-def recurrent(q, k, v, eta, lr, scale, bias, state, *, static):
-    """A token at a time: its gradient at the mini-batch's start, the sums, its read."""
-    _, b_size, _ = static
+def recurrent(q, k, v, eta, lr, scale, bias, state, model, layout, *, static):
+    """A token at a time: its gradient at the mini-batch's start, the sums, its read.
+
+    ``layout``: ``(real [T], start [T])`` bools: a padding token changes nothing, a
+    segment's first token restarts from ``model`` (zero sums, count 0).
+    """
+    b_size = static[1]
+    real, start = layout
 
     def step(carry, x):
-        params, sums, count = carry
-        qt, kt, vt, et = x
+        qt, kt, vt, et, is_real, is_start = x
+        params, sums, count = jax.tree.map(
+            lambda m, c: jnp.where(is_start, m, c), (model, zeros(model), 0), carry
+        )
         grads = token_grads(params, kt, vt, scale, bias)
         sums = jax.tree.map(lambda s, g: s + et * g, sums, grads)
         now = jax.tree.map(lambda p, s: p - lr[count] * s, params, sums)
@@ -61,48 +69,53 @@ def recurrent(q, k, v, eta, lr, scale, bias, state, *, static):
         full = count + 1 == b_size  # the mini-batch's last token: its weights start the next
         params = jax.tree.map(lambda p, n: jnp.where(full, n, p), params, now)
         sums = jax.tree.map(lambda s: jnp.where(full, 0.0, s), sums)
-        return (params, sums, jnp.where(full, 0, count + 1)), out
+        new = (params, sums, jnp.where(full, 0, count + 1))
+        return jax.tree.map(lambda n, c: jnp.where(is_real, n, c), new, carry), out
 
-    final, out = jax.lax.scan(step, state, (q, k, v, eta))
+    final, out = jax.lax.scan(step, state, (q, k, v, eta, real, start))
     return out, final
 
 
-def blocked(q, k, v, eta, lr, scale, bias, state, *, static):
+def zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def blocked(q, k, v, eta, lr, scale, bias, state, model, layout, *, static):
     """By mini-batches: the dual form, or the primal one (every position's weights formed).
 
-    The row's tokens are laid on the mini-batch grid: shifted right by the state's count
-    (the first tokens finish its mini-batch) and padded to whole mini-batches, pads
-    having eta 0 (they change nothing) and outputs dropped.
+    ``layout``: ``(slot [T], reset [L/b], end)`` (``attn.linear.ttt``'s ``_grid``): the
+    row's tokens are laid on a grid of L slots where every segment's mini-batches are whole
+    blocks of the grid (the first segment's shifted by the state's count), padding off the
+    grid; a block that begins a segment restarts from ``model``; ``end`` is the slot past
+    the row's last token. Empty slots have eta 0: they change nothing, and are not read.
     """
-    form, b_size, aligned = static
-    T, H = q.shape
-    params, sums, count = state
-    L = -(-(T + (0 if aligned else b_size - 1)) // b_size) * b_size  # room for any count
-    idx = jnp.arange(L) - count
-    real = (idx >= 0) & (idx < T)
+    form, b_size, L = static
+    H = q.shape[-1]
+    slot, reset, end = layout
 
     def grid(x):
-        x = jnp.where(real.reshape(-1, *([1] * (x.ndim - 1))), x[jnp.clip(idx, 0, T - 1)], 0)
+        x = jnp.zeros((L, *x.shape[1:]), x.dtype).at[slot].set(x, mode="drop")
         return x.reshape(L // b_size, b_size, *x.shape[1:])
 
-    end = count + T  # the grid index past the row's last token
     last, whole = (end - 1) // b_size, end % b_size == 0
     read = _dual if form == "dual" else _primal
 
     def block(carry, xs):
-        params, carried, final = carry
-        Q, K, V, E, m = xs
+        Q, K, V, E, m, restart = xs
+        params, carried = jax.tree.map(lambda a, c: jnp.where(restart, a, c),
+                                       (model, zeros(model)), carry[:2])  # fmt: skip
         out, total = read(params, carried, Q, K, V, E, lr, scale, bias)
         start = jax.tree.map(lambda p, s: p - lr[-1] * s, params, total)
         # The row's last mini-batch leaves the state: its end if whole, else its start and sums.
         kept = (jax.tree.map(lambda a, b: jnp.where(whole, a, b), start, params),
                 jax.tree.map(lambda s: jnp.where(whole, 0.0, s), total))  # fmt: skip
-        final = jax.tree.map(lambda a, f: jnp.where(m == last, a, f), kept, final)
-        return (start, jax.tree.map(jnp.zeros_like, total), final), out
+        final = jax.tree.map(lambda a, f: jnp.where(m == last, a, f), kept, carry[2])
+        return (start, zeros(total), final), out
 
-    xs = (*(grid(x) for x in (q, k, v, eta)), jnp.arange(L // b_size))
+    params, sums, _ = state
+    xs = (*(grid(x) for x in (q, k, v, eta)), jnp.arange(L // b_size), reset)
     (_, _, final), out = jax.lax.scan(block, (params, sums, (params, sums)), xs)
-    out = out.reshape(L, H)[jnp.clip(jnp.arange(T) + count, 0, L - 1)]
+    out = out.reshape(L, H)[jnp.minimum(slot, L - 1)]
     return out, (*final, end % b_size)
 
 

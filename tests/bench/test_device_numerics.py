@@ -33,7 +33,10 @@ def test_items_cover_every_family_and_form_most_important_first():
     assert {n for n, _ in numerics.FIXED} == records >= {"comba", "log_linear_delta_rule"}
     first = device[5 : 5 + len(numerics.FIXED)]
     assert [item["case"] for item in first] == [f"{n}/{v}" for n, v in numerics.FIXED]
-    assert {item["form"] for item in first} == {"chunkwise"}
+    assert [item["form"] for item in first] == [
+        "chunkwise" if "chunkwise" in attn.linear.FAMILIES[n].forms else "dual"  # TTT's
+        for n, _ in numerics.FIXED
+    ]
     tf32 = [i for i, item in enumerate(device) if item["precision"] == "default"
             and item["dtype"] == "float32"]  # fmt: skip
     assert min(tf32) == len(device) - len(tf32)
@@ -45,7 +48,7 @@ def test_items_cover_every_family_and_form_most_important_first():
     assert not [
         item for item in dry if item["precision"] == "default" and item["dtype"] == "float32"
     ]
-    assert len(dry) < len(device) <= 70
+    assert len(dry) < len(device) <= 80  # a budget cut drops the tail
     assert {"parallel", "recurrent", "chunkwise", "quadratic", "gather", "paged"} <= {
         item["form"] for item in dry
     }

@@ -139,3 +139,51 @@ def test_bad_input_is_named():
         args = dict(q=q, k=k, v=v, eta=eta, **kw) | change
         with pytest.raises(ValueError, match=message):
             attn.ttt_linear(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("eta"), **args)
+
+
+# Packing and padding: a segment is a sequence of its own, restarting from the model with
+# its own mini-batch grid; the first continues the initial state; padding is nowhere.
+PACKED = {
+    "fits": [[1] * 5 + [0] * 2 + [2] * 14, [3] * 10 + [4] * 9 + [0] * 2],
+    # Eight short segments need more blocks than the grid has: the rows run token by token.
+    "short": [[1, 1, 2, 2, 3, 0, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 8, 8, 8, 8], [1] * 21],
+}
+
+
+@pytest.mark.parametrize("model", ["linear", "mlp"])
+@pytest.mark.parametrize("layout", sorted(PACKED))
+def test_packed_segments_equal_each_alone_and_padding_is_nowhere(model, layout):
+    q, k, v, eta, scale, bias, lr, params, sums = make_inputs(4, model)
+    ids = np.asarray(PACKED[layout], np.int32)
+    pad = ids == 0
+    for x in (q, k, v):
+        x[pad] = np.nan  # padding holds anything
+    eta[pad] = np.nan
+    inner = tuple(p[0] for p in params)  # the model segments restart from, per head
+    state = attn.TTTState(tuple(params), tuple(sums), jnp.asarray(COUNTS, jnp.int32))
+    run = FNS[model][0]
+    kw = dict(norm_scale=scale, norm_bias=bias, position_lr=lr, mini_batch=MB, model=inner)
+    for form in ("dual", "primal", "recurrent"):
+        out, final = run(q, k, v, eta, form=form, initial_state=state, return_state=True,
+                         q_segment_ids=ids, kv_segment_ids=ids, **kw)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(out)[pad], 0.0)
+        for row in range(B):
+            real = np.flatnonzero(~pad[row])
+            for n, seg in enumerate(dict.fromkeys(ids[row][real])):
+                at = np.flatnonzero(ids[row] == seg)
+                first = jax.tree.map(lambda x, r=row: x[r : r + 1], state)
+                alone, end = run(*(x[row : row + 1, at] for x in (q, k, v, eta)), form=form,
+                                 initial_state=first if n == 0 else None, return_state=True,
+                                 **kw)  # fmt: skip
+                assert rel_err(out[row, at], alone[0]) <= RTOL, (form, row, seg)
+            for got, want in zip(jax.tree.leaves(final), jax.tree.leaves(end), strict=True):
+                np.testing.assert_allclose(got[row], want[0], rtol=RTOL, atol=1e-6)
+
+    def loss(q, k, v, eta):
+        out = run(q, k, v, eta, q_segment_ids=ids, kv_segment_ids=ids, **kw)
+        return jnp.sum(out * (1.0 + jnp.arange(H)))
+
+    grads = jax.grad(loss, argnums=range(4))(q, k, v, eta)
+    for g in grads:  # NaN in padding reaches no gradient, and padding has none
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_array_equal(np.asarray(g)[pad], 0.0)
