@@ -107,6 +107,7 @@ from models.sparse import (
 )
 from models.taps import capture_weights, head_gates, head_importance, set_head_gates
 from models.transformer import Decoder, Encoder, EncoderDecoder, packed_positions
+from models.ttt import TTTAttention, TTTConfig
 
 __all__ = [
     "KINDS",
@@ -149,6 +150,8 @@ __all__ = [
     "Rwkv7Config",
     "SelfAttention",
     "SoftmaxConfig",
+    "TTTAttention",
+    "TTTConfig",
     "attention_kind",
     "cache_bytes",
     "capture_weights",

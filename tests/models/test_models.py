@@ -196,6 +196,7 @@ PACKED = [
     ("ssm_hybrid", KINDS["ssm_hybrid"]),  # Mamba-2, DeltaProduct
     ("sparse", KINDS["sparse"]),  # MoBA, NSA, DSA: blocks restart with each sequence
     ("families2025", KINDS["families2025"]),  # PaTH, RWKV-7, log-linear: restart per segment
+    ("ttt", KINDS["ttt"]),  # the inner model restarts, on its own mini-batch grid
 ]
 
 

@@ -46,7 +46,7 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 def test_builtin_kinds_are_registered_like_any_other():
     want = ["comba", "delta", "diff", "dsa", "linear", "log_linear_gated_deltanet",
             "log_linear_mamba2", "mamba2", "mla", "moba", "nsa", "path", "rwkv7", "sigmoid",
-            "softmax", "softpick"]  # fmt: skip
+            "softmax", "softpick", "ttt_linear", "ttt_mlp"]  # fmt: skip
     assert sorted(models.KINDS) == want
     assert (
         models.KINDS["moba"].family == "sparse" and models.KINDS["dsa"].config is models.DSAConfig
@@ -57,6 +57,9 @@ def test_builtin_kinds_are_registered_like_any_other():
     assert models.KINDS["softmax"].module is models.SelfAttention
     assert models.KINDS["linear"].family == "linear" and models.KINDS["mla"].family == "softmax"
     assert models.KINDS.origin("mla") == "models.latent.LatentAttention"
+    # Two kinds of one module and config; TTT's state admits no sequence split, and says why.
+    assert models.KINDS["ttt_mlp"].config is models.KINDS["ttt_linear"].config is models.TTTConfig
+    assert "no transition" in models.KINDS["ttt_linear"].sequence_parallel
 
 
 def test_delta_config_refuses_what_its_layer_cannot_take():
