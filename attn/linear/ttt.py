@@ -34,16 +34,14 @@ sequence's spans cannot exchange transitions).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn import checks, masks
 from attn.checks import fail
-from attn.linear import front, segments, ttt_forms
+from attn.linear import front, inner, ttt_forms
 
 __all__ = [
     "TTT_FORMS",
@@ -82,17 +80,11 @@ def ttt_zero_state(B: int, N: int, H: int, *, mlp: bool = False, hidden: int | N
     learned initial model, per head ``[N,...]`` and the same for every row; zeros if None)
     of TTT-Linear, or of TTT-MLP with ``mlp`` (``hidden`` F, default 4H)."""
     if params is None:
-        params = _zero_model(N, H, mlp, hidden)
+        params = inner.zero_model("mlp" if mlp else "linear", N, H, hidden)
     params = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.float32), (B, *np.shape(x)))
                    for x in params)  # fmt: skip
     sums = tuple(jnp.zeros_like(x) for x in params)
     return TTTState(params, sums, jnp.zeros((B,), jnp.int32))
-
-
-def _zero_model(N: int, H: int, mlp: bool, hidden: int | None):
-    F = 4 * H if hidden is None else hidden
-    shapes = [(N, H, F), (N, F), (N, F, H), (N, H)] if mlp else [(N, H, H), (N, H)]
-    return tuple(jnp.zeros(s, jnp.float32) for s in shapes)
 
 
 def ttt_linear(q, k, v, eta, *, norm_scale, norm_bias, position_lr=None,
@@ -150,7 +142,7 @@ def ttt_mlp_step(q, k, v, eta, state: TTTState, *, norm_scale, norm_bias, positi
 
 
 def _step(fn, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batch):
-    _check(q, k, v, eta, norm_scale, norm_bias, step=True)
+    inner.check_heads(q, k, v, {"eta": eta}, norm_scale, norm_bias, step=True)
     add = lambda x: x[:, None]  # noqa: E731
     out, state = fn(add(q), add(k), add(v), add(eta), norm_scale=norm_scale,
                     norm_bias=norm_bias, position_lr=position_lr, mini_batch=mini_batch,
@@ -160,104 +152,28 @@ def _step(fn, q, k, v, eta, state, norm_scale, norm_bias, position_lr, mini_batc
 
 def _ttt(mlp, q, k, v, eta, a):
     """The checked call of either model (``a``: the public function's keywords)."""
-    B, T, N, H = _check(q, k, v, eta, a["norm_scale"], a["norm_bias"], step=False)
-    form = front.check_form(a["form"], TTT_FORMS)
-    b_size = checks.positive_int(a["mini_batch"], "mini_batch")
+    norms = (a["norm_scale"], a["norm_bias"])
+    B, T, N, H = inner.check_heads(q, k, v, {"eta": eta}, *norms, step=False)
+    form, b_size, q_seg, kv_seg = inner.check_options(
+        a["form"], TTT_FORMS, a["mini_batch"], a["q_segment_ids"], a["kv_segment_ids"], B, T
+    )
     lr = _position_lr(a["position_lr"], b_size)
-    q_seg, kv_seg = checks.same_token_segment_ids(a["q_segment_ids"], a["kv_segment_ids"], B, T)
     given = a["initial_state"]
-    model = _model(a["model"], given, N, H, mlp)
-    state = ttt_zero_state(B, N, H, params=model) if given is None else _state(given, model, B)
-    q = masks.drop_padding(q, q_seg)
-    k, v, eta = (masks.drop_padding(x, kv_seg) for x in (k, v, eta))
-    heads = [jnp.moveaxis(x.astype(jnp.float32), 2, 1) for x in (q, k, v)]  # [B,N,T,H]
-    rates = jnp.moveaxis(eta.astype(jnp.float32), 2, 1)  # [B,N,T]
-    real, start, q_read = _segments(q_seg, kv_seg, B, T)
-    norms = tuple(None if x is None else jnp.asarray(x, jnp.float32)
-                  for x in (a["norm_scale"], a["norm_bias"]))  # fmt: skip
-    count = jnp.broadcast_to(state.count[:, None], (B, N))
-
-    def run(fn, static, layout):
-        per_head = jax.vmap(jax.vmap(functools.partial(fn, static=static),
-                                     (0, 0, 0, 0, None, 0, 0, 0, 0, None)),
-                            (0, 0, 0, 0, None, None, None, 0, None, 0))  # fmt: skip
-        return per_head(*heads, rates, lr, *norms, (state.params, state.sums, count), model,
-                        layout)  # fmt: skip
-
-    recurrent = functools.partial(run, ttt_forms.recurrent, (form, b_size), (real, start))
-    if form == "recurrent":
-        out, final = recurrent()
+    if given is not None and not isinstance(given, TTTState):
+        fail("initial_state", "a TTTState (ttt_zero_state, or a returned state)",
+             type(given).__name__)  # fmt: skip
+    memory = "mlp" if mlp else "linear"
+    model = inner.check_model(a["model"], None if given is None else given.params, memory, N, H)
+    if given is None:
+        state = ttt_zero_state(B, N, H, params=model)
+        trees, count = (state.params, state.sums), state.count
     else:
-        # Room for a count's shift (none without a state), and, with segment ids, for a
-        # few segments' partial last mini-batches; rows that need more run token by token.
-        extra = 0 if q_seg is None else -(-T // (4 * b_size))
-        L = (-(-(T + (0 if given is None else b_size - 1)) // b_size) + extra) * b_size
-        layout, fits = _grid(real, start, state.count, b_size, L)
-        blocked = functools.partial(run, ttt_forms.blocked, (form, b_size, L), layout)
-        out, final = blocked() if q_seg is None else jax.lax.cond(fits, blocked, recurrent)
-    out = jnp.moveaxis(out, 1, 2)
-    if q_read is not None:
-        out = jnp.where(q_read[:, :, None, None], out, 0.0)
+        trees, count = inner.check_trees(given, ("params", "sums"), model, B)
+    out, ((params, sums), count) = inner.run(
+        ttt_forms.TTT, q, k, v, eta[..., None], lr, norms, trees, count, model, form=form,
+        b_size=b_size, aligned=given is None, q_seg=q_seg, kv_seg=kv_seg)  # fmt: skip
     out = out.astype(front.out_dtype(q, k, v))
-    params, sums, counts = final
-    return front.returned(out, TTTState(params, sums, counts[:, 0]), a["return_state"])
-
-
-def _segments(q_seg, kv_seg, B: int, T: int):
-    """``(real, start, q_read)`` ``[B,T]`` bools (``q_read`` None without ids): the tokens
-    that train the model, the first tokens of segments after a row's first, and the
-    queries that read (``attn.linear.segments.causal``'s rules, which every family's)."""
-    if kv_seg is None:
-        return jnp.ones((B, T), bool), jnp.zeros((B, T), bool), None
-    rules = segments.causal(q_seg, kv_seg, None, 1)
-    return rules.key_real, jnp.isneginf(rules.log_a[..., 0]), rules.q_read
-
-
-def _grid(real, start, count, b_size: int, L: int):
-    """Where each token sits on the blocked forms' grid of L slots: ``((slot [B,T], reset
-    [B,L/b], end [B]), fits)``.
-
-    A row's segments follow each other in whole blocks of ``b_size`` slots: segment s
-    takes ``ceil((offset_s + length_s) / b)`` blocks, its tokens (padding left out) at
-    ``offset_s`` on, the first segment's offset the state's count, the others' 0. A block
-    that begins a segment after the first restarts the model (``reset``); ``end`` is the
-    slot past the row's last token (the count, without one). ``fits``: every row's tokens
-    are within the L slots.
-    """
-    T = real.shape[1]
-
-    def row(real, start, count):
-        seg = jnp.cumsum(start)  # the token's segment in the row
-        before = jnp.cumsum(real) - real  # real tokens before it
-        at = lambda x: jnp.zeros(T, jnp.int32).at[seg].add(x)  # noqa: E731  per segment
-        base, length = at(jnp.where(start, before, 0)), at(real.astype(jnp.int32))
-        offset = jnp.where(jnp.arange(T) == 0, count, 0)
-        blocks = (offset + length + b_size - 1) // b_size
-        first = b_size * (jnp.cumsum(blocks) - blocks)  # the slot each segment starts at
-        slot = jnp.where(real, first[seg] + offset[seg] + before - base[seg], L)
-        end = jnp.where(real.any(), jnp.max(jnp.where(real, slot, -1)) + 1, count)
-        begins = jnp.where((jnp.arange(T) > 0) & (length > 0), first // b_size, L)
-        reset = jnp.zeros(L // b_size, bool).at[begins].set(True, mode="drop")
-        return (slot, reset, end), end <= L
-
-    layout, fits = jax.vmap(row)(real, start, count)
-    return layout, fits.all()
-
-
-def _check(q, k, v, eta, norm_scale, norm_bias, step: bool):
-    """The heads as every family checks them (``front.check_heads``), one width and one head
-    count for q, k and v (the target is ``v - k``), and the LayerNorm's ``[N,H]``."""
-    B, T, _, N, H, _ = front.check_heads(q, k, v, step, {"eta": eta})
-    if v.shape != q.shape:
-        fail("v", f"the shape of q and k {tuple(q.shape)} (the target is v - k)",
-             f"shape {tuple(v.shape)}")  # fmt: skip
-    if (norm_scale is None) != (norm_bias is None):
-        fail("norm_scale, norm_bias", "both arrays or both None (no LayerNorm)",
-             f"{type(norm_scale).__name__}, {type(norm_bias).__name__}")  # fmt: skip
-    for name, x in (("norm_scale", norm_scale), ("norm_bias", norm_bias)):
-        if x is not None and np.shape(x) != (N, H):
-            fail(name, f"shape {(N, H)} = [N,H]", f"shape {np.shape(x)}")
-    return B, T, N, H
+    return front.returned(out, TTTState(params, sums, count), a["return_state"])
 
 
 def _position_lr(position_lr, b_size: int):
@@ -266,43 +182,3 @@ def _position_lr(position_lr, b_size: int):
     if np.shape(position_lr) != (b_size,):
         fail("position_lr", f"shape ({b_size},) = [mini_batch]", f"shape {np.shape(position_lr)}")
     return jnp.asarray(position_lr, jnp.float32)
-
-
-def _model(model, state, N: int, H: int, mlp: bool):
-    """The per-head model ``[N,...]`` float32 segments restart from: ``model`` checked, or
-    zeros of the state's width (TTT-MLP's F: the state's, else 4H)."""
-    want = "TTT-MLP's 4 arrays (W1, b1, W2, b2)" if mlp else "TTT-Linear's 2 arrays (W, b)"
-    for name, x in (("model", model), ("initial_state", state)):
-        if x is None:
-            continue
-        arrays = x.params if name == "initial_state" and isinstance(x, TTTState) else x
-        if not isinstance(arrays, tuple | list) or len(arrays) != (4 if mlp else 2):
-            field = "initial_state.params" if name == "initial_state" else name
-            if name == "initial_state" and not isinstance(x, TTTState):
-                fail(name, "a TTTState (ttt_zero_state, or a returned state)", type(x).__name__)
-            fail(field, want, f"{type(arrays).__name__} of {len(arrays)}")
-    hidden = None
-    if mlp and model is not None:
-        hidden = np.shape(model[0])[-1]
-    elif mlp and state is not None:
-        hidden = np.shape(state.params[0])[-1]
-    zero = _zero_model(N, H, mlp, hidden)
-    if model is None:
-        return zero
-    for i, (x, z) in enumerate(zip(model, zero, strict=True)):
-        front.check_state(x, f"model[{i}]", z.shape, "[N,...] (per head)")
-    return tuple(jnp.asarray(x, jnp.float32) for x in model)
-
-
-def _state(state: TTTState, model, B: int) -> TTTState:
-    """``state`` checked against the model's shapes (per row), in float32."""
-    for field in ("params", "sums"):
-        arrays = getattr(state, field)
-        if len(arrays) != len(model):
-            fail(f"initial_state.{field}", f"{len(model)} arrays, as params", len(arrays))
-        for i, (x, m) in enumerate(zip(arrays, model, strict=True)):
-            front.check_state(x, f"initial_state.{field}[{i}]", (B, *m.shape), "[B,N,...]")
-    if np.shape(state.count) != (B,):
-        fail("initial_state.count", f"shape ({B},)", f"shape {np.shape(state.count)}")
-    as32 = lambda xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)  # noqa: E731
-    return TTTState(as32(state.params), as32(state.sums), jnp.asarray(state.count, jnp.int32))
