@@ -133,7 +133,7 @@ def test_bad_input_is_named():
         (dict(position_lr=np.ones(3)), r"^position_lr: expected shape \(16,\) = \[mini_batch\]"),
         (dict(initial_state=np.zeros(3)), r"^initial_state: expected a TTTState"),
         (dict(initial_state=attn.ttt_zero_state(1, N, H)), r"^initial_state.params\[0\]: expected"),
-        (dict(initial_state=mlp_state), r"^initial_state.params: expected 2 arrays \(W, b\), got tuple of 4"),
+        (dict(initial_state=mlp_state), r"^initial_state.params: expected 2 arrays \(W, b\)"),
     ]
     for change, message in cases:
         args = dict(q=q, k=k, v=v, eta=eta, **kw) | change
