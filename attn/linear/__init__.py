@@ -27,15 +27,20 @@ Modules:
   ``delta_product``, ``delta_product_step``;
 * ``ttt``: TTT-Linear and TTT-MLP (Sun et al. 2024), a model trained at test time
   a mini-batch at a time: ``ttt_linear`` and ``ttt_mlp`` (``TTT_FORMS``: dual,
-  primal, recurrent, in ``ttt_forms``), their steps, ``TTTState``,
-  ``ttt_zero_state`` (records in ``ttt_family``; no sharded form, the state being
-  nonlinear in its past);
+  primal, recurrent), their steps, ``TTTState``, ``ttt_zero_state``;
+* ``titans``: Titans' memory (Behrouz et al. 2025), the same inner models trained
+  with momentum and weight decay: ``titans``, ``titans_step``, ``TitansState``,
+  ``titans_zero_state``;
+* ``ttt_forms``, ``inner``: those families' forms (one dual, one primal, one
+  recurrent form over each family's rule) and the driver they share (checks, the
+  segments' mini-batch grid); their states are nonlinear in their past, so they
+  have no sharded form;
 * ``front``: the arguments every recurrence takes (``RecurrenceArgs``), checked
   once (``check_front``), and the one default ``CHUNK_SIZE``;
 * ``family``: a family as one record (``Family``), the registry of them
   (``FAMILIES``) and the one driver that shards any of them (``sharded``);
 * ``log_linear_family``: the log-linear records (no sharded form);
-* ``ttt_family``: TTT-Linear's and TTT-MLP's records (no sharded form);
+* ``ttt_family``: TTT-Linear's, TTT-MLP's and Titans' records (no sharded form);
 * ``sharded``: the first six records and every family (and ``attn.conv``'s
   short convolution) with the sequence split over a mesh axis:
   ``sharded_linear_attention``, ``sharded_delta_rule``, ``sharded_delta_product``,
@@ -75,6 +80,7 @@ from attn.linear.log_linear import *  # noqa: F403
 from attn.linear.mamba import *  # noqa: F403
 from attn.linear.product import *  # noqa: F403
 from attn.linear.sharded import *  # noqa: F403
+from attn.linear.titans import *  # noqa: F403
 from attn.linear.ttt import *  # noqa: F403
 
 # By module name: the function ``comba`` has taken the name of its module here.
@@ -87,6 +93,7 @@ FAMILY_MODULES = (
     "mamba",
     "product",
     "sharded",
+    "titans",
     "ttt",
 )
 __all__ = [

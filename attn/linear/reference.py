@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attn.linear.reference_ttt import titans, ttt
+
 __all__ = [
     "comba",
     "delta_rule",
@@ -31,6 +33,7 @@ __all__ = [
     "log_linear_delta_rule",
     "segment_runs",
     "ssd",
+    "titans",
     "ttt",
 ]
 
@@ -202,78 +205,6 @@ def comba(q, k, v, p, beta, log_gates=None, *, scale: float, initial_state=None)
     S0 = jnp.zeros((B, N, H, E), q.dtype) if initial_state is None else initial_state
     S, out = jax.lax.scan(step, S0, xs)
     return jnp.moveaxis(out, 0, 1), S
-
-
-def ttt(q, k, v, eta, norm_scale, norm_bias, position_lr, initial_state, *, mini_batch: int,
-        eps: float = 1e-6):  # fmt: skip
-    """TTT-Linear and TTT-MLP (Sun et al. 2024) a token at a time, every gradient in closed form.
-
-    The inner model is ``f(x) = x + LN(f_res(x))``: TTT-Linear's ``f_res = x W + b``
-    (``params = (W, b)``), TTT-MLP's ``gelu(x W1 + b1) W2 + b2`` (``(W1, b1, W2, b2)``,
-    GELU's tanh form). Token j's gradients, at the weights ``theta_0`` its mini-batch
-    started from: with ``z = f_res(k_j)``, ``xh = (z - mean z) / s``, ``s = sqrt(var z +
-    eps)`` and ``u = gamma (gamma xh + beta - (v_j - k_j))``, the gradient at ``z`` is
-    ``g = (u - mean u - xh mean(u xh)) / s``; a linear layer's ``x^T g`` and ``g``, and
-    through the GELU ``(g W2^T) gelu'(z1)``. Query i of the mini-batch reads ``theta_0 -
-    lr_i sum_{j<=i} eta_j grad_j`` and outputs ``q_i + LN(f_res(q_i))``; the mini-batch's
-    last token's weights start the next. q, k, v ``[B,T,N,H]``, eta ``[B,T,N]``; the state
-    ``(params, sums, count)`` as ``attn.linear.ttt.TTTState``. Returns ``(out, state)``.
-    """
-    lrs = jnp.asarray(position_lr)
-    c = np.sqrt(2 / np.pi)
-
-    def gelu(z):
-        return 0.5 * z * (1 + jnp.tanh(c * (z + 0.044715 * z**3)))
-
-    def gelu_grad(z):
-        t = jnp.tanh(c * (z + 0.044715 * z**3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t**2) * c * (1 + 3 * 0.044715 * z**2)
-
-    def norm(z):
-        xh = (z - z.mean(-1, keepdims=True)) / jnp.sqrt(z.var(-1, keepdims=True) + eps)
-        return xh, norm_scale * xh + norm_bias
-
-    def dense(x, W, b):
-        return jnp.einsum("bnh,bnhe->bne", x, W) + b
-
-    def f_res(params, x):
-        if len(params) == 2:
-            return dense(x, *params)
-        return dense(gelu(dense(x, *params[:2])), *params[2:])
-
-    def grads(params, k, v):
-        z1 = dense(k, *params[:2])
-        z = z1 if len(params) == 2 else dense(gelu(z1), *params[2:])
-        xh, ln = norm(z)
-        u = norm_scale * (ln - (v - k))
-        g = u - u.mean(-1, keepdims=True) - xh * (u * xh).mean(-1, keepdims=True)
-        g = g / jnp.sqrt(z.var(-1, keepdims=True) + eps)
-        outer = lambda x, g: x[..., :, None] * g[..., None, :]  # noqa: E731
-        if len(params) == 2:
-            return outer(k, g), g
-        g1 = jnp.einsum("bne,bnfe->bnf", g, params[2]) * gelu_grad(z1)
-        return outer(k, g1), g1, outer(gelu(z1), g), g
-
-    def token(state, x):
-        params, sums, count = state
-        qt, kt, vt, et = x
-        sums = tuple(s + et.reshape(*et.shape, *[1] * (s.ndim - 2)) * g
-                     for s, g in zip(sums, grads(params, kt, vt), strict=True))  # fmt: skip
-        lr = lrs[count]
-        now = tuple(p - lr.reshape(-1, *[1] * (p.ndim - 1)) * s
-                    for p, s in zip(params, sums, strict=True))  # fmt: skip
-        out = qt + norm(f_res(now, qt))[1]
-        full = count + 1 == mini_batch
-        keep = lambda a, b: jnp.where(full.reshape(-1, *[1] * (a.ndim - 1)), a, b)  # noqa: E731
-        params = tuple(keep(n, p) for n, p in zip(now, params, strict=True))
-        sums = tuple(keep(jnp.zeros_like(s), s) for s in sums)
-        return (params, sums, jnp.where(full, 0, count + 1)), out
-
-    params, sums, count = initial_state
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, eta))
-    init = (tuple(map(jnp.asarray, params)), tuple(map(jnp.asarray, sums)), jnp.asarray(count))
-    state, out = jax.lax.scan(token, init, xs)
-    return jnp.moveaxis(out, 0, 1), state
 
 
 def fenwick_levels(T: int, L: int, t=None):

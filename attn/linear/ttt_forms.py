@@ -261,7 +261,7 @@ def _titans_token(trees, count, full, gates, _, grads):
     """Titans: momentum ``S = eta S - theta grad`` (the gradient at the mini-batch's start),
     then ``M = (1 - alpha) M + S``; the token reads M."""
     M, S, at = trees
-    theta, log_eta, log_keep = gates
+    theta, log_eta, log_keep, _ = gates
     S = jax.tree.map(lambda s, g: jnp.exp(log_eta) * s - theta * g, S, grads(at))
     M = jax.tree.map(lambda m, s: jnp.exp(log_keep) * m + s, M, S)
     return (M, S, where(full, M, at)), M
@@ -273,8 +273,8 @@ def _titans_block(trees, gates, _):
     theta_j prod_{j<l<=t} eta_l``) and ``M_t = beta_t M_0 + f_t S_0 - sum_j (Da N)[t,j]
     grad_j`` (``Da[t,i] = beta_t / beta_i``, ``f = Da m``)."""
     M, S, at = trees
-    theta, log_eta, log_keep = gates.T
-    Da = jnp.exp(segsum(log_keep))
+    theta, log_eta, log_keep, real = gates.T
+    Da = jnp.exp(segsum(log_keep)) * real[None, :]  # an empty slot adds no momentum to M
     N = jnp.exp(segsum(log_eta)) * theta[None, :]
     beta, m = jnp.exp(jnp.cumsum(log_keep)), jnp.exp(jnp.cumsum(log_eta))
     f, G = Da @ m, Da @ N
@@ -289,4 +289,5 @@ def _titans_finish(trees, ends, whole, _):
 TITANS = Rule(lambda model: (model, zeros(model), model), _titans_token, _titans_block,
               _titans_finish)  # fmt: skip
 """Titans (trees: the memory M, its momentum S, and the weights its mini-batch started
-from; gates ``[theta, log eta, log (1 - alpha)]``)."""
+from; gates ``[theta, log eta, log (1 - alpha), 1]``: the last 0 in an empty slot of the
+blocked forms' grid, where the momentum must not move M)."""

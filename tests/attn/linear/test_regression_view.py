@@ -24,15 +24,19 @@ RTOL = 1e-5
 B, T, N, H = 2, 13, 2, 8
 
 
-def regress(q, k, v, beta, loss, log_retention=None, read=lambda S, q: q @ S, S0=None):
-    """The view's recurrence over ``[B,T,N,...]`` arrays (a scan per row and head)."""
+def regress(q, k, v, beta, loss, log_retention=None, read=lambda S, q: q @ S, S0=None,
+            decoupled: bool = False):  # fmt: skip
+    """The view's recurrence over ``[B,T,N,...]`` arrays (a scan per row and head);
+    ``decoupled``: the gradient at the memory before its retention (weight decay, as
+    Titans': ``S_t = a_t S_{t-1} - beta_t grad loss_t(S_{t-1})``)."""
     a = jnp.zeros(beta.shape) if log_retention is None else log_retention
 
     def head(q, k, v, beta, a):
         def step(S, x):
             qt, kt, vt, bt, at = x
+            grad = jax.grad(loss)(S, kt, vt)
             S = jnp.exp(at) * S
-            S = S - bt * jax.grad(loss)(S, kt, vt)
+            S = S - bt * (grad if decoupled else jax.grad(loss)(S, kt, vt))
             return S, read(S, qt)
 
         S = jnp.zeros((k.shape[-1], v.shape[-1])) if S0 is None else S0
@@ -90,3 +94,22 @@ def test_ttt_linear_with_mini_batch_1_and_no_norm_is_least_squares_on_its_residu
         got = attn.ttt_linear(q, k, v, beta, norm_scale=None, norm_bias=None, mini_batch=1,
                               form=form)  # fmt: skip
         assert rel_err(got, want) <= RTOL, form
+
+
+def test_titans_without_momentum_is_least_squares_with_weight_decay_and_a_dplr_rule():
+    """Titans' linear memory without its LayerNorm or momentum, a mini-batch of one token:
+    TTT-Linear's objective with weight decay ``1 - alpha`` taken beside the step (at the
+    previous memory), which is the DPLR delta rule (RWKV-7's) with ``w = 1 - alpha``,
+    ``a = [k, 1]``, ``b = -theta [k, 1]`` and writes ``theta [k, 1] (v - k)^T``."""
+    q, k, v, beta, log_a = inputs(3)
+    one = jnp.ones((B, T, N, 1))
+    kb, qb = jnp.concatenate([k, one], -1), jnp.concatenate([q, one], -1)
+    want = q + regress(qb, kb, v - k, beta, squared, log_retention=log_a, decoupled=True)
+    no_momentum = jnp.full((B, T, N), -jnp.inf)
+    for form in attn.TITANS_FORMS:
+        got = attn.titans(q, k, v, beta, no_momentum, log_a, mini_batch=1, form=form)
+        assert rel_err(got, want) <= RTOL, form
+    w = jnp.broadcast_to(log_a[..., None], kb.shape)
+    theta = beta[..., None]
+    dplr = attn.dplr_delta_rule(qb, theta * kb, v - k, kb, -theta * kb, w, scale=1.0)
+    assert rel_err(q + dplr, want) <= RTOL
