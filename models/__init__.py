@@ -107,7 +107,7 @@ from models.sparse import (
 )
 from models.taps import capture_weights, head_gates, head_importance, set_head_gates
 from models.transformer import Decoder, Encoder, EncoderDecoder, packed_positions
-from models.ttt import TTTAttention, TTTConfig
+from models.ttt import TitansAttention, TitansConfig, TTTAttention, TTTConfig
 
 __all__ = [
     "KINDS",
@@ -152,6 +152,8 @@ __all__ = [
     "SoftmaxConfig",
     "TTTAttention",
     "TTTConfig",
+    "TitansAttention",
+    "TitansConfig",
     "attention_kind",
     "cache_bytes",
     "capture_weights",

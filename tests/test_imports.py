@@ -202,7 +202,7 @@ MODELS_ALL = {
     *("DeltaConfig", "DiffConfig", "Mamba2Config", "FunctionConfig"),
     *("MobaConfig", "NSAConfig", "DSAConfig"),
     *("Rwkv7Config", "PathConfig", "LogLinearMamba2Config", "LogLinearDeltaConfig"),
-    *("TTTAttention", "TTTConfig"),
+    *("TTTAttention", "TTTConfig", "TitansAttention", "TitansConfig"),
     *("KINDS", "LayerKind", "register_kind", "attention_kind"),
     *("PRESET_REGISTRY", "PresetSizes", "Presets", "presets", "register_preset"),
     *("pattern", "describe"),
