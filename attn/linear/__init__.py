@@ -31,6 +31,9 @@ Modules:
 * ``titans``: Titans' memory (Behrouz et al. 2025), the same inner models trained
   with momentum and weight decay: ``titans``, ``titans_step``, ``TitansState``,
   ``titans_zero_state``;
+* ``mesa``: MesaNet (von Oswald et al. 2025), the state's least-squares solve at every
+  token, exact or by conjugate gradients: ``mesa_net`` (``MESA_FORMS``), ``mesa_net_step``,
+  ``MesaState``, ``init_mesa_state``;
 * ``ttt_forms``, ``inner``: those families' forms (one dual, one primal, one
   recurrent form over each family's rule) and the driver they share (checks, the
   segments' mini-batch grid); their states are nonlinear in their past, so they
@@ -78,6 +81,7 @@ from attn.linear.features import taylor as taylor
 from attn.linear.front import CHUNK_SIZE as CHUNK_SIZE
 from attn.linear.log_linear import *  # noqa: F403
 from attn.linear.mamba import *  # noqa: F403
+from attn.linear.mesa import *  # noqa: F403
 from attn.linear.product import *  # noqa: F403
 from attn.linear.sharded import *  # noqa: F403
 from attn.linear.titans import *  # noqa: F403
@@ -91,6 +95,7 @@ FAMILY_MODULES = (
     "dplr",
     "log_linear",
     "mamba",
+    "mesa",
     "product",
     "sharded",
     "titans",

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from attn.linear.reference_ttt import titans, ttt
+from attn.linear.reference_ttt import mesa_net, titans, ttt
 
 __all__ = [
     "comba",
@@ -31,6 +31,7 @@ __all__ = [
     "gated_linear",
     "log_linear_attention",
     "log_linear_delta_rule",
+    "mesa_net",
     "segment_runs",
     "ssd",
     "titans",

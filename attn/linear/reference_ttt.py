@@ -1,5 +1,5 @@
 """Float64 references of the families whose state is a model trained on the sequence (TTT,
-Titans), written from their papers' equations; ``attn.linear.reference`` lifts them.
+Titans, MesaNet), written from their papers' equations; ``attn.linear.reference`` lifts them.
 
 The inner model is ``f(x) = x + LN(f_res(x))`` (no LN where ``norm_scale`` is None):
 a linear ``f_res = x W + b`` (``params = (W, b)``) or an MLP ``gelu(x W1 + b1) W2 + b2``
@@ -145,3 +145,58 @@ def titans(q, k, v, theta, log_momentum, log_decay, norm_scale, norm_bias, initi
     params, momentum, start, count = initial_state
     state = (*_trees(params, momentum, start), jnp.asarray(count))
     return _scan(token, state, q, k, v, theta, log_momentum, log_decay)
+
+
+def mesa_net(q, k, v, beta, log_gates, lam, *, cg_steps=None, scale: float = 1.0,
+             initial_state=None):  # fmt: skip
+    """MesaNet (von Oswald et al. 2025) a token at a time, from its equations:
+    ``G_t = gamma_t G_{t-1} + beta_t k_t k_t^T``, ``S_t = gamma_t S_{t-1} + beta_t k_t
+    v_t^T``, ``o_t = S_t^T (G_t + diag(lambda))^{-1} (scale q_t)``: the solve exact
+    (``cg_steps`` None) or ``cg_steps`` conjugate-gradient steps from zero with 1e-5 in
+    both denominators and, as the authors' backward, the same steps on the cotangent for
+    the gradient (the implicit one). q, k ``[B,T,N,H]``, v ``[B,T,N,E]``, beta and
+    log_gates ``[B,T,N]`` (None: no decay), lam ``[N,H]``; the state ``(S [B,N,H,E], G
+    [B,N,H,H])`` (zeros if None). Returns ``(out, (S, G))``."""
+    B, T, N, H = q.shape
+    E = v.shape[-1]
+    if log_gates is None:
+        log_gates = jnp.zeros((B, T, N), q.dtype)
+    if initial_state is None:
+        initial_state = (jnp.zeros((B, N, H, E), q.dtype), jnp.zeros((B, N, H, H), q.dtype))
+    A_lam = jax.vmap(jnp.diag)(jnp.asarray(lam))  # [N,H,H]
+
+    def cg(A, b):
+        """The CG steps, and as the authors' backward the same steps on the cotangent (the
+        implicit gradient of a solve, not the steps' own)."""
+        return jax.lax.custom_linear_solve(
+            lambda x: jnp.einsum("bnij,bnj->bni", A, x),
+            b,
+            lambda _, b: cg_steps_of(A, b),
+            symmetric=True,
+        )
+
+    def cg_steps_of(A, b):
+        x, r, p = jnp.zeros_like(b), b, b
+        d = jnp.sum(r * r, -1, keepdims=True)
+        for _ in range(cg_steps):
+            w = jnp.einsum("bnij,bnj->bni", A, p)
+            alpha = d / (jnp.sum(p * w, -1, keepdims=True) + 1e-5)
+            x, r = x + alpha * p, r - alpha * w
+            d_next = jnp.sum(r * r, -1, keepdims=True)
+            p, d = r + d_next / (d + 1e-5) * p, d_next
+        return x
+
+    def token(state, x):
+        S, G = state
+        qt, kt, vt, bt, gt = x
+        decay, b = jnp.exp(gt)[..., None, None], bt[..., None, None]
+        G = decay * G + b * kt[..., :, None] * kt[..., None, :]
+        S = decay * S + b * kt[..., :, None] * vt[..., None, :]
+        A = G + A_lam
+        if cg_steps is None:
+            x_star = jnp.linalg.solve(A, (scale * qt)[..., None])[..., 0]
+        else:
+            x_star = cg(A, scale * qt)
+        return (S, G), jnp.einsum("bnh,bnhe->bne", x_star, S)
+
+    return _scan(token, tuple(map(jnp.asarray, initial_state)), q, k, v, beta, log_gates)

@@ -149,3 +149,37 @@ def test_comba_through_its_record_equals_one_device_forward_and_gradients(kind, 
     names = ("q", "k", "v", "p", "beta", "log_g", "s0")
     for name, g, w in zip(names, grads, want_grads, strict=True):
         assert rel_err(g, w) <= GRAD_TOL, name
+
+
+@pytest.mark.parametrize("cg_steps", [None, 4], ids=["exact", "cg4"])
+@pytest.mark.parametrize("kind, mode", [("make_mesh_2", "jit"), ("Mesh_1", "set_mesh")])
+def test_mesa_net_through_its_record_equals_one_device_forward_and_gradients(kind, mode, cg_steps):
+    """MesaNet's sums are affine in a span's start, its outputs are not (a solve of the
+    incoming G): the chain runs each span from its true state and takes the gradient there.
+    Packed segments across the devices, an initial state, outputs, both sums, every gradient."""
+    from tests.attn.linear.test_mesa import make_inputs
+
+    mesh, rows = grid_mesh(kind), ("data",) if kind.endswith("_2") else ()
+    arrays = tuple(jnp.asarray(x) for x in make_inputs(6))  # T = 21: the tail padded
+    seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 8 + [0] * 3], 2, axis=0), jnp.int32)
+    cot = normal(9, arrays[2].shape)
+
+    def loss(arrays, fn, **kw):
+        q, k, v, beta, log_g, lam, S0, G0 = arrays
+        out, state = fn(q, k, v, beta, lam, log_gates=log_g, cg_steps=cg_steps, chunk_size=CHUNK,
+                        initial_state=attn.MesaState(S0, G0), return_state=True,
+                        q_segment_ids=seg, kv_segment_ids=seg, **kw)  # fmt: skip
+        return jnp.sum(out * cot) + jnp.sum(state.S) + jnp.sum(state.G), (out, state)
+
+    grad = jax.grad(loss, has_aux=True)
+    want_grads, want = jax.jit(functools.partial(grad, fn=attn.mesa_net))(arrays)
+
+    def run(a, mesh=None):
+        return grad(a, attn.sharded_mesa_net, axis_name=AXIS, batch_axes=rows, mesh=mesh)
+
+    grads, got = in_mode(run, arrays, mesh, mode)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert rel_err(g, w) <= FORWARD_TOL
+    names = ("q", "k", "v", "beta", "log_g", "lam", "S0", "G0")
+    for name, g, w in zip(names, grads, want_grads, strict=True):
+        assert rel_err(g, w) <= GRAD_TOL, name
