@@ -84,6 +84,7 @@ from models.log_linear import (
 )
 from models.mamba import Mamba2, Mamba2Config
 from models.masked import MaskedConfig
+from models.mesa import MesaAttention, MesaConfig
 from models.path import PathAttention, PathConfig
 from models.patterns import (
     PRESET_REGISTRY,
@@ -137,6 +138,8 @@ __all__ = [
     "Mamba2",
     "Mamba2Config",
     "MaskedConfig",
+    "MesaAttention",
+    "MesaConfig",
     "MobaAttention",
     "MobaConfig",
     "ModelConfig",

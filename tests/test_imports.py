@@ -203,6 +203,7 @@ MODELS_ALL = {
     *("MobaConfig", "NSAConfig", "DSAConfig"),
     *("Rwkv7Config", "PathConfig", "LogLinearMamba2Config", "LogLinearDeltaConfig"),
     *("TTTAttention", "TTTConfig", "TitansAttention", "TitansConfig"),
+    *("MesaAttention", "MesaConfig"),
     *("KINDS", "LayerKind", "register_kind", "attention_kind"),
     *("PRESET_REGISTRY", "PresetSizes", "Presets", "presets", "register_preset"),
     *("pattern", "describe"),

@@ -103,14 +103,18 @@ REGISTRY["comba_grouped"] = dataclasses.replace(REGISTRY["comba"], chunk_size=4,
 REGISTRY["path_fox_small"] = dataclasses.replace(
     REGISTRY["path_fox"], num_kv_heads=2, block_size=4, w_rank=8
 )
-# TTT and Titans in mini-batches of 4 (several within MAX_LEN = 16 tokens): TTT-Linear's dual
-# form with its convolutions, TTT-MLP's primal form with separate q and k projections, Titans'
-# MLP memory.
+# The trained memories. TTT and Titans in mini-batches of 4 (several within MAX_LEN = 16
+# tokens): TTT-Linear's dual form with its convolutions, TTT-MLP's primal form with separate q
+# and k projections, Titans' MLP memory.
 REGISTRY["ttt_linear_small"] = dataclasses.replace(REGISTRY["ttt_linear"], mini_batch=4)
 REGISTRY["ttt_mlp_small"] = dataclasses.replace(
     REGISTRY["ttt_mlp"], mini_batch=4, form="primal", qk_conv=0, mlp_ratio=2
 )
 REGISTRY["titans_small"] = dataclasses.replace(REGISTRY["titans"], mini_batch=4, mlp_ratio=2)
+# MesaNet in chunks of 4 with 4 CG steps and the output gate.
+REGISTRY["mesanet_small"] = dataclasses.replace(
+    REGISTRY["mesanet"], chunk_size=4, cg_steps=4, output_gate=True
+)
 
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
@@ -146,7 +150,7 @@ KINDS = {
         "log_linear_gdn_grouped",
         "comba_grouped",
     ),
-    "ttt": ("ttt_linear_small", "ttt_mlp_small", "titans_small"),
+    "ttt": ("ttt_linear_small", "ttt_mlp_small", "titans_small", "mesanet_small"),
 }
 
 
