@@ -12,6 +12,11 @@ respect to every input), each family beside its relative:
   Gated DeltaNet's chunkwise form: within 1.5x.
 - Log-linear Mamba-2 (``attn.log_linear_attention``, chunkwise) beside Mamba-2's
   SSD (``attn.ssd`` chunkwise, no ``D`` skip): no target, the ratio is shown.
+- The trained memories (issue 71) against Gated DeltaNet's chunkwise form:
+  TTT-Linear (``attn.ttt_linear``, dual form, mini-batches of 16) and MesaNet
+  (``attn.mesa_net`` chunkwise, 8 CG steps) within 3x; TTT-MLP (dual, F = 4H)
+  and Titans (``attn.titans``, an MLP memory, dual, mini-batches of 16) shown.
+  ``--methods`` picks them (``bench/results/memories-cpu.md`` is that run).
 - PaTH (``attn.path_attention(form="blockwise")``) against causal blockwise
   softmax (``attn.blockwise_attention``, its default tiles, no RoPE counted):
   within 3x. PaTH's block size is the fastest forward + backward among
@@ -33,6 +38,8 @@ Writes ``<out_dir>/<name>.json``, ``.md`` (tables) and ``.png`` (log-log plots).
 
     python bench/families2025.py            # the full run (about 8 minutes on 2 cores)
     python bench/families2025.py --quick    # smoke test: 1K and 2K, "-quick" files
+    python bench/families2025.py --methods "gated_deltanet chunkwise" "ttt_linear dual" \
+        "mesanet cg8 chunkwise" "ttt_mlp dual" "titans mlp dual" --name memories-cpu
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ from attn import masks  # noqa: E402
 from attn.linear import delta_rule, ssd  # noqa: E402
 from attn.linear.dplr import dplr_delta_rule  # noqa: E402
 from attn.linear.log_linear import log_linear_attention, log_linear_delta_rule  # noqa: E402
+from attn.linear.mesa import mesa_net  # noqa: E402
+from attn.linear.titans import titans  # noqa: E402
+from attn.linear.ttt import ttt_linear, ttt_mlp  # noqa: E402
 from attn.softmax.blockwise import blockwise_attention  # noqa: E402
 from attn.softmax.path import path_attention  # noqa: E402
 from bench._delta import plot_lengths, projected_skip  # noqa: E402
@@ -77,7 +87,13 @@ PAIRS = {
     ),
     "log_linear_mamba2 / ssd": ("log_linear_mamba2 chunkwise", "ssd chunkwise", None),
     "path / softmax": ("path blockwise", "softmax blockwise", 3.0),
+    "ttt_linear / gated_deltanet": ("ttt_linear dual", "gated_deltanet chunkwise", 3.0),
+    "mesanet_cg8 / gated_deltanet": ("mesanet cg8 chunkwise", "gated_deltanet chunkwise", 3.0),
+    "ttt_mlp / gated_deltanet": ("ttt_mlp dual", "gated_deltanet chunkwise", None),
+    "titans_mlp / gated_deltanet": ("titans mlp dual", "gated_deltanet chunkwise", None),
 }
+MEMORIES = ("gated_deltanet chunkwise", "ttt_linear dual", "mesanet cg8 chunkwise",
+            "ttt_mlp dual", "titans mlp dual")  # fmt: skip
 EXPONENT = {"path blockwise": 2, "softmax blockwise": 2}  # others: linear in T (near enough)
 
 
@@ -136,6 +152,12 @@ def method_inputs(cfg: Config, T: int, seed: int = 0) -> dict:
     w = unit(normal(*shape))
     beta_path = rng.uniform(0.0, 2.0, (B, T, N)).astype(np.float32)
     qs, ks = normal(*shape), normal(*shape)
+    # The trained memories: TTT's eta (the layer's base_lr sigmoid / H), Titans' gates,
+    # MesaNet's input gates and regularizer.
+    eta = (rng.uniform(0.0, 1.0, (B, T, N)) / H).astype(np.float32)
+    momentum = np.log(rng.uniform(0.5, 0.95, (B, T, N))).astype(np.float32)
+    decay = np.log1p(-rng.uniform(0.0, 0.1, (B, T, N))).astype(np.float32)
+    lam = rng.uniform(0.5, 1.5, (N, H)).astype(np.float32)
     args = {
         "rwkv7 dplr chunkwise": (q, k, v, -kappa, kappa * a_in, g_channel),
         "kda chunkwise": (q, k, v, beta, g_channel),
@@ -145,6 +167,10 @@ def method_inputs(cfg: Config, T: int, seed: int = 0) -> dict:
         "log_linear_mamba2 chunkwise": (x, dt, A, b_ssm, c_ssm, levels),
         "path blockwise": (qs, ks, v, w, beta_path),
         "softmax blockwise": (qs, ks, v),
+        "ttt_linear dual": (qs, ks, v, eta),
+        "ttt_mlp dual": (qs, ks, v, 0.1 * eta),
+        "titans mlp dual": (q, k, v, 0.1 * eta, momentum, decay),
+        "mesanet cg8 chunkwise": (q, k, v, beta, g_head, lam),
     }
     return {name: tuple(jnp.asarray(a) for a in xs) for name, xs in args.items()}
 
@@ -175,6 +201,21 @@ def method_fns(chunk_size: int, path_block: int) -> dict:
     def path(q, k, v, w, beta):
         return path_attention(q, k, v, w, beta, form="blockwise", block_size=path_block)
 
+    def trained(fn, **kw):  # a layer's inner model: LayerNorm, initial weights of 0.02
+        def run(q, k, v, *gates):
+            N, H = q.shape[2:]
+            mlp = fn is ttt_mlp or kw.get("memory") == "mlp"
+            shapes = [(N, H, 4 * H), (N, 4 * H), (N, 4 * H, H), (N, H)] if mlp else [
+                (N, H, H), (N, H)]  # fmt: skip
+            model = tuple(0.02 * jnp.ones(s) if len(s) == 3 else jnp.zeros(s) for s in shapes)
+            norm = dict(norm_scale=jnp.ones((N, H)), norm_bias=jnp.zeros((N, H)))
+            return fn(q, k, v, *gates, model=model, **norm, **kw)
+
+        return run
+
+    def mesa(q, k, v, beta, gates, lam):
+        return mesa_net(q, k, v, beta, lam, log_gates=gates, cg_steps=8, chunk_size=C)
+
     return {
         "rwkv7 dplr chunkwise": dplr,
         "kda chunkwise": delta,
@@ -184,6 +225,10 @@ def method_fns(chunk_size: int, path_block: int) -> dict:
         "log_linear_mamba2 chunkwise": log_linear_mamba2,
         "path blockwise": path,
         "softmax blockwise": partial(blockwise_attention, mask=masks.causal()),
+        "ttt_linear dual": trained(ttt_linear),
+        "ttt_mlp dual": trained(ttt_mlp),
+        "titans mlp dual": trained(titans, memory="mlp"),
+        "mesanet cg8 chunkwise": mesa,
     }
 
 

@@ -151,6 +151,10 @@ for _name, _description, _layers in (
         "Gated DeltaNet with a Fenwick tree of states (log-linear)",
         "log_linear_gated_deltanet",
     ),
+    ("ttt_linear", "TTT-Linear: a linear model trained on the sequence", "ttt_linear"),
+    ("ttt_mlp", "TTT-MLP: a two-layer MLP trained on the sequence", "ttt_mlp"),
+    ("titans", "Titans: an MLP memory trained with momentum and weight decay", "titans"),
+    ("mesanet", "MesaNet: the in-context least-squares read (30 CG steps)", "mesanet"),
 ):
     register_variant(_name, _layers, description=_description)
 

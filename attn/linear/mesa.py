@@ -216,31 +216,39 @@ def _recurrent(q, k, v, beta, log_a, lam, S, G, *, steps):
 
 
 def _chunkwise(q, k, v, beta, log_a, lam, S, G, *, steps, C: int):
-    """By chunks of C tokens (T padded with tokens that change nothing)."""
+    """By chunks of C tokens (T padded with tokens that change nothing): first every chunk's
+    start states (a scan over chunks, one rank-C update each), then every chunk's solves and
+    outputs at once, as fla's kernels split the work (the solves' steps then run over all
+    chunks together, not one chunk after another)."""
     T = q.shape[0]
     pad = -T % C
 
     def grid(x):  # [T,...] -> [T/C, C, ...]
         return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, C, *x.shape[1:])
 
-    def chunk(carry, xs):
+    Q, K, V, b, a = (grid(x) for x in (q, k, v, beta, log_a))
+    within = jnp.exp(segsum(a)) * b[:, None, :]  # [n,t,s]: beta_s prod_{s<r<=t} gamma_r
+    start = jnp.exp(jnp.cumsum(a, -1))[..., None]  # [n,t,1]: prod_{r<=t} gamma_r
+    last = within[:, -1, :, None] * K  # [n,s,H]: beta_s prod_{s<r<=C} gamma_r k_s
+
+    def chunk(carry, xs):  # the states at each chunk's start, and after the last
         S, G = carry
-        Q, K, V, b, a = xs
-        within = jnp.exp(segsum(a)) * b[None, :]  # [t,s]: beta_s prod_{s<r<=t} gamma_r
-        start = jnp.exp(jnp.cumsum(a))[:, None]  # [t]: prod_{r<=t} gamma_r
+        gamma, writes, K, V = xs
+        return (gamma * S + writes.T @ V, gamma * G + writes.T @ K), (S, G)
 
-        def matvec(P):  # every row t times G_t + diag(lambda)
-            return ((P @ K.T) * within) @ K + start * (P @ G.T) + P * lam
+    (S, G), (S_c, G_c) = jax.lax.scan(chunk, (S, G), (start[:, -1], last, K, V))
+    dots = lambda X, Y: jnp.einsum("nth,nsh->nts", X, Y)  # noqa: E731
 
-        A = None
-        if steps is None:
-            A = start[..., None] * G + jnp.einsum("ts,sh,sj->thj", within, K, K) + jnp.diag(lam)
-        X = solve(matvec, A, Q, steps)
-        out = ((X @ K.T) * within) @ V + start * (X @ S)
-        last = within[-1][:, None] * K  # beta_s prod_{s<r<=C} gamma_r k_s
-        return (start[-1] * S + last.T @ V, start[-1] * G + last.T @ K), out
+    def matvec(P):  # every row t times G_t + diag(lambda)
+        inside = jnp.einsum("nts,nsh->nth", dots(P, K) * within, K)
+        return inside + start * jnp.einsum("nth,njh->ntj", P, G_c) + P * lam
 
-    (S, G), out = jax.lax.scan(chunk, (S, G), tuple(grid(x) for x in (q, k, v, beta, log_a)))
+    A = None
+    if steps is None:
+        A = (start[..., None] * G_c[:, None] + jnp.einsum("nts,nsh,nsj->nthj", within, K, K)
+             + jnp.diag(lam))  # fmt: skip
+    X = solve(matvec, A, Q, steps)
+    out = jnp.einsum("nts,nse->nte", dots(X, K) * within, V) + start * (X @ S_c)
     return out.reshape(-1, out.shape[-1])[:T], (S, G)
 
 

@@ -45,3 +45,19 @@ def test_a_tiny_run_writes_the_report(bench, tmp_path):
     table = (tmp_path / "families2025-cpu-quick.md").read_text()
     assert table.startswith("# The 2025 families") and "| path / softmax |" in table
     assert (tmp_path / "families2025-cpu-quick.png").stat().st_size > 0
+
+
+@pytest.mark.integration
+def test_the_trained_memories_are_timed_beside_gated_deltanet(bench, tmp_path):
+    """Issue 71's rows: TTT-Linear and MesaNet at 8 CG steps against their 3x target, TTT-MLP
+    and Titans shown (``bench.MEMORIES``: what ``bench/results/memories-cpu.md`` runs)."""
+    tiny = dict(TINY, methods=bench.MEMORIES, path_blocks=(8,))
+    result = bench.main(bench.Config(**tiny, out_dir=str(tmp_path), name="memories"))
+    for kind in ("forward", "forward_backward"):
+        assert all(result["lengths"][kind][n][32] > 0 for n in bench.MEMORIES)
+    ratios = result["ratios"]
+    assert {p: ratios[p]["bound"] for p in ratios} == {
+        "ttt_linear / gated_deltanet": 3.0, "mesanet_cg8 / gated_deltanet": 3.0,
+        "ttt_mlp / gated_deltanet": None, "titans_mlp / gated_deltanet": None,
+    }  # fmt: skip
+    assert "| mesanet_cg8 / gated_deltanet |" in (tmp_path / "memories-quick.md").read_text()
