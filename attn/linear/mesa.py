@@ -215,11 +215,14 @@ def _recurrent(q, k, v, beta, log_a, lam, S, G, *, steps):
     return out, (S, G)
 
 
+CHUNKS_AT_ONCE = 8  # chunks whose solves run together: parallel work that stays in cache
+
+
 def _chunkwise(q, k, v, beta, log_a, lam, S, G, *, steps, C: int):
     """By chunks of C tokens (T padded with tokens that change nothing): first every chunk's
-    start states (a scan over chunks, one rank-C update each), then every chunk's solves and
-    outputs at once, as fla's kernels split the work (the solves' steps then run over all
-    chunks together, not one chunk after another)."""
+    start states (a scan over chunks, one rank-C update each), then the chunks' solves and
+    outputs, ``CHUNKS_AT_ONCE`` at a time, as fla's kernels split the work (a solve's steps
+    then run over several chunks together, not one chunk after another)."""
     T = q.shape[0]
     pad = -T % C
 
@@ -236,19 +239,21 @@ def _chunkwise(q, k, v, beta, log_a, lam, S, G, *, steps, C: int):
         gamma, writes, K, V = xs
         return (gamma * S + writes.T @ V, gamma * G + writes.T @ K), (S, G)
 
-    (S, G), (S_c, G_c) = jax.lax.scan(chunk, (S, G), (start[:, -1], last, K, V))
-    dots = lambda X, Y: jnp.einsum("nth,nsh->nts", X, Y)  # noqa: E731
+    (S, G), starts = jax.lax.scan(chunk, (S, G), (start[:, -1], last, K, V))
 
-    def matvec(P):  # every row t times G_t + diag(lambda)
-        inside = jnp.einsum("nts,nsh->nth", dots(P, K) * within, K)
-        return inside + start * jnp.einsum("nth,njh->ntj", P, G_c) + P * lam
+    def read(xs):  # one chunk: every row's solve, then its read of the values
+        Q, K, V, within, start, (S, G) = xs
 
-    A = None
-    if steps is None:
-        A = (start[..., None] * G_c[:, None] + jnp.einsum("nts,nsh,nsj->nthj", within, K, K)
-             + jnp.diag(lam))  # fmt: skip
-    X = solve(matvec, A, Q, steps)
-    out = jnp.einsum("nts,nse->nte", dots(X, K) * within, V) + start * (X @ S_c)
+        def matvec(P):  # every row t times G_t + diag(lambda)
+            return ((P @ K.T) * within) @ K + start * (P @ G.T) + P * lam
+
+        A = None
+        if steps is None:
+            A = start[..., None] * G + jnp.einsum("ts,sh,sj->thj", within, K, K) + jnp.diag(lam)
+        X = solve(matvec, A, Q, steps)
+        return ((X @ K.T) * within) @ V + start * (X @ S)
+
+    out = jax.lax.map(read, (Q, K, V, within, start, starts), batch_size=CHUNKS_AT_ONCE)
     return out.reshape(-1, out.shape[-1])[:T], (S, G)
 
 
