@@ -79,6 +79,10 @@ def _variant_layers(name: str, num_layers: int, sizes: dict) -> tuple:
         "path_fox": p["path_fox"],
         "log_linear_mamba2": p["log_linear_mamba2"],
         "log_linear_gated_deltanet": p["log_linear_gated_deltanet"],
+        "ttt_linear": p["ttt_linear"],
+        "ttt_mlp": p["ttt_mlp"],
+        "titans": p["titans"],
+        "mesanet": p["mesanet"],
     }
     if name == "hybrid":  # the note's hybrid: Mamba layers, then attention
         return (p["mamba2"],) * (num_layers - 1) + (p["mha"],)
@@ -103,6 +107,10 @@ VARIANTS = (
     "path_fox",
     "log_linear_mamba2",
     "log_linear_gated_deltanet",
+    "ttt_linear",
+    "ttt_mlp",
+    "titans",
+    "mesanet",
 )
 DESCRIPTIONS = {
     "mha": "softmax MHA with RoPE",
@@ -120,6 +128,10 @@ DESCRIPTIONS = {
     "path_fox": "PaTH-FoX, PaTH with a forget gate",
     "log_linear_mamba2": "log-linear Mamba-2, decay in (0, 1]",
     "log_linear_gated_deltanet": "log-linear Gated DeltaNet, beta in (0, 1)",
+    "ttt_linear": "TTT-Linear, mini-batches of 16",
+    "ttt_mlp": "TTT-MLP, mini-batches of 16",
+    "titans": "Titans, an MLP memory with momentum and weight decay",
+    "mesanet": "MesaNet, the least-squares read (30 CG steps)",
 }
 
 
