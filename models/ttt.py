@@ -127,7 +127,11 @@ class Trained(Recurrent):
         return linear
 
     def _model(self) -> tuple:
-        return tuple(w[...] for w in self.inner)
+        """The inner model's initial weights (zeros of their shapes in a module built with
+        shapes for arrays, whose caches are measured, not run: ``train.variants``)."""
+        values = (w.get_value() for w in self.inner)
+        return tuple(jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+                     for x in values)  # fmt: skip
 
     def _norms(self) -> dict:
         on = self.cfg.inner_norm

@@ -116,14 +116,21 @@ def ours(model, args, cotangents, form):
     return out, final, grads
 
 
-@pytest.mark.parametrize("model", MODELS)
-@pytest.mark.parametrize("form", ["dual", "primal", "recurrent"])
-def test_forms_match_float64_forward_and_gradients(model, form):
+@functools.cache
+def case(model):
+    """The inputs, cotangents and float64 results of ``model``'s case (one per model, shared
+    by its forms)."""
     args = make_inputs(0, model)
     rng = np.random.default_rng(1)
     cotangents = [rng.standard_normal(s).astype(np.float32)
                   for s in ((B, T, N, H), shapes(model)[0])]  # fmt: skip
-    want_out, want_state, want_grads = float64(model, args, cotangents)
+    return args, cotangents, float64(model, args, cotangents)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("form", ["dual", "primal", "recurrent"])
+def test_forms_match_float64_forward_and_gradients(model, form):
+    args, cotangents, (want_out, want_state, want_grads) = case(model)
     out, final, grads = ours(model, args, cotangents, form)
     assert out.dtype == jnp.float32 and rel_err(out, want_out) <= RTOL
     fields = TREES[model.split("-")[0]]
