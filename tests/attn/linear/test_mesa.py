@@ -119,20 +119,23 @@ def test_packed_segments_equal_each_alone_and_padding_is_nowhere():
         x[pad] = np.nan
     state = attn.MesaState(S0, G0)
     tokens = (q, k, v, beta, log_gates)
+    alone, ends = {}, {}  # each segment alone (the recurrent form), its row's last state
+    for row in range(B):
+        for n, seg in enumerate(dict.fromkeys(ids[row][~pad[row]])):
+            at = np.flatnonzero(ids[row] == seg)
+            first = attn.MesaState(*(x[row : row + 1] for x in state)) if n == 0 else None
+            q1, k1, v1, b1, g1 = (x[row : row + 1, at] for x in tokens)
+            alone[row, seg], ends[row] = attn.mesa_net(
+                q1, k1, v1, b1, lam, log_gates=g1, form="recurrent", initial_state=first,
+                return_state=True)  # fmt: skip
     for form in attn.MESA_FORMS:
         out, final = attn.mesa_net(q, k, v, beta, lam, log_gates=log_gates, form=form,
                                    chunk_size=C, initial_state=state, return_state=True,
                                    q_segment_ids=ids, kv_segment_ids=ids)  # fmt: skip
         np.testing.assert_array_equal(np.asarray(out)[pad], 0.0)
-        for row in range(B):
-            for n, seg in enumerate(dict.fromkeys(ids[row][~pad[row]])):
-                at = np.flatnonzero(ids[row] == seg)
-                first = attn.MesaState(*(x[row : row + 1] for x in state)) if n == 0 else None
-                q1, k1, v1, b1, g1 = (x[row : row + 1, at] for x in tokens)
-                alone, end = attn.mesa_net(q1, k1, v1, b1, lam, log_gates=g1, form=form,
-                                           chunk_size=C, initial_state=first,
-                                           return_state=True)  # fmt: skip
-                assert rel_err(out[row, at], alone[0]) <= RTOL, (form, row, seg)
+        for (row, seg), want in alone.items():
+            assert rel_err(out[row, ids[row] == seg], want[0]) <= RTOL, (form, row, seg)
+        for row, end in ends.items():
             for got, want in zip(final, end, strict=True):
                 np.testing.assert_allclose(got[row], want[0], rtol=RTOL, atol=1e-6)
 
