@@ -44,7 +44,8 @@ class TTTConfig(AttentionConfig):
     """A TTT layer (kinds ``"ttt_linear"``, ``"ttt_mlp"``). Besides the common fields:
 
     Attributes:
-      rope: rotate q and k by the position within the mini-batch (the authors').
+      rope: rotate q and k by the position within the mini-batch, channels paired 2i with
+        2i + 1 (the authors').
       form: one of ``attn.TTT_FORMS`` (``"dual"``, ``"primal"``, ``"recurrent"``: the
         same function).
       mini_batch: b, tokens per inner mini-batch (a hyperparameter of the function).
@@ -79,6 +80,8 @@ class TTTConfig(AttentionConfig):
         check_positive_float(self.base_lr, "base_lr", allow_none=True)
         check_positive_int(self.mlp_ratio, "mlp_ratio")
         check_bool(self.inner_norm, "inner_norm")
+        if self.rope and self.head_dim % 2:
+            fail("head_dim", "an even int for RoPE (pairs of channels)", repr(self.head_dim))
         w = self.qk_conv
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             fail("qk_conv", "a non-negative int (the width W; 0 for none)", repr(w))
@@ -211,8 +214,11 @@ class TTTAttention(Trained):
         x, positions = ctx
         B, T, _ = x.shape
         q, k = (y.reshape(B, T, cfg.num_heads, cfg.head_dim) for y in jnp.split(qk, 2, -1))
-        within = positions % cfg.mini_batch
-        q, k = self._rope(q, within), self._rope(k, within)
+        within = positions % cfg.mini_batch  # the authors' RoPE: interleaved pairs
+        if cfg.rope:
+            rotate = functools.partial(attn.apply_rope, positions=within, base=cfg.rope_base,
+                                       layout="interleaved")  # fmt: skip
+            q, k = rotate(q), rotate(k)
         v = self.v_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim)
         eta = jax.nn.sigmoid(self.lr_proj(x.astype(jnp.float32)))
         return dict(q=q, k=k, v=v, eta=cfg.learning_rate * eta / cfg.head_dim)

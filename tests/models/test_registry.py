@@ -83,6 +83,24 @@ def test_delta_config_refuses_what_its_layer_cannot_take():
     assert models.DeltaConfig(value_heads=8).num_value_heads == 8
 
 
+def test_the_trained_memories_configs_refuse_what_their_layers_cannot_take():
+    cases = [
+        (models.TTTConfig, dict(form="chunkwise"), "form"),
+        (models.TTTConfig, dict(head_dim=7), "head_dim"),  # RoPE's pairs
+        (models.TTTConfig, dict(mini_batch=0), "mini_batch"),
+        (models.TTTConfig, dict(num_kv_heads=2), "num_kv_heads"),
+        (models.TitansConfig, dict(memory="deep"), "memory"),
+        (models.TitansConfig, dict(rope=True), "rope"),
+        (models.MesaConfig, dict(cg_steps=0), "cg_steps"),
+        (models.MesaConfig, dict(lambda_floor=1.5), "lambda_floor"),  # above lambda's init
+    ]
+    for cls, kwargs, field in cases:
+        with pytest.raises(ValueError, match=rf"^{field}: expected"):
+            cls(**kwargs)
+    assert models.MesaConfig(cg_steps=None).cg_steps is None  # the exact solve
+    assert models.TTTConfig(kind="ttt_mlp", head_dim=7, rope=False).mlp
+
+
 def test_a_field_of_another_kind_is_refused_not_ignored():
     with pytest.raises(TypeError, match="'feature_map'"):
         models.SoftmaxConfig(feature_map="taylor")
