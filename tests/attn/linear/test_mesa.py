@@ -85,7 +85,7 @@ def test_forms_match_float64_forward_and_gradients(form, cg_steps):
         assert rel_err(g, np.asarray(w)) <= GRAD_RTOL, (name, rel_err(g, np.asarray(w)))
 
 
-def test_cg_at_h_steps_is_the_exact_solve_and_each_token_continues_the_sequence():
+def test_cg_nears_the_exact_solve_with_its_steps_and_each_token_continues_the_sequence():
     q, k, v, beta, log_gates, lam, S0, G0 = make_inputs(2)
     state = attn.MesaState(S0, G0)
     kw = dict(log_gates=log_gates, chunk_size=C, initial_state=state, return_state=True)
