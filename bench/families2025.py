@@ -12,7 +12,7 @@ respect to every input), each family beside its relative:
   Gated DeltaNet's chunkwise form: within 1.5x.
 - Log-linear Mamba-2 (``attn.log_linear_attention``, chunkwise) beside Mamba-2's
   SSD (``attn.ssd`` chunkwise, no ``D`` skip): no target, the ratio is shown.
-- The trained memories (issue 71) against Gated DeltaNet's chunkwise form:
+- The trained memories against Gated DeltaNet's chunkwise form:
   TTT-Linear (``attn.ttt_linear``, dual form, mini-batches of 16) and MesaNet
   (``attn.mesa_net`` chunkwise, 8 CG steps) within 3x; TTT-MLP (dual, F = 4H)
   and Titans (``attn.titans``, an MLP memory, dual, mini-batches of 16) shown.

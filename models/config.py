@@ -194,6 +194,13 @@ def check_positive_float(value, field: str, *, allow_none: bool = False) -> None
     positive_float(value, field, "a positive finite number" + (" or None" if allow_none else ""))
 
 
+def check_width(value, field: str) -> None:
+    """Refuses anything but an int >= 0: a short convolution's width W (0: none), naming
+    ``field``."""
+    if not is_int(value) or value < 0:
+        fail(field, "a non-negative int (the width W; 0 for none)", repr(value))
+
+
 def check_bool(value, field: str) -> None:
     """Refuses anything but a bool, naming ``field``."""
     if not isinstance(value, bool):

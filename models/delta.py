@@ -22,7 +22,13 @@ from flax import nnx
 import attn
 from attn.checks import fail
 from attn.linear.front import CHUNK_SIZE
-from models.config import AttentionConfig, check_bool, check_positive_int, register_kind
+from models.config import (
+    AttentionConfig,
+    check_bool,
+    check_positive_int,
+    check_width,
+    register_kind,
+)
 from models.heads import HeadGate, dense
 from models.levels import init_levels, level_weights, num_levels
 from models.mesh import in_sequence
@@ -90,9 +96,7 @@ class DeltaConfig(AttentionConfig):
             fail("value_heads", f"a multiple of num_heads={self.num_heads}", repr(nv))
         check_bool(self.negative_eigenvalues, "negative_eigenvalues")
         check_positive_int(self.householder_steps, "householder_steps")
-        w = self.qkv_conv
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
+        check_width(self.qkv_conv, "qkv_conv")
 
 
 def _inverse_softplus(y):

@@ -22,6 +22,7 @@ from models.config import (
     check_bool,
     check_positive_float,
     check_positive_int,
+    check_width,
     register_kind,
 )
 from models.delta import l2_normalize
@@ -67,9 +68,7 @@ class MesaConfig(AttentionConfig):
         check_positive_float(self.lambda_floor, "lambda_floor")
         if self.lambda_floor >= LAMBDA_INIT:
             fail("lambda_floor", f"a floor below lambda's init {LAMBDA_INIT}", self.lambda_floor)
-        w = self.qk_conv
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            fail("qk_conv", "a non-negative int (the width W; 0 for none)", repr(w))
+        check_width(self.qk_conv, "qk_conv")
         if self.rope:
             fail("rope", "False for kind='mesanet' (the recurrence orders the tokens)", "True")
         if self.num_kv_heads is not None:

@@ -27,6 +27,7 @@ from models.config import (
     check_bool,
     check_positive_float,
     check_positive_int,
+    check_width,
     register_kind,
 )
 from models.delta import l2_normalize
@@ -82,9 +83,7 @@ class TTTConfig(AttentionConfig):
         check_bool(self.inner_norm, "inner_norm")
         if self.rope and self.head_dim % 2:
             fail("head_dim", "an even int for RoPE (pairs of channels)", repr(self.head_dim))
-        w = self.qk_conv
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            fail("qk_conv", "a non-negative int (the width W; 0 for none)", repr(w))
+        check_width(self.qk_conv, "qk_conv")
         if self.num_kv_heads is not None:
             why = "the inner model's keys and values are one width per head"
             fail("num_kv_heads", f"None for kind={self.kind!r} ({why})", repr(self.num_kv_heads))
@@ -291,9 +290,7 @@ class TitansConfig(AttentionConfig):
         check_positive_float(self.base_lr, "base_lr")
         check_positive_int(self.mlp_ratio, "mlp_ratio")
         check_bool(self.inner_norm, "inner_norm")
-        w = self.qkv_conv
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            fail("qkv_conv", "a non-negative int (the width W; 0 for none)", repr(w))
+        check_width(self.qkv_conv, "qkv_conv")
         if self.num_kv_heads is not None:
             why = "the memory's keys and values are one width per head"
             fail("num_kv_heads", f"None for kind='titans' ({why})", repr(self.num_kv_heads))

@@ -37,8 +37,7 @@ import numpy as np
 
 from attn import checks
 from attn.checks import as_arrays, fail
-from attn.linear import front, reference, segments
-from attn.linear import sharded as _sharded  # noqa: F401  (its six records first)
+from attn.linear import front, reference, segments, sharded  # noqa: F401  (sharded: its six records first)
 from attn.linear.family import FAMILIES, Family, Ids, normal, run_sharded, uniform, unit, widen
 from attn.linear.forms import segsum
 from attn.linear.front import RecurrenceArgs

@@ -126,7 +126,6 @@ def test_comba_through_its_record_equals_one_device_forward_and_gradients(kind, 
     devices, an initial state, outputs, final state and every gradient."""
     from tests.attn.linear.test_comba import make_inputs
 
-    mesh, rows = grid_mesh(kind), ("data",) if kind.endswith("_2") else ()
     q, k, v, p, beta, log_g, s0 = (jnp.asarray(x) for x in make_inputs(5, 24))
     seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 11 + [0] * 3], 2, axis=0), jnp.int32)
     cot = normal(9, v.shape)
@@ -137,16 +136,23 @@ def test_comba_through_its_record_equals_one_device_forward_and_gradients(kind, 
         return jnp.sum(out * cot) + jnp.sum(S), (out, S)
 
     arrays = (q, k, v, p, beta, log_g, s0)
+    names = ("q", "k", "v", "p", "beta", "log_g", "s0")
+    record_equals_one_device(loss, attn.comba, attn.sharded_comba, arrays, names, kind, mode)
+
+
+def record_equals_one_device(loss, single, sharded, arrays, names, kind, mode):
+    """``loss(arrays, fn, **mesh_kw) -> (scalar, outputs)`` through ``sharded`` on the grid's
+    mesh ``kind`` in ``mode`` equals it through ``single``: outputs and every gradient."""
+    mesh, rows = grid_mesh(kind), ("data",) if kind.endswith("_2") else ()
     grad = jax.grad(loss, has_aux=True)
-    want_grads, want = jax.jit(functools.partial(grad, fn=attn.comba))(arrays)
+    want_grads, want = jax.jit(functools.partial(grad, fn=single))(arrays)
 
     def run(a, mesh=None):
-        return grad(a, attn.sharded_comba, axis_name=AXIS, batch_axes=rows, mesh=mesh)
+        return grad(a, sharded, axis_name=AXIS, batch_axes=rows, mesh=mesh)
 
     grads, got = in_mode(run, arrays, mesh, mode)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert rel_err(g, w) <= FORWARD_TOL
-    names = ("q", "k", "v", "p", "beta", "log_g", "s0")
     for name, g, w in zip(names, grads, want_grads, strict=True):
         assert rel_err(g, w) <= GRAD_TOL, name
 
@@ -159,7 +165,6 @@ def test_mesa_net_through_its_record_equals_one_device_forward_and_gradients(kin
     Packed segments across the devices, an initial state, outputs, both sums, every gradient."""
     from tests.attn.linear.test_mesa import make_inputs
 
-    mesh, rows = grid_mesh(kind), ("data",) if kind.endswith("_2") else ()
     arrays = tuple(jnp.asarray(x) for x in make_inputs(6))  # T = 21: the tail padded
     seg = jnp.asarray(np.repeat([[1] * 10 + [2] * 8 + [0] * 3], 2, axis=0), jnp.int32)
     cot = normal(9, arrays[2].shape)
@@ -171,15 +176,5 @@ def test_mesa_net_through_its_record_equals_one_device_forward_and_gradients(kin
                         q_segment_ids=seg, kv_segment_ids=seg, **kw)  # fmt: skip
         return jnp.sum(out * cot) + jnp.sum(state.S) + jnp.sum(state.G), (out, state)
 
-    grad = jax.grad(loss, has_aux=True)
-    want_grads, want = jax.jit(functools.partial(grad, fn=attn.mesa_net))(arrays)
-
-    def run(a, mesh=None):
-        return grad(a, attn.sharded_mesa_net, axis_name=AXIS, batch_axes=rows, mesh=mesh)
-
-    grads, got = in_mode(run, arrays, mesh, mode)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert rel_err(g, w) <= FORWARD_TOL
     names = ("q", "k", "v", "beta", "log_g", "lam", "S0", "G0")
-    for name, g, w in zip(names, grads, want_grads, strict=True):
-        assert rel_err(g, w) <= GRAD_TOL, name
+    record_equals_one_device(loss, attn.mesa_net, attn.sharded_mesa_net, arrays, names, kind, mode)

@@ -168,3 +168,10 @@ def test_bad_input_is_named():
         with pytest.raises(ValueError, match=message):
             attn.mesa_net(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("beta"),
                           args.pop("lam"), **args)  # fmt: skip
+    # The sharded form checks the call as the one-device form does, before any mesh runs.
+    mesh = jax.make_mesh((1,), ("seq",))
+    for lam_bad, message in ((-lam, r"^lam: expected values > 0"), (lam[:1], r"^lam: expected")):
+        with pytest.raises(ValueError, match=message):
+            attn.sharded_mesa_net(q, k, v, beta, lam_bad, axis_name="seq", mesh=mesh)
+    with pytest.raises(ValueError, match=r"^initial_state: expected a MesaState"):
+        attn.mesa_net_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], lam, (S0, G0))

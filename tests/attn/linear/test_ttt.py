@@ -221,6 +221,9 @@ def test_bad_input_is_named():
         (dict(memory="mlp", initial_state=attn.titans_zero_state(B, N, H)),
          r"^initial_state.params: expected an MLP's 4 arrays"),
     ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^state: expected a TitansState"):
+        attn.titans_step(q[:, 0], k[:, 0], v[:, 0], theta[:, 0], log_m[:, 0], log_d[:, 0],
+                         mlp_state)  # fmt: skip
     for change, message in titans_cases:
         args = gates | change
         with pytest.raises(ValueError, match=message):
