@@ -36,7 +36,14 @@ state float32), each against its peer on the same inputs (drawn on the device by
   scale 1), ``path`` (``attn.path_attention``, blockwise, blocks of 64, FoX's gate; N = 16
   heads, H = 128; not at 32K: seconds a step) and ``log_linear`` (``attn.log_linear_attention``
   as log-linear Mamba-2: SSD's sizes, one group, ``bit_length(T - 1) + 1`` levels) against
-  fla's ``chunk_dplr_delta_rule``, ``parallel_path_attn`` and ``chunk_log_linear_attn``.
+  fla's ``chunk_dplr_delta_rule``, ``parallel_path_attn`` and ``chunk_log_linear_attn``;
+* the memories trained at test time, last (8K, then 2K, then TTT-Linear's 32K; N = 16 heads
+  of H = E = 64): ``ttt_linear``, ``ttt_mlp`` (``attn.ttt_linear``, ``attn.ttt_mlp``: the
+  dual form, mini-batches of 16, the inner LayerNorm) and ``titans`` (``attn.titans``, the
+  MLP memory, mini-batches of 16), and ``mesa_net`` (``attn.mesa_net``, chunkwise, 30 CG
+  steps). Peers: fla's ``chunk_mesa_net`` (our function) and ``chunk_ttt_linear`` (another
+  function: a timing reference, not compared); fla has no TTT-MLP or Titans kernel, so those
+  points are ours alone.
 
 FLOPs: one count per family and shape, the same for ours and the peer (``flops``), so the
 ratio of TFLOP/s is the inverse ratio of times. Softmax: ``4 B N H`` per visible
@@ -55,7 +62,14 @@ products; the triangular inverse; the read, the writes k v^T and b r^T; the chun
 transition ``M`` and ``M S``), x3; log-linear attention ``2 C (H + E) + 4 H E
 ceil(log2(T / C))`` (the intra-chunk levels as linear attention's; each level above the
 chunk read and built once), x3; PaTH ``8 B N H`` per causal pair (twice softmax's: the
-queries' passes through the blocks' transforms), x3.5. Sparse: ``4 B N H`` per
+queries' passes through the blocks' transforms), x3.5. The memories, with mini-batches of
+b = 16 and hidden width F = 4H: TTT-Linear ``6 H^2 + 4 b H`` (the inner model at k and at
+q, the update ``k^T g``; the mini-batch's ``q k^T`` and its product with the gradients);
+TTT-MLP ``14 H F + 4 b (H + F)`` (forward at k, back through the second layer, the read at
+q and both layers' updates; the two layers' ``b x b`` products), Titans that plus ``8 H F``
+(the momentum's read and update); MesaNet with s = 30 CG steps ``2 H (H + E) + s (2 H^2 +
+4 C H) + 2 H E + 2 C (H + E)`` (the two sums; per step a product with the chunk's start G
+and the intra-chunk keys; the read of S); x3. Sparse: ``4 B N H`` per
 query-key pair each query reads (x3.5 with the backward), plus the selection's scoring
 once (no gradient flows through a top-k): MoBA's query-block scores ``2 H`` per past
 block, DSA's indexer ``2 I F`` per visible key; cuDNN's dense causal attention at the
@@ -90,7 +104,10 @@ import time
 from bench._device_families_inputs import Inputs, host, setup
 from bench._device_families_plan import (  # noqa: F401  (the phase protocol and its tests)
     FAMILIES,
+    MEMORIES,
     NEWER,
+    PEERLESS,
+    TIMING_ONLY,
     TOKENS,
     flops,
     items,
@@ -310,7 +327,7 @@ def run_peers(item, s, args, n_diff, ct, ctx) -> dict:
         if family == "sparse":
             method = "dense" if kind == "cudnn" else "fla_nsa"
         rows[label] = rates(row, flops(item, method), ctx)
-        if family != "sparse":  # the peer computes our function: compare them
+        if family not in TIMING_ONLY:  # the peer computes our function: compare them
             rows[label]["match"] = {f: compare(v, values) for f, v in ours.items()}
     return bandwidth(item, rows)
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 from bench._device_common import interpreted
 from bench._device_families_plan import (
     BLOCKWISE_MAX_T,
+    CG_STEPS,
+    MEMORIES,
+    MINI_BATCH,
     NEWER,
+    PEERLESS,
 )
 
 
@@ -61,6 +65,8 @@ def setup(item: dict) -> dict:
         return _decode_setup(item, r)
     if family in NEWER:
         return _newer_setup(item, r)
+    if family in MEMORIES:
+        return _memory_setup(item, r)
     B, T, N, H = item["B"], item["T"], item["N"], item["H"]
     chunk = item.get("chunk")
     causal = masks.causal()
@@ -202,6 +208,58 @@ def _newer_setup(item: dict, r: Inputs) -> dict:
         out = (B, T, N, E)
     name = "blockwise" if family == "path" else "chunkwise"
     return dict(args=args, grads=len(args), out=out, forms={name: form}, peers={"fla": "fla"})
+
+
+def _memory_setup(item: dict, r: Inputs) -> dict:
+    """TTT-Linear, TTT-MLP and Titans (mini-batches of 16, the LayerNorm in the inner
+    model) and MesaNet (fla's ``chunk_mesa_net``'s meaning: scale 1, k unit-norm, 30 CG
+    steps); q, k and v bf16, the gates, rates and the norm's parameters float32."""
+    import jax.numpy as jnp
+
+    import attn
+
+    family, B, T, N, H = item["family"], item["B"], item["T"], item["N"], item["H"]
+    qkv = {"q": r.normal(B, T, N, H, unit=True), "k": r.normal(B, T, N, H, unit=True),
+           "v": r.normal(B, T, N, H)}  # fmt: skip
+    if family == "mesa_net":
+        args = {
+            **qkv,
+            "beta": r.uniform(B, T, N, dtype="bfloat16"),
+            "g": -r.uniform(B, T, N, low=0.001, high=0.1),
+            "lamb": jnp.log1p(jnp.exp(r.uniform(N, H))) + 0.25,  # the layer's softplus + 1/4
+        }
+
+        def form(q, k, v, beta, g, lamb):
+            return attn.mesa_net(q, k, v, beta, lamb, log_gates=g, cg_steps=CG_STEPS,
+                                 chunk_size=item["chunk"])  # fmt: skip
+
+        return dict(args=args, grads=len(args), out=(B, T, N, H), forms={"chunkwise": form},
+                    peers={"fla": "fla"})  # fmt: skip
+    norm = {"w": 1 + r.normal(N, H, dtype="float32", scale=0.1),
+            "b": r.normal(N, H, dtype="float32", scale=0.1)}  # fmt: skip
+    if family == "titans":
+        gates = {
+            "theta": r.uniform(B, T, N, high=0.1 / H),
+            "log_momentum": jnp.log(r.uniform(B, T, N, low=0.8, high=0.95)),
+            "log_decay": jnp.log1p(-r.uniform(B, T, N, low=0.001, high=0.02)),
+        }
+
+        def form(q, k, v, theta, log_momentum, log_decay, w, b):
+            return attn.titans(q, k, v, theta, log_momentum, log_decay, norm_scale=w,
+                               norm_bias=b, memory="mlp", mini_batch=MINI_BATCH)  # fmt: skip
+
+        peers = {}
+    else:  # TTT: eta = base_lr sigmoid(.) / H, in (0, 1 / H)
+        gates = {"eta": r.uniform(B, T, N, high=1.0 / H)}
+        fn = attn.ttt_mlp if family == "ttt_mlp" else attn.ttt_linear
+
+        def form(q, k, v, eta, w, b):
+            return fn(q, k, v, eta, norm_scale=w, norm_bias=b, mini_batch=MINI_BATCH)
+
+        peers = {} if family in PEERLESS else {"fla": "fla"}
+    args = {**qkv, **gates, **norm}
+    return dict(args=args, grads=len(args), out=(B, T, N, H), forms={"dual": form},
+                peers=peers)  # fmt: skip
 
 
 def _sparse_setup(item: dict, args: dict, r: Inputs) -> dict:

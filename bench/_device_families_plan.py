@@ -12,6 +12,15 @@ CHUNKWISE = ("gated_deltanet", "kda", "deltanet", "deltaproduct", "ssd", "linear
 FAMILIES = (*CHUNKWISE, "softmax", "sparse")  # their 8K rows come first, in this order
 NEWER = ("dplr", "path", "log_linear")  # after everything else: 8K, then 2K, then 32K
 NEWER_LENGTHS = {"dplr": LENGTHS, "path": (2048, 8192), "log_linear": LENGTHS}
+# The memories trained at test time, last (8K, then 2K, then TTT-Linear's 32K); fla has
+# kernels for TTT-Linear (another function: a timing reference) and MesaNet.
+MEMORIES = ("ttt_linear", "mesa_net", "ttt_mlp", "titans")
+MEMORY_LENGTHS = {"ttt_linear": LENGTHS, "mesa_net": (2048, 8192), "ttt_mlp": (2048, 8192),
+                  "titans": (2048, 8192)}  # fmt: skip
+PEERLESS = {"ttt_mlp": "fla has no TTT-MLP kernel", "titans": "fla has no Titans kernel"}
+TIMING_ONLY = ("sparse", "ttt_linear")  # their peers compute another function: not compared
+MINI_BATCH = 16  # TTT's and Titans' b, the authors' (and fla's chunk for TTT-Linear)
+CG_STEPS = 30  # MesaNet's conjugate gradient steps, fla's default (the layer's)
 DECODE_CONTEXTS = (8192, 32768)
 BLOCKWISE_MAX_T = 8192  # blockwise softmax: 0.7 s a forward + backward at 8K, B = 4
 BACKWARD_SOFTMAX = 2.5  # flash attention's backward does 5 matmuls to the forward's 2
@@ -45,6 +54,9 @@ SHAPES = {
     "dplr": dict(N=32, H=64, E=64),  # RWKV-7's heads of 64
     "path": dict(N=16, H=128),
     "log_linear": dict(N=32, H=128, E=64),  # Mamba-2's sizes, as ssd
+    # TTT's heads of 64 (its authors' 125M model; fla's TTT-Linear takes V == K), MesaNet's
+    # the same (fla's kernel takes K == V <= 128); the MLPs' hidden width 4H.
+    **{f: dict(N=16, H=64, E=64) for f in MEMORIES},
 }
 DRY_SHAPES = {
     **{f: dict(N=2, H=16, E=16) for f in ("linear", "deltanet", "gated_deltanet", "kda")},
@@ -70,6 +82,7 @@ DRY_SHAPES = {
     "dplr": dict(N=2, H=16, E=16),
     "path": dict(N=2, H=16),
     "log_linear": dict(N=2, H=16, E=16),
+    **{f: dict(N=2, H=16, E=16) for f in MEMORIES},
 }
 DRY_T, DRY_CHUNK, DRY_SPARSE_T, DRY_CONTEXT = 64, 16, 128, 256
 
@@ -82,7 +95,7 @@ SIDES = ("ours", "peer")  # two items per point: a peer that fails or overruns s
 
 
 def _items(family: str, T: int, mode: str, dry_run: bool) -> list[dict]:
-    """The point's two items (ours, then its peer's)."""
+    """The point's two items (ours, then its peer's; ours alone where fla has no peer)."""
     shape = (DRY_SHAPES if dry_run else SHAPES)[family]
     if family == "decode":
         point = dict(family=family, S=T, mode="step", **shape)
@@ -94,16 +107,17 @@ def _items(family: str, T: int, mode: str, dry_run: bool) -> list[dict]:
         B = 1 if dry_run else batch_for(T)
         point = dict(family=family, T=T, B=B, mode=mode, chunk=chunk, **shape)
         name = f"{family} T={T} {mode}"
-    return [dict(point, name=f"{name} {side}", side=side) for side in SIDES]
+    sides = SIDES[:1] if family in PEERLESS else SIDES
+    return [dict(point, name=f"{name} {side}", side=side) for side in sides]
 
 
 def items(dry_run: bool) -> list[dict]:
-    """8K forward + backward of every family, decoding, 2K and 32K, then 8K forward; each
-    point as our item, then its peer's."""
+    """8K forward + backward of every family, decoding, 2K and 32K, then 8K forward, then
+    the newer families and the memories; each point as our item, then its peer's."""
     if dry_run:  # one of each; the forward path of two
         points = [(f, 0, "fwd+bwd") for f in FAMILIES] + [("decode", DRY_CONTEXT, "step")]
         points += [(f, 0, "fwd") for f in ("gated_deltanet", "softmax")]
-        points += [(f, 0, "fwd+bwd") for f in NEWER]
+        points += [(f, 0, "fwd+bwd") for f in (*NEWER, *MEMORIES)]
     else:
         points = [(f, TARGET_T, "fwd+bwd") for f in FAMILIES]
         points += [("decode", S, "step") for S in DECODE_CONTEXTS]
@@ -111,6 +125,8 @@ def items(dry_run: bool) -> list[dict]:
         points += [(f, TARGET_T, "fwd") for f in FAMILIES]
         points += [(f, T, "fwd+bwd") for T in (TARGET_T, 2048, 32768) for f in NEWER
                    if T in NEWER_LENGTHS[f]]  # fmt: skip
+        points += [(f, T, "fwd+bwd") for T in (TARGET_T, 2048, 32768) for f in MEMORIES
+                   if T in MEMORY_LENGTHS[f]]  # fmt: skip
     return [item for p in points for item in _items(*p, dry_run)]
 
 
@@ -136,12 +152,29 @@ def chunkwise_flops_per_token(family: str, item: dict) -> float:
         return 10 * C * H + 8 * C * E + 6 * H * E + 2 * H * H + 2 * H * H * E / C + C * C / 3
     if family == "log_linear":
         return 2 * C * (H + E) + 4 * H * E * log_levels(item["T"], C)
+    if family in MEMORIES:
+        return memory_flops_per_token(family, item)
     writes = 4 * C * H + 2 * C * E + 4 * H * E + C * C / 3
     reads = 2 * C * H + 2 * C * E + 2 * H * E
     if family == "deltaproduct":
         n = item["n"]
         return n * (writes + reads / n)  # n steps per token, one query
     return writes + reads
+
+
+def memory_flops_per_token(family: str, item: dict) -> float:
+    """Forward FLOPs per token and head of a memory trained at test time (module docstring)."""
+    H, E, b = item["H"], item["E"], MINI_BATCH
+    if family == "ttt_linear":  # k W, q W, the update k^T g; q k^T and its product with g
+        return 6 * H * H + 4 * b * H
+    if family == "mesa_net":  # the sums; per CG step a product with G; the read of S
+        C, s = item["chunk"], CG_STEPS
+        return 2 * H * (H + E) + s * (2 * H * H + 4 * C * H) + 2 * H * E + 2 * C * (H + E)
+    F = 4 * H  # the MLPs: forward at k, back through W2, read at q, both layers' updates
+    flops = 14 * H * F + 4 * b * (H + F)
+    if family == "titans":  # the momentum's read at q and its update
+        flops += 8 * H * F
+    return flops
 
 
 def log_levels(T: int, C: int) -> int:

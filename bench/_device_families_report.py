@@ -7,7 +7,9 @@ from bench._device_families_plan import (
     CHUNK,
     CHUNKWISE,
     FAMILIES,
+    MEMORIES,
     NEWER,
+    PEERLESS,
     TARGET,
     TARGET_T,
     TOKENS,
@@ -98,7 +100,7 @@ def markdown(rows: list[dict], info: dict) -> str:
             "means anything.",
         ]
     pairs = points(rows)
-    for family in (*FAMILIES, "decode", *NEWER):
+    for family in (*FAMILIES, "decode", *NEWER, *MEMORIES):
         group = [(k, pair) for k, pair in pairs.items() if k[0] == family]
         if not group:
             continue
@@ -107,6 +109,8 @@ def markdown(rows: list[dict], info: dict) -> str:
         main = _main_peer(family)
         ops = [_side(pair, "peer", "peers").get(main, {}).get("op") for _, pair in group]
         op = next((o for o in ops if o), main)
+        if family in PEERLESS:
+            op = f"none ({PEERLESS[family]})"
         length = "S" if family == "decode" else "T"
         lines += [
             "",

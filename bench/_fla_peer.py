@@ -50,6 +50,15 @@ tests give them), with fla's default chunk of 64 (ours is 64):
   level_scales)``: log-linear Mamba-2 (one group of B and C, fla's only layout; no scale)
   with ``L = bit_length(T - 1) + 1`` levels, every level its own weight (fla reads that
   many); ours is ``attn.log_linear_attention(..., scale=1.0)``, chunks of 64 both;
+* ``mesa_net``: ``fla.ops.mesa_net.chunk_mesa_net(q, k, v, g, beta, lamb,
+  max_CG_iteration=30)``, our ``attn.mesa_net(..., cg_steps=30)`` exactly (the same CG from
+  zero with the same 1e-5 in both denominators, scale 1, chunks of 64; the implicit
+  gradient in both). Where it differs: fla keeps its per-chunk states in bf16
+  (``states_in_fp32=False``), ours float32;
+* ``ttt_linear``: ``fla.ops.ttt.chunk_ttt_linear(q, k, v, w, b, eta[..., None], scale,
+  chunk_size=16)``: NOT our function (it scales q, reads ``o + LN(o)`` where the authors
+  read ``q + LN(o)``, and applies each token's rate differently): a timing reference only,
+  never compared;
 * ``nsa``: ``fla.ops.nsa.parallel_nsa(q, k, v, g_cmp, g_slc, block_counts,
   block_size, window_size=0)``: NOT our function (its compression is a mean over
   blocks of ``block_size``, ours is given overlapping blocks, and it has no window
@@ -96,6 +105,8 @@ OPS = {
     "dplr": ("fla.ops.generalized_delta_rule", "chunk_dplr_delta_rule"),
     "path": ("fla.ops.path_attn", "parallel_path_attn"),
     "log_linear": ("fla.ops.log_linear_attn", "chunk_log_linear_attn"),
+    "ttt_linear": ("fla.ops.ttt", "chunk_ttt_linear"),
+    "mesa_net": ("fla.ops.mesa_net", "chunk_mesa_net"),
 }
 # Packages whose __init__ is not run (see the module docstring).
 BARE = ("fla", "fla.ops", "fla.modules")
@@ -265,6 +276,12 @@ def call(family: str, item: dict):
         return lambda t: fn(t["q"], t["k"], t["v"], t["w"], t["beta"], g=t["g"], scale=scale)[0]
     if family == "log_linear":
         return lambda t: fn(t["q"], t["k"], t["v"], t["g"], t["level_scales"])[0]
+    if family == "ttt_linear":  # eta per token as [B,T,N,1]; mini-batches of 16 both
+        return lambda t: fn(t["q"], t["k"], t["v"], t["w"], t["b"], t["eta"][..., None],
+                            scale=scale, chunk_size=16)[0]  # fmt: skip
+    if family == "mesa_net":
+        return lambda t: fn(t["q"], t["k"], t["v"], t["g"], t["beta"], t["lamb"],
+                            max_CG_iteration=30)[0]  # fmt: skip
     raise KeyError(family)
 
 

@@ -114,6 +114,13 @@ FAMILIES: dict[str, Family] = {
         "head dim",
         _heads_of(64, ("log_linear_gated_deltanet",) * 2),
     ),
+    # The memories trained at test time (mini-batches of 16, their authors'): a layer's
+    # state is its inner model's weights per head (TTT-MLP's and Titans' two layers of
+    # hidden width 4 x head dim), MesaNet's the two gated sums per head.
+    "ttt_linear": Family("TTT-Linear", "head dim", _heads_of(64, ("ttt_linear",) * 2)),
+    "ttt_mlp": Family("TTT-MLP", "head dim", _heads_of(64, ("ttt_mlp",) * 2)),
+    "titans": Family("Titans (MLP memory)", "head dim", _heads_of(64, ("titans",) * 2)),
+    "mesanet": Family("MesaNet", "head dim", _heads_of(64, ("mesanet",) * 2)),
 }
 
 
@@ -214,6 +221,10 @@ SCALES: dict[str, Scale] = {
             ("path", (16, 32, 48, 64)),
             ("log_linear_mamba2", (8, 16, 32, 64)),
             ("log_linear_gated_deltanet", (8, 16, 32, 64)),
+            ("ttt_linear", (8, 16, 32, 64)),
+            ("ttt_mlp", (8, 16, 32, 64)),
+            ("titans", (8, 16, 32, 64)),
+            ("mesanet", (8, 16, 32, 64)),
         ),
         vocab_size=64,
         lrs=(1e-2, float(10**-1.5)),
@@ -238,6 +249,10 @@ SCALES: dict[str, Scale] = {
             ("path", (64, 128, 256, 512)),
             ("log_linear_mamba2", (16, 32, 64, 128)),
             ("log_linear_gated_deltanet", (8, 16, 32, 64)),
+            ("ttt_linear", (8, 16, 32, 64)),
+            ("ttt_mlp", (8, 16, 32, 64)),
+            ("titans", (8, 16, 32, 64)),
+            ("mesanet", (8, 16, 32, 64)),
         ),
         vocab_size=8192,
         lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)),

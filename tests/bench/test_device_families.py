@@ -12,6 +12,7 @@ import time
 import pytest
 
 from bench import _device_families as fam
+from bench import _device_families_plan as plan
 from bench import _fla_peer
 from bench._device_common import Context
 
@@ -20,24 +21,34 @@ def test_every_familys_8k_forward_backward_comes_first_ours_then_the_peer():
     items = fam.items(False)
     names = [i["name"] for i in items]
     assert len(set(names)) == len(names)
-    for ours, peer in zip(items[::2], items[1::2], strict=True):
-        assert (ours["side"], peer["side"]) == ("ours", "peer")
-        assert fam.point_key(ours) == fam.point_key(peer)
+    points = {}  # each point's sides, in order: ours, then its peer (where fla has one)
+    for i in items:
+        points.setdefault(fam.point_key(i), []).append(i["side"])
+    assert all(sides == (["ours"] if key[0] in fam.PEERLESS else ["ours", "peer"])
+               for key, sides in points.items())  # fmt: skip
+    assert [fam.point_key(i) for i in items] == [k for k, s in points.items() for _ in s]
     n = 2 * len(fam.FAMILIES)
     head = items[:n]
     assert [i["family"] for i in head[::2]] == list(fam.FAMILIES)
     assert head[0]["family"] == "gated_deltanet"
     assert all(i["T"] == 8192 and i["mode"] == "fwd+bwd" for i in head)
     assert [i["S"] for i in items[n : n + 4 : 2]] == [8192, 32768]  # then decoding
-    newer = [i for i in items if i["family"] in fam.NEWER]  # after everything else
-    assert items[-len(newer) :] == newer and [i["family"] for i in newer[:6:2]] == list(fam.NEWER)
+    memories = [i for i in items if i["family"] in fam.MEMORIES]  # last
+    newer = [i for i in items if i["family"] in fam.NEWER]  # before them
+    assert items[-len(memories) :] == memories
+    assert items[-len(newer) - len(memories) : -len(memories)] == newer
+    assert [i["family"] for i in newer[:6:2]] == list(fam.NEWER)
     assert [(i["T"], i["mode"]) for i in newer[:6]] == [(8192, "fwd+bwd")] * 6
     assert {i["T"] for i in newer if i["family"] == "path"} == {2048, 8192}
-    older = items[: -len(newer)]
+    first = [fam.point_key(i) for i in memories[:6]]  # each memory's 8K first, then 2K
+    assert list(dict.fromkeys(first)) == [(f, 8192, "fwd+bwd") for f in fam.MEMORIES]
+    assert {i["T"] for i in memories if i["family"] != "ttt_linear"} == {2048, 8192}
+    assert {i["T"] for i in memories if i["family"] == "ttt_linear"} == set(plan.LENGTHS)
+    older = items[: -len(newer) - len(memories)]
     assert [i["mode"] for i in older[-n:]] == ["fwd"] * n  # then forward only
     assert {i["B"] * i["T"] for i in items if "T" in i} == {fam.TOKENS}
     dry = fam.items(True)
-    assert {i["family"] for i in dry} == {*fam.FAMILIES, "decode", *fam.NEWER}
+    assert {i["family"] for i in dry} == {*fam.FAMILIES, "decode", *fam.NEWER, *fam.MEMORIES}
     assert {i["mode"] for i in dry if i["family"] == "kda"} == {"fwd+bwd"}
 
 
@@ -61,6 +72,14 @@ def test_flop_counts():
     assert fam.flops(log_linear) == 8192 * (2 * C * (H + E) + 4 * H * E * 7)
     path = dict(softmax, family="path")
     assert fam.flops(path) == 2 * fam.flops(softmax)
+    H, b, F = 64, plan.MINI_BATCH, 256
+    ttt = dict(linear, family="ttt_linear", H=H, E=H)
+    assert fam.flops(ttt) == 2 * (6 * H * H + 4 * b * H)
+    assert fam.flops(dict(ttt, family="ttt_mlp")) == 2 * (14 * H * F + 4 * b * (H + F))
+    assert fam.flops(dict(ttt, family="titans")) == 2 * (22 * H * F + 4 * b * (H + F))
+    s = plan.CG_STEPS
+    per_token = 4 * H * H + s * (2 * H * H + 4 * C * H) + 2 * H * H + 4 * C * H
+    assert fam.flops(dict(ttt, family="mesa_net")) == 2 * per_token
     # A selection that covers every visible key reads what dense causal attention reads.
     sparse = dict(
         family="sparse",
@@ -158,7 +177,7 @@ def test_a_dry_run_of_one_point_per_kind_on_the_cpu(monkeypatch):
         repeats=2,
     )
     chosen = [("gated_deltanet", "fwd+bwd"), ("softmax", "fwd"), ("sparse", "fwd+bwd"),
-              ("decode", "step")]  # fmt: skip
+              ("decode", "step"), ("mesa_net", "fwd+bwd"), ("titans", "fwd+bwd")]  # fmt: skip
     rows = [
         dict(item, **fam.run_item(item, ctx))
         for item in fam.items(True)
@@ -189,6 +208,12 @@ def test_a_dry_run_of_one_point_per_kind_on_the_cpu(monkeypatch):
     # jax.nn computes the same step: bf16 rounding apart, the outputs agree.
     match = by["decode", "peer"]["peers"]["jax.nn"]["match"]
     assert set(match) == set(decode) and all(m["out"] < 0.02 for m in match.values())
+    mesa = by["mesa_net", "ours"]["ours"]["chunkwise"]
+    assert mesa["status"] == "ok" and mesa["flops"] == fam.flops(by["mesa_net", "ours"])
+    assert by["mesa_net", "peer"]["status"].startswith("not measured: ")
+    titans = by["titans", "ours"]["ours"]["dual"]
+    assert titans["status"] == "ok" and ("titans", "peer") not in by  # fla has no kernel
     md = fam.markdown(rows, {"dry_run": True})
+    assert "**titans** (N=2, H=16, E=16); peer: none (fla has no Titans kernel)" in md
     assert "**gated_deltanet**" in md and "**decode**" in md and "Dry run" in md
     assert "gated_deltanet not measured" in md
