@@ -111,7 +111,9 @@ def attention_arrays():
     impls = {
         "dense": functools.partial(attn.attention, impl="dense"),
         "blockwise": functools.partial(attn.blockwise_attention, block_q=8, block_k=16),
-        "pallas": functools.partial(attn.pallas.flash_attention, block_q=16, block_k=16),
+        "pallas": functools.partial(
+            attn.pallas.flash_attention, block_q=16, block_k=16, interpret=True
+        ),
     }
     for name, kwargs in softmax_cases().items():
         for impl, fn in impls.items():
@@ -141,14 +143,15 @@ def attention_arrays():
         dict(mask=masks.causal()),
     )
     qs, ks, vs = qkv(T=128, S=128)
-    out["splash/causal"] = {"out": attn.attention(qs, ks, vs, impl="splash", mask=masks.causal())}
+    splash = attn.attention(qs, ks, vs, impl="splash", mask=masks.causal(), interpret=True)
+    out["splash/causal"] = {"out": splash}
     out["xla/causal"] = {"out": attn.attention(q, k, v, impl="xla", mask=masks.causal())}
     # Split-K decoding over rows of their own lengths.
     lengths = jnp.asarray([30, 11])
-    for impl in ("dense", "pallas"):
+    for impl, interpret in (("dense", None), ("pallas", True)):
         decoded = attn.decode_attention(
             q[:, :2], k, v, lengths=lengths, num_splits=3, mask=masks.causal(),
-            sink_logits=normal(9, (N,)), impl=impl,
+            sink_logits=normal(9, (N,)), impl=impl, interpret=interpret,
         )  # fmt: skip
         out[f"decode/{impl}"] = {"out": decoded}
     return out
