@@ -95,10 +95,8 @@ class CombaAttention(DeltaAttention):
 
     def _finish(self, out, inputs, x):
         """Per-head RMSNorm, the sigmoid output gate, the head gates and ``o_proj``."""
-        B, T, N, E = out.shape
         normed = self.out_norm(out.astype(jnp.float32)).astype(x.dtype)
-        gate = jax.nn.sigmoid(self.out_gate(x)).reshape(B, T, N, E)
-        return self._output(normed * gate)
+        return self._output(self._gated(normed, x))
 
 
 def _sized(sizes: PresetSizes) -> CombaConfig:

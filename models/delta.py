@@ -274,10 +274,8 @@ class DeltaAttention(Recurrent):
 
     def _finish(self, out, inputs, x):
         """Per-head RMSNorm, the SiLU output gate, the head gates and ``o_proj``."""
-        B, T, N, E = out.shape
         normed = self.out_norm(out.astype(jnp.float32)).astype(x.dtype)
-        gate = jax.nn.silu(self.out_gate(x)).reshape(B, T, N, E)
-        return self._output(normed * gate)
+        return self._output(self._gated(normed, x, jax.nn.silu))
 
 
 def l2_normalize(x, eps: float):

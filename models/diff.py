@@ -92,6 +92,8 @@ class DiffAttention(Softmax):
         self.k_proj = linear(width, 2 * K * H)
         self.v_proj = linear(width, 2 * K * H)
         self.o_proj = linear(2 * N * H, width)
+        self._init_output_gate(width, cfg.output_gate, 2 * H, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)  # fmt: skip
         # The paper draws the lambda vectors from N(0, 0.1^2).
         self.lambdas = nnx.Param(0.1 * jax.random.normal(rngs.params(), (4, H), param_dtype))
         self.head_norm = nnx.RMSNorm(2 * H, epsilon=1e-5, dtype=jnp.float32, rngs=rngs)
@@ -112,13 +114,14 @@ class DiffAttention(Softmax):
         lq1, lk1, lq2, lk2 = self.lambdas[...].astype(jnp.float32)
         return jnp.exp(lq1 @ lk1) - jnp.exp(lq2 @ lk2) + self.cfg.lambda_init
 
-    def _combine(self, out):
-        """``[B,T,2N,2H]`` maps' outputs -> the layer output ``[B,T,D]``."""
+    def _combine(self, out, x):
+        """``[B,T,2N,2H]`` maps' outputs -> the layer output ``[B,T,D]`` (x ``[B,T,D]``
+        the layer's input, for the output gate)."""
         N = self.cfg.num_heads
         lam = self._lambda()
         diff = out[:, :, :N].astype(jnp.float32) - lam * out[:, :, N:].astype(jnp.float32)
         normed = self.head_norm(diff) * (1.0 - self.cfg.lambda_init)
-        return self._output(normed.astype(self.dtype))
+        return self._output(self._gated(normed.astype(self.dtype), x))
 
     def _maps(self, q, k, v, *, impl: str, tap: bool, **rows):
         """Both maps in one call: values shared by the two halves' kv heads. ``rows``: the
@@ -140,7 +143,7 @@ class DiffAttention(Softmax):
         """Args: x ``[B,T,D]``; positions, segment_ids ``[B,T]`` or None. Returns ``[B,T,D]``."""
         q, k, v = self._projections(x, jnp.arange(x.shape[1]) if positions is None else positions)
         arrays = self._whole(positions, segment_ids)
-        return self._combine(self._maps(q, k, v, impl=self._impl(), tap=True, **arrays))
+        return self._combine(self._maps(q, k, v, impl=self._impl(), tap=True, **arrays), x)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         cfg = self.cfg
@@ -156,7 +159,7 @@ class DiffAttention(Softmax):
         (keys, values), kv_pos, cache = cache.extend((k, v), start, lengths)
         cached = self._cached(positions, kv_pos)
         out = self._maps(q, keys, values, impl=self._impl(cached=True), tap=False, **cached)
-        return self._combine(out), cache
+        return self._combine(out, x), cache
 
 
 register_preset(

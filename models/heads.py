@@ -29,6 +29,7 @@ import functools
 import itertools
 
 import chex
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -92,6 +93,9 @@ def fused(x, *projections: nnx.Linear) -> tuple:
     return tuple(part.reshape(*lead, -1) for part in jnp.split(y, cuts, axis=-1))
 
 
+# Gated attention's gates (Qiu et al. 2025): one per output channel, or one per head.
+OUTPUT_GATES = ("elementwise", "headwise")
+
 # Kernels that need positions known when tracing: jax.nn's take no positions or
 # segment ids at all, and splash builds its mask from concrete positions.
 STATIC_POSITION_IMPLS = (*JAX_NN_IMPLS, "splash")
@@ -128,6 +132,23 @@ class Heads(nnx.Module):
         self.k_proj = linear(width, K * H)
         self.v_proj = linear(width, K * H)
         self.o_proj = linear(N * H, width)
+
+    def _init_output_gate(self, width: int, gate: str | None, value_dim: int, *, dtype,
+                          param_dtype, rngs):  # fmt: skip
+        """``out_gate``: gated attention's projection (``gate`` in ``OUTPUT_GATES``),
+        ``[D, N*E]`` (``"elementwise"``) or ``[D, N]`` (``"headwise"``); None without one."""
+        N = self.cfg.num_heads
+        size = {None: 0, "elementwise": N * value_dim, "headwise": N}[gate]
+        self.out_gate = (dense(width, size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                         if size else nnx.data(None))  # fmt: skip
+
+    def _gated(self, out, x, activation=jax.nn.sigmoid):
+        """``out [B,T,N,E]`` times ``activation(x W_g)``, x ``[B,T,D]`` the layer's input:
+        per channel, or per head where ``out_gate`` is ``[D, N]``; ``out`` without one."""
+        if self.out_gate is None:
+            return out
+        B, T, N, _ = out.shape
+        return out * activation(self.out_gate(x)).reshape(B, T, N, -1)
 
     def _rope(self, x, positions):
         """x ``[B,T,heads,H]`` rotated at ``positions [B,T]`` if ``cfg.rope`` (the

@@ -125,6 +125,8 @@ class LatentAttention(Softmax):
         self.w_uk = nnx.Param(init(rngs.params(), (R, N, Hn), param_dtype))
         self.w_uv = nnx.Param(init(rngs.params(), (R, N, E), param_dtype))
         self.o_proj = linear(N * E, width)
+        self._init_output_gate(width, cfg.output_gate, E, dtype=dtype, param_dtype=param_dtype,
+                               rngs=rngs)  # fmt: skip
 
     @property
     def scale(self) -> float:
@@ -173,7 +175,7 @@ class LatentAttention(Softmax):
             tap=True,
             **self._whole(positions, segment_ids),
         )
-        return self._output(out)
+        return self._output(self._gated(out, x))
 
     def init_cache(self, batch: int, max_len: int) -> LatentCache:
         """Empty ``LatentCache``: c_kv ``[B,S,R]``, k_rope ``[B,S,Hr]``."""
@@ -200,4 +202,4 @@ class LatentAttention(Softmax):
             impl=self._impl(cached=True),
             **self._cached(positions, kv_pos),
         )
-        return self._output(out), cache
+        return self._output(self._gated(out, x)), cache

@@ -27,7 +27,7 @@ from models.config import (
     check_positive_int,
     is_int,
 )
-from models.heads import Heads, cached_impl
+from models.heads import OUTPUT_GATES, Heads, cached_impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,9 @@ class MaskedConfig(AttentionConfig):
         turns into ring attention under a mesh whose ``"seq"`` axis has > 1 device.
       softcap: logit soft-cap (Gemma 2), or None.
       sink_logits: a learned per-head logit joins each softmax denominator (gpt-oss).
+      output_gate: gated attention (Qiu et al. 2025; Qwen3-Next's): the attention's
+        output times ``sigmoid(x W_g)`` before the output projection, x the layer's input;
+        ``"elementwise"`` (a gate per channel) or ``"headwise"`` (one per head), or None.
     """
 
     window: int | None = None
@@ -62,6 +65,7 @@ class MaskedConfig(AttentionConfig):
     impl: str = "auto"
     softcap: float | None = None
     sink_logits: bool = False
+    output_gate: str | None = None
 
     def check_fields(self) -> None:
         check_positive_int(self.window, "window", allow_none=True)
@@ -101,6 +105,8 @@ class MaskedConfig(AttentionConfig):
             )
         check_positive_float(self.softcap, "softcap", allow_none=True)
         check_bool(self.sink_logits, "sink_logits")
+        if self.output_gate is not None and self.output_gate not in OUTPUT_GATES:
+            fail("output_gate", f"one of {OUTPUT_GATES} or None", repr(self.output_gate))
 
     def check_direction(self, causal: bool, name: str = "layer") -> None:
         """A causal layer's local span is ``window``, a bidirectional one's ``radius``."""

@@ -158,11 +158,8 @@ class MesaAttention(Recurrent):
         return attn.init_mesa_state(batch, cfg.num_heads, cfg.head_dim, cfg.head_dim)
 
     def _finish(self, out, inputs, x):
-        B, T, N, E = out.shape
         normed = self.out_norm(out.astype(jnp.float32)).astype(x.dtype)
-        if self.out_gate is not None:
-            normed = normed * jax.nn.silu(self.out_gate(x)).reshape(B, T, N, E)
-        return self._output(normed)
+        return self._output(self._gated(normed, x, jax.nn.silu))
 
 
 def _sized(sizes: PresetSizes) -> MesaConfig:

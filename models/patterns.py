@@ -139,6 +139,11 @@ _builtin("mha", "softmax, multi-head (also the global layer of hybrids)", lambda
 _builtin("gqa", "softmax, gqa_kv_heads kv heads", lambda s: s.base(num_kv_heads=s.gqa_kv_heads))
 _builtin("mqa", "softmax, one kv head", lambda s: s.base(num_kv_heads=1))
 _builtin("mla", "multi-head latent attention (DeepSeek-V2)", lambda s: s.latent())
+_builtin(
+    "gated_mha",
+    "softmax, its output gated per channel by sigmoid(x W_g) (gated attention, Qiu et al. 2025)",
+    lambda s: s.base(output_gate="elementwise"),
+)
 _builtin("window", "softmax, sliding window", lambda s: s.base(window=s.window))
 _builtin(
     "streaming",

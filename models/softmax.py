@@ -104,6 +104,8 @@ class SelfAttention(Softmax):
     def __init__(self, cfg: SoftmaxConfig, width: int, *, causal: bool, dtype, param_dtype, rngs):
         self._init_softmax(cfg, causal=causal, dtype=dtype, param_dtype=param_dtype)
         self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_output_gate(width, cfg.output_gate, cfg.head_dim, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)  # fmt: skip
         self._init_score(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def _init_score(self, width: int, *, dtype, param_dtype, rngs):
@@ -163,7 +165,7 @@ class SelfAttention(Softmax):
         if self.sow_weights:  # the tap needs the dense weights [B,N,T,S], unsharded
             out = self._softmax(self._attention, q, k, v, impl="auto", tap=True, score_mod=mod,
                                 **self._whole(positions, segment_ids))  # fmt: skip
-            return self._output(out)
+            return self._output(self._gated(out, x))
         on_ring, axes = self._on_ring(T), batch_axes(B)
         if on_ring and positions is None:  # the ring attends by the tokens' positions
             positions = jnp.arange(T, dtype=jnp.int32)
@@ -185,7 +187,7 @@ class SelfAttention(Softmax):
                 run = functools.partial(shard_rows, run, PartitionSpec(axes), set(axes))
         out = run(q, k, v, sink_logits=self._sinks(), score_mod=mod,
                   **self._whole(positions, segment_ids))  # fmt: skip
-        return self._output(out)
+        return self._output(self._gated(out, x))
 
     def _attention(self, q, k, v, **call):
         """The layer's attention call: ``attn.attention`` (a function kind's own function:
@@ -248,7 +250,7 @@ class SelfAttention(Softmax):
             self._attention, q, keys, values, impl=self._impl(cached=True), score_mod=mod,
             **self._cached(positions, kv_pos),
         )  # fmt: skip
-        return self._output(out), cache
+        return self._output(self._gated(out, x)), cache
 
     def _extend_forget(self, x, k, v, cache: ForgetCache, start, lengths):
         """Stores FoX's new keys with their gate sums; returns them and the call's modifier.
@@ -299,6 +301,8 @@ class CrossAttention(Softmax):
             fail("cross.score", f"None for cross-attention ({why})", repr(cfg.score))
         self._init_softmax(cfg, causal=False, dtype=dtype, param_dtype=param_dtype)
         self._init_qkv(width, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self._init_output_gate(width, cfg.output_gate, cfg.head_dim, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)  # fmt: skip
 
     def memory(self, memory, segment_ids) -> CrossCache:
         """Keys and values ``[B,S,K,H]`` of the encoder output ``memory [B,S,D]``.
@@ -329,4 +333,4 @@ class CrossAttention(Softmax):
             q_segment_ids=jnp.ones((B, T), jnp.int32),
             kv_segment_ids=memory.segment_ids,
         )
-        return self._output(out)
+        return self._output(self._gated(out, x))

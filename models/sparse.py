@@ -250,7 +250,7 @@ class SparseAttention(SelfAttention):
         out = self._sparse(q, k, v, q_side, kv_side, training=True, score_mod=mod, **rows)
         if self.sow_weights:
             self._sow(self._weights(q, k, q_side, kv_side, score_mod=mod, **rows))
-        return self._output(out)
+        return self._output(self._gated(out, x))
 
     def extend(self, x, cache: KVCache, start, lengths=None):
         positions = step_positions(start, x.shape[1])
@@ -263,7 +263,7 @@ class SparseAttention(SelfAttention):
         mod, rows = self._score_mod(x), self._cached(positions, kv_pos)
         out = self._sparse(q, keys, values, q_side, kv_side, training=False, kept=kept,
                            score_mod=mod, **rows)  # fmt: skip
-        return self._output(out), cache
+        return self._output(self._gated(out, x)), cache
 
     def _kept(self, cache, k, v, start, positions) -> tuple:
         """What the cache keeps beside the keys for the new tokens ``[B,T,...]`` (none)."""

@@ -24,9 +24,13 @@ B, MAX_LEN = 2, 16
 
 # The presets plus variants that switch on the remaining options in one place.
 REGISTRY = dict(models.presets())
-REGISTRY["mla_direct_q"] = dataclasses.replace(REGISTRY["mla"], q_rank=None)
-REGISTRY["gqa_softcap_sink_logits"] = dataclasses.replace(
-    REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4
+# Gated attention rides on two of them: MLA's direct queries gated per head, GQA (with a
+# soft-cap, sink logits and partial RoPE) per channel.
+REGISTRY["mla_direct_q_gated"] = dataclasses.replace(
+    REGISTRY["mla"], q_rank=None, output_gate="headwise"
+)
+REGISTRY["gqa_gated_softcap_sinks"] = dataclasses.replace(
+    REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4, output_gate="elementwise"
 )
 # FAVOR+ random features, GQA (K=2) and RetNet decay in one linear layer.
 REGISTRY["linear_favor"] = dataclasses.replace(
@@ -37,8 +41,8 @@ REGISTRY["gqa_blockwise"] = dataclasses.replace(REGISTRY["gqa"], impl="blockwise
 # Short convolutions ride on models other tests compile anyway (compiling dominates):
 # a full KV cache (gqa), and in the hybrid linear attention with decay and gates, MLA and
 # a window's ring buffer, at widths W = 4, 3, 2; an encoder layer (W = 3) too.
-REGISTRY["gqa_softcap_sink_logits_conv"] = dataclasses.replace(
-    REGISTRY["gqa_softcap_sink_logits"], short_conv=4
+REGISTRY["gqa_gated_softcap_sinks_conv"] = dataclasses.replace(
+    REGISTRY["gqa_gated_softcap_sinks"], short_conv=4
 )
 REGISTRY["linear_decay_gated_conv"] = dataclasses.replace(
     REGISTRY["linear_gated"], decay="retnet", short_conv=4
@@ -119,9 +123,9 @@ REGISTRY["mesanet_small"] = dataclasses.replace(
 # One decoder per attention kind; the hybrid mixes all three cache kinds and convolutions.
 KINDS = {
     "mha": ("mha", "mha"),
-    "gqa": ("gqa", "gqa_softcap_sink_logits_conv"),
+    "gqa": ("gqa", "gqa_gated_softcap_sinks_conv"),
     "mqa": ("mqa", "mqa"),
-    "mla": ("mla", "mla_direct_q"),
+    "mla": ("mla", "mla_direct_q_gated"),
     "window": ("window", "window"),
     "streaming": ("streaming", "streaming"),
     "global_tokens": ("global_tokens", "global_tokens"),

@@ -246,7 +246,7 @@ def test_decoder_argument_errors():
 # MLA: the absorbed (latent-space) computation equals the naive one
 
 
-@pytest.mark.parametrize("name", ["mla", "mla_direct_q"])
+@pytest.mark.parametrize("name", ["mla", "mla_direct_q_gated"])
 def test_mla_absorbed_equals_naive(name):
     cfg = dataclasses.replace(REGISTRY[name], window=5, initial_tokens=1)
     layer = models.LatentAttention(

@@ -19,8 +19,9 @@ from tests.util import rel_err
 
 
 def ring_model_config(impl: str = "ring") -> ModelConfig:
-    """One layer with the ring's features: GQA, a soft-cap, sink logits, and StreamingLLM's
-    window plus initial tokens. (train's sequence-parallel step covers plain MHA as "auto".)"""
+    """One layer with the ring's features: GQA, a soft-cap, sink logits, StreamingLLM's
+    window plus initial tokens, and the output gate. (train's sequence-parallel step covers
+    plain MHA as "auto".)"""
     layer = SoftmaxConfig(
         num_heads=4,
         num_kv_heads=2,
@@ -30,6 +31,7 @@ def ring_model_config(impl: str = "ring") -> ModelConfig:
         sink_logits=True,
         window=5,
         initial_tokens=2,
+        output_gate="elementwise",
     )
     return ModelConfig(vocab_size=32, width=32, mlp_width=32, layers=(layer,))
 

@@ -26,13 +26,13 @@ from tests.util import rel_err
 
 RTOL = 1e-4  # composed float32 functions
 
-# Every layer kind and every form of cache in one stack: full caches (GQA with soft-cap,
+# Every layer kind and every form of cache in one stack: full caches (gated GQA with soft-cap,
 # sinks and a convolution; MLA latents; FoX with its gate sums; T5 buckets), ring buffers
 # (streaming with pinned tokens; Diff over a window), a linear state and the delta rule's
 # (Gated DeltaNet in chunks, KDA step by step) and Mamba-2's (SSD state, conv inputs), and
 # the sparse kinds (MoBA, NSA; DSA with its indexer's keys as payload).
 EVERY_KIND = (
-    "gqa_softcap_sink_logits_conv", "mla_conv", "fox", "t5_gqa", "streaming_conv",
+    "gqa_gated_softcap_sinks_conv", "mla_conv", "fox", "t5_gqa", "streaming_conv",
     "diff_window_gqa", "linear_decay_gated_conv", "gated_deltanet_grouped", "kda_recurrent_conv",
     "mamba2_groups_negative", "moba_small", "nsa_small", "dsa_small", "rwkv7_chunks",
     "path_fox_small", "log_linear_mamba2_small", "log_linear_gdn_grouped", "comba_grouped",

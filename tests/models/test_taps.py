@@ -61,7 +61,7 @@ def _layer(cls, cfg, seed=0):
 
 
 def test_softmax_weights_equal_dense_weights_recomputed():
-    cfg = dataclasses.replace(REGISTRY["gqa_softcap_sink_logits"], window=4)  # a mask too
+    cfg = dataclasses.replace(REGISTRY["gqa_gated_softcap_sinks"], window=4)  # a mask too
     layer = _layer(models.SelfAttention, cfg)
     x = normal(34, (B, 7, WIDTH))
     y, (w,) = nnx.jit(models.capture_weights)(layer, x)  # under nnx.jit
