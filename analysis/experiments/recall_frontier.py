@@ -43,20 +43,22 @@ whose runs finished is read back from their ``summary.json``, not retrained.
 Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 
 * ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, two learning
-  rates (1e-2 and 10^-1.5, Zoology's two highest), 1 seed, 14 families x 4 knob
-  values: 224 runs of batch 32, stopping at 0.99. A run stops at 500 updates;
+  rates (1e-2 and 10^-1.5, Zoology's two highest), 1 seed, 18 families x 4 knob
+  values: 288 runs of batch 32, stopping at 0.99. A run stops at 500 updates;
   one still learning there (``recall_frontier_train.still_learning``) is
   extended to 1,000 and then to 2,000 (``Scale.max_steps``), on a schedule
   whose horizon is 2,000 throughout, so an extended run is an uninterrupted
   run of its final length; the table marks the points with a run still
   learning at 2,000. The committed run (``docs/results/recall_frontier/``, its wall
-  time in ``runtime_s`` and ``timing.txt``) has ten of the families; the 2025 ones
-  join it with ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
-  --add-to docs/results/recall_frontier``.
+  time in ``runtime_s`` and ``timing.txt``) has ten of the families; the 2025
+  ones join it with ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
+  --add-to docs/results/recall_frontier``, the trained memories (TTT-Linear, TTT-MLP,
+  Titans, MesaNet) with ``--only ttt_linear,ttt_mlp,titans,mesanet --add-to
+  docs/results/recall_frontier``.
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
-  families over wider knobs: 14 x 4 x 4 x 4 = 896 runs.
+  families over wider knobs: 18 x 4 x 4 x 4 = 1,152 runs.
   ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
   update (forward + backward, not the optimizer) times its updates, and the
   total over the runs; what it printed, and the GPU time it implies, is in

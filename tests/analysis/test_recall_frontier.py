@@ -93,15 +93,16 @@ def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
 def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
     result = recall_frontier_grid.dry_run(recall_frontier_grid.SCALES["zoology"])
     scale = recall_frontier_grid.SCALES["zoology"]
-    assert result["runs"] == 14 * 4 * 4 * 4 == len(recall_frontier_grid.runs(scale))
-    assert len(result["points"]) == 14 * 4 * 4
+    assert result["runs"] == 18 * 4 * 4 * 4 == len(recall_frontier_grid.runs(scale))
+    assert len(result["points"]) == 18 * 4 * 4
     by = {(tuple(p["setting"]), p["family"], p["knob"]): p for p in result["points"]}
     # Zoology's count for a softmax layer: 2 x d x T per layer (plus the short convs' W-1
     # inputs of width d, which Zoology's count leaves out).
     mha = by[((64, 4), "mha", 64)]
     assert mha["state_elements"] == 2 * (2 * 64 * 64 + 3 * 64)
     # Fixed states do not grow with T; caches do.
-    fixed = ("linear", 16), ("gated_deltanet", 32), ("window", 32), ("mamba2", 32), ("rwkv7", 32)
+    fixed = (("linear", 16), ("gated_deltanet", 32), ("window", 32), ("mamba2", 32), ("rwkv7", 32),
+             ("ttt_mlp", 16), ("titans", 8), ("mesanet", 32))  # fmt: skip
     for family, knob in fixed:
         assert (
             by[((64, 4), family, knob)]["state_elements"]
