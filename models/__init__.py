@@ -25,7 +25,8 @@ projections, head gates, the weights tap), ``softmax.py`` (``SelfAttention``,
 fixed-state kinds' base), ``linear.py`` (``LinearAttention``), ``delta.py`` (the
 delta rule, DeltaProduct), ``comba.py`` (Comba), ``mamba.py`` (``Mamba2``),
 ``rwkv7.py`` (RWKV-7), ``log_linear.py`` and ``levels.py`` (log-linear Mamba-2 and
-Gated DeltaNet), ``sparse.py`` (MoBA, NSA, DSA), ``path.py`` (PaTH), ``block.py``
+Gated DeltaNet), ``sparse.py`` (MoBA, NSA, DSA), ``path.py`` (PaTH), ``lightning.py``
+(MiniMax-01's lightning attention), ``layouts.py`` (production hybrids), ``block.py``
 (``MLP``, ``ShortConv``, ``Block``), ``transformer.py`` (the three models), ``taps.py``
 (weights, gates, importance), ``cache.py``, ``config.py`` / ``patterns.py`` (presets),
 ``generate.py`` and ``serving.py`` (continuous batching over a paged cache: ``serve``).
@@ -77,6 +78,8 @@ from models.diff import DiffAttention, DiffConfig
 from models.functions import FunctionAttention, FunctionConfig, attention_kind
 from models.generate import generate
 from models.latent import LatentAttention, LatentConfig
+from models.layouts import LAYOUTS, layout
+from models.lightning import LightningAttention, LightningConfig
 from models.linear import LinearAttention, LinearConfig
 from models.log_linear import (
     LogLinearDeltaConfig,
@@ -112,6 +115,7 @@ from models.ttt import TitansAttention, TitansConfig, TTTAttention, TTTConfig
 
 __all__ = [
     "KINDS",
+    "LAYOUTS",
     "PRESET_REGISTRY",
     "AttentionConfig",
     "CombaAttention",
@@ -131,6 +135,8 @@ __all__ = [
     "LatentAttention",
     "LatentConfig",
     "LayerKind",
+    "LightningAttention",
+    "LightningConfig",
     "LinearAttention",
     "LinearConfig",
     "LogLinearDeltaConfig",
@@ -164,6 +170,7 @@ __all__ = [
     "generate",
     "head_gates",
     "head_importance",
+    "layout",
     "packed_positions",
     "pattern",
     "presets",

@@ -288,6 +288,12 @@ class AttentionConfig:
         """E: per-head value dim (H, except where a kind sets its own)."""
         return self.head_dim
 
+    def at_depth(self, index: int, num_layers: int) -> AttentionConfig:
+        """This layer as layer ``index`` (0-based) of ``num_layers`` (``models.pattern``
+        asks each layer): a kind whose paper sets a field by depth overrides it."""
+        del index, num_layers
+        return self
+
     def check_direction(self, causal: bool, name: str = "layer") -> None:
         """Raises ``ValueError`` naming ``<name>.<field>`` if this layer cannot run
         causally (``causal``) or bidirectionally; a kind with a direction overrides it."""

@@ -95,6 +95,8 @@ def fused(x, *projections: nnx.Linear) -> tuple:
 
 # Gated attention's gates (Qiu et al. 2025): one per output channel, or one per head.
 OUTPUT_GATES = ("elementwise", "headwise")
+# The q/k RMSNorm's epsilon: Qwen3's and Qwen3-Next's rms_norm_eps.
+QK_NORM_EPS = 1e-6
 
 # Kernels that need positions known when tracing: jax.nn's take no positions or
 # segment ids at all, and splash builds its mask from concrete positions.
@@ -132,6 +134,11 @@ class Heads(nnx.Module):
         self.k_proj = linear(width, K * H)
         self.v_proj = linear(width, K * H)
         self.o_proj = linear(N * H, width)
+        norm = functools.partial(nnx.RMSNorm, H, epsilon=QK_NORM_EPS, dtype=jnp.float32,
+                                 param_dtype=param_dtype, rngs=rngs)  # fmt: skip
+        qk_norm = getattr(cfg, "qk_norm", False)
+        self.q_head_norm = norm() if qk_norm else nnx.data(None)
+        self.k_head_norm = norm() if qk_norm else nnx.data(None)
 
     def _init_output_gate(self, width: int, gate: str | None, value_dim: int, *, dtype,
                           param_dtype, rngs):  # fmt: skip
@@ -164,11 +171,16 @@ class Heads(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         q, k, v = fused(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(B, T, cfg.kv_heads, cfg.head_dim)
+        q = self._head_norm(q.reshape(B, T, cfg.num_heads, cfg.head_dim), self.q_head_norm)
+        k = self._head_norm(k.reshape(B, T, cfg.kv_heads, cfg.head_dim), self.k_head_norm)
         v = v.reshape(B, T, cfg.kv_heads, cfg.head_dim)
         chex.assert_equal_shape([k, v])
         return self._rope(q, positions), self._rope(k, positions), v
+
+    @staticmethod
+    def _head_norm(x, norm):
+        """``x [..., H]`` through ``norm`` (an RMSNorm over H, in float32), or ``x`` without one."""
+        return x if norm is None else norm(x.astype(jnp.float32)).astype(x.dtype)
 
     def _output(self, out):
         """``out [B,T,N,E]`` times the head gates, then the output projection: ``[B,T,D]``."""

@@ -32,8 +32,9 @@ class LatentConfig(MaskedConfig):
       v_head_dim: E, per-head value dim; None means H.
 
     MLA has no kv heads (keys are per head after the up-projection):
-    ``num_kv_heads`` is None or N, and its positions live in the decoupled key,
-    so ``rope`` must be True.
+    ``num_kv_heads`` is None or N. Its positions live in the decoupled key;
+    ``rope=False`` keeps that key and its query part unrotated (NoPE MLA: Kimi
+    Linear's ``mla_use_nope``, where the layers between give the order).
     """
 
     kind: str = "mla"
@@ -55,8 +56,6 @@ class LatentConfig(MaskedConfig):
         if self.num_kv_heads is not None and self.num_kv_heads != self.num_heads:
             # keys are per head after the up-projection: there are no kv heads to share
             fail("num_kv_heads", "None or num_heads for kind='mla'", repr(self.num_kv_heads))
-        if not self.rope:
-            fail("rope", "True for kind='mla' (its positions live in the decoupled key)", "False")
         if self.impl == "ring":
             fail("impl", "not 'ring' for kind='mla' (ring is softmax's)", "'ring'")
 
@@ -140,14 +139,14 @@ class LatentAttention(Softmax):
         h = self.q_proj(x) if direct else self.q_up(self.q_norm(self.q_down(x)))
         q = h.reshape(B, T, cfg.num_heads, cfg.qk_nope_dim + cfg.rope_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_dim], q[..., cfg.qk_nope_dim :]
-        return q_nope, attn.apply_rope(q_rope, positions, base=cfg.rope_base)
+        return q_nope, self._rope(q_rope, positions)
 
     def _latent(self, x, positions):
         """c_kv ``[B,T,R]`` (normalized) and the rotated shared key k_rope ``[B,T,Hr]``."""
         R = self.cfg.kv_rank
         h = self.kv_down(x)
         c_kv = self.kv_norm(h[..., :R])
-        k_rope = attn.apply_rope(h[..., R:][:, :, None], positions, base=self.cfg.rope_base)
+        k_rope = self._rope(h[..., R:][:, :, None], positions)
         return c_kv, k_rope[:, :, 0]
 
     def _mla(self, q_nope, q_rope, c_kv, k_rope, *, form: str, impl: str, tap=False, **kwargs):

@@ -343,7 +343,8 @@ def pattern(
         any mapping); default ``presets()`` (the default sizes).
 
     Returns:
-      A tuple of L ``AttentionConfig``.
+      A tuple of L ``AttentionConfig``, each as its depth sets it
+      (``AttentionConfig.at_depth``: MiniMax-01's lightning decay, for one).
 
     Raises:
       ValueError: ``names`` is not a non-empty sequence of names of ``registry``
@@ -358,4 +359,5 @@ def pattern(
     for name in names:
         if name not in registry:
             fail("names", f"preset names from {sorted(registry)}", repr(name))
-    return tuple(registry[name] for name in names)
+    L = len(names)
+    return tuple(registry[name].at_depth(i, L) for i, name in enumerate(names))

@@ -46,7 +46,7 @@ import attn
 from attn import ring, scores
 from attn.checks import fail
 from models.cache import CrossCache, ForgetCache, KVCache
-from models.config import check_rotary, register_kind
+from models.config import check_bool, check_rotary, register_kind
 from models.heads import Buffer, dense, step_positions
 from models.masked import MaskedConfig, Softmax
 from models.mesh import SEQ_AXIS, batch_axes, seq_devices, shard_rows
@@ -77,15 +77,22 @@ class SoftmaxConfig(MaskedConfig):
         the sum of the log gates after j up to i). Usually with ``rope=False``:
         each is a position signal of its own. ``"forgetting"`` decodes with the
         running sum of the gates in its cache and cannot run sequence-parallel.
+      qk_norm: an RMSNorm over each head's H channels of q and of k (one learned
+        scale per channel, shared by the heads), before RoPE: Qwen3's and
+        Qwen3-Next's. Those write the scale as ``1 + w`` with w starting at 0;
+        ours starts at 1, the same function, and the same training where weight
+        decay spares the norms' scales, as ``train.optimizer``'s does.
     """
 
     kind: str = "softmax"
     rotary_dim: int | None = None
     score: str | None = None
+    qk_norm: bool = False
 
     def check_fields(self) -> None:
         check_rotary(self)
         super().check_fields()
+        check_bool(self.qk_norm, "qk_norm")
         if self.score is not None and self.score not in SCORES:
             fail("score", f"one of {SCORES} or None", repr(self.score))
         if self.score == "forgetting" and self.impl == "ring":
@@ -313,7 +320,9 @@ class CrossAttention(Softmax):
         cfg = self.cfg
         B, S, _ = memory.shape
         return CrossCache(
-            k=self.k_proj(memory).reshape(B, S, cfg.kv_heads, cfg.head_dim),
+            k=self._head_norm(
+                self.k_proj(memory).reshape(B, S, cfg.kv_heads, cfg.head_dim), self.k_head_norm
+            ),
             v=self.v_proj(memory).reshape(B, S, cfg.kv_heads, cfg.head_dim),
             segment_ids=segment_ids.astype(jnp.int32),
         )
@@ -323,6 +332,7 @@ class CrossAttention(Softmax):
         cfg = self.cfg
         B, T, _ = x.shape
         q = self.q_proj(x).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        q = self._head_norm(q, self.q_head_norm)
         out = self._softmax(
             attn.attention,
             q,

@@ -22,7 +22,7 @@ from flax import nnx
 
 from attn.checks import fail
 from attn.registry import Registry
-from models import KINDS, Decoder, ModelConfig, cache_bytes, pattern, presets
+from models import KINDS, LAYOUTS, Decoder, ModelConfig, cache_bytes, pattern, presets
 from train.config import TrainConfig
 
 __all__ = [
@@ -158,6 +158,11 @@ for _name, _description, _layers in (
 ):
     register_variant(_name, _layers, description=_description)
 
+# The production hybrids (models.layouts) and lightning attention, their one new part.
+register_variant("lightning", "lightning", description="MiniMax-01's lightning attention")
+for _name, _layout in LAYOUTS.items():
+    register_variant(_name, _layout.layers, description=_layout.description)
+
 
 @dataclass(frozen=True)
 class CompareConfig:
@@ -169,8 +174,10 @@ class CompareConfig:
       variants: names from ``VARIANTS``: mha, alibi, fox, gqa, mqa, mla, window,
         streaming, local_global, linear, linear_decay, linear_gated, hybrid, based,
         deltanet, gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, moba,
-        nsa, rwkv7, comba, path, path_fox, the log-linear two, and any added with
-        ``register_variant``.
+        nsa, rwkv7, comba, path, path_fox, the log-linear two, the memories (ttt_linear,
+        ttt_mlp, titans, mesanet), lightning, the production hybrids of
+        ``models.LAYOUTS`` (qwen3_next, kimi_linear, nemotron_h, minimax01), and any
+        added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
       edge_lrs: up to this many more rates per variant, beyond the sweep's edge: while
         a variant's best rate (on ``seeds``) is its highest or lowest, the next one

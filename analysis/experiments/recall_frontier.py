@@ -7,18 +7,19 @@ Zoology's recall-memory trade-off (Arora et al. 2023, "Zoology: measuring and
 improving recall in efficient language models"; the Based paper's Figure 2)
 asks how much associative recall each family of sequence mixers buys per
 element of state it keeps while decoding. Every family here sweeps one knob
-that sets its state (``FAMILIES``): the width of softmax attention and of the
-hybrid, the number of kv heads of GQA, the latent rank of MLA, the window of
-sliding-window attention, the head dim (= feature dim) of linear attention,
-gated linear attention and Gated DeltaNet, and the Taylor feature dim of
-Based. Each point is a 2-layer decoder trained on MQAR at one (T, pairs)
-setting for each learning rate of the scale's sweep (and each seed); the point
-reports its final test accuracy (every pair queried, ``train.tasks``) at the
-best learning rate, as Zoology does. Like Zoology's models, every layer has a
-short convolution (the ``_conv`` presets; Based and Gated DeltaNet have their
-own). Unlike Zoology, which trains one model on a mixture of the settings and
-reports each slice, each setting trains models of its own, with training
-examples of 1 to ``pairs`` pairs.
+that sets its state (``FAMILIES``): the width of softmax attention, of the
+hybrid and of the production hybrids' layouts, the number of kv heads of GQA,
+the latent rank of MLA, the window of sliding-window attention, the head dim
+(= feature dim) of linear attention, gated linear attention and Gated
+DeltaNet, and the Taylor feature dim of Based. Each point is a 2-layer decoder
+trained on MQAR at one (T, pairs) setting for each learning rate of the
+scale's sweep (and each seed); the point reports its final test accuracy
+(every pair queried, ``train.tasks``) at the best learning rate, as Zoology
+does. Like Zoology's models, every layer has a short convolution (the
+``_conv`` presets; Based and Gated DeltaNet have their own). Unlike Zoology,
+which trains one model on a mixture of the settings and reports each slice,
+each setting trains models of its own, with training examples of 1 to
+``pairs`` pairs.
 
 State (``state_elements``) is counted the way Zoology's ``state_size()``
 counts it: the elements a decoder keeps per sequence after T tokens, summed
@@ -43,8 +44,8 @@ whose runs finished is read back from their ``summary.json``, not retrained.
 Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
 
 * ``cpu`` (default): (T, pairs) = (64, 4) and (128, 8), V = 64, two learning
-  rates (1e-2 and 10^-1.5, Zoology's two highest), 1 seed, 18 families x 4 knob
-  values: 288 runs of batch 32, stopping at 0.99. A run stops at 500 updates;
+  rates (1e-2 and 10^-1.5, Zoology's two highest), 1 seed, 22 families x 4 knob
+  values: 352 runs of batch 32, stopping at 0.99. A run stops at 500 updates;
   one still learning there (``recall_frontier_train.still_learning``) is
   extended to 1,000 and then to 2,000 (``Scale.max_steps``), on a schedule
   whose horizon is 2,000 throughout, so an extended run is an uninterrupted
@@ -54,11 +55,13 @@ Scales (``SCALES``; ``configs/recall_frontier.py`` says why each is sized so):
   ones join it with ``--only rwkv7,path,log_linear_mamba2,log_linear_gated_deltanet
   --add-to docs/results/recall_frontier``, the trained memories (TTT-Linear, TTT-MLP,
   Titans, MesaNet) with ``--only ttt_linear,ttt_mlp,titans,mesanet --add-to
-  docs/results/recall_frontier``.
+  docs/results/recall_frontier``, the production hybrids (``models.LAYOUTS`` at two
+  layers: the linear layer, then the attention layer) with ``--only
+  qwen3_next,kimi_linear,nemotron_h,minimax01 --add-to docs/results/recall_frontier``.
 * ``zoology``: V = 8192, (64, 4), (128, 8), (256, 16), (512, 64), 4 learning
   rates, batch 256, 12,500 updates at T = 64 and 2,500 at the others (32
   epochs of Zoology's 100,000 and 20,000 training examples), 1 seed, the same
-  families over wider knobs: 18 x 4 x 4 x 4 = 1,152 runs.
+  families over wider knobs: 22 x 4 x 4 x 4 = 1,408 runs.
   ``--dry-run --scale zoology --flops`` prints XLA's FLOP count of each point's
   update (forward + backward, not the optimizer) times its updates, and the
   total over the runs; what it printed, and the GPU time it implies, is in

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from attn.checks import fail
-from models import ModelConfig, pattern, presets
+from models import LAYOUTS, ModelConfig, layout, pattern, presets
 
 # recall_frontier's NAME, defined here (below it) because the training's progress
 # bar names the experiment too.
@@ -121,6 +121,13 @@ FAMILIES: dict[str, Family] = {
     "ttt_mlp": Family("TTT-MLP", "head dim", _heads_of(64, ("ttt_mlp",) * 2)),
     "titans": Family("Titans (MLP memory)", "head dim", _heads_of(64, ("titans",) * 2)),
     "mesanet": Family("MesaNet", "head dim", _heads_of(64, ("mesanet",) * 2)),
+    # The production hybrids at two layers: each layout's linear layer, then its attention
+    # layer (models.layouts; no short convolutions beyond their own, as released), width
+    # in heads of 16 (GQA's 2 kv heads divide each).
+    **{
+        name: Family(f"{name} layout", "width", lambda d, name=name: _model(d, layout(name, 2)))
+        for name in LAYOUTS
+    },
 }
 
 
@@ -225,6 +232,7 @@ SCALES: dict[str, Scale] = {
             ("ttt_mlp", (8, 16, 32, 64)),
             ("titans", (8, 16, 32, 64)),
             ("mesanet", (8, 16, 32, 64)),
+            *((name, (32, 64, 96, 128)) for name in LAYOUTS),
         ),
         vocab_size=64,
         lrs=(1e-2, float(10**-1.5)),
@@ -253,6 +261,7 @@ SCALES: dict[str, Scale] = {
             ("ttt_mlp", (8, 16, 32, 64)),
             ("titans", (8, 16, 32, 64)),
             ("mesanet", (8, 16, 32, 64)),
+            *((name, (64, 128, 256, 512)) for name in LAYOUTS),
         ),
         vocab_size=8192,
         lrs=tuple(float(x) for x in np.logspace(-3, -1.5, 4)),

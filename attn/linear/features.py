@@ -29,6 +29,7 @@ __all__ = [
     "linear_feature_dim",
     "register_feature_map",
     "relu",
+    "silu",
     "taylor",
 ]
 
@@ -52,6 +53,12 @@ def elu1(x):
 def relu(x):
     """phi(x) = max(x, 0), non-negative, F = H."""
     return jax.nn.relu(x)
+
+
+def silu(x):
+    """phi(x) = x sigmoid(x), F = H; not positive: use with ``normalize=False`` (MiniMax-01's
+    lightning attention maps q, k and v so and reads no normalizer)."""
+    return jax.nn.silu(x)
 
 
 def taylor(x):
@@ -122,6 +129,7 @@ for _name, _fn in (
     ("identity", identity),
     ("elu1", elu1),
     ("relu", relu),
+    ("silu", silu),
     ("taylor", taylor),
     ("favor", favor),  # also needs projection=[H, F]
 ):

@@ -13,6 +13,7 @@ from analysis.experiments import (
     recall_frontier_report,
     recall_frontier_train,
 )
+from models import LAYOUTS
 from tests.analysis.test_experiments import check_common
 
 
@@ -93,8 +94,8 @@ def test_recall_frontier_add_to_merges_a_family_into_a_run(tmp_path):
 def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
     result = recall_frontier_grid.dry_run(recall_frontier_grid.SCALES["zoology"])
     scale = recall_frontier_grid.SCALES["zoology"]
-    assert result["runs"] == 18 * 4 * 4 * 4 == len(recall_frontier_grid.runs(scale))
-    assert len(result["points"]) == 18 * 4 * 4
+    assert result["runs"] == 22 * 4 * 4 * 4 == len(recall_frontier_grid.runs(scale))
+    assert len(result["points"]) == 22 * 4 * 4
     by = {(tuple(p["setting"]), p["family"], p["knob"]): p for p in result["points"]}
     # Zoology's count for a softmax layer: 2 x d x T per layer (plus the short convs' W-1
     # inputs of width d, which Zoology's count leaves out).
@@ -109,6 +110,9 @@ def test_recall_frontier_dry_run_builds_zoologys_grid(capsys):
             == by[((512, 64), family, knob)]["state_elements"]
         )
     assert by[((512, 64), "mha", 64)]["state_elements"] > mha["state_elements"]
+    for name in LAYOUTS:  # the production hybrids: their attention layer's cache grows with T
+        state = {s: by[(s, name, 64)]["state_elements"] for s in ((64, 4), (512, 64))}
+        assert state[(512, 64)] > state[(64, 4)], name
     for family, knobs in scale.knobs:  # every knob sweep grows the state
         states = [by[((128, 8), family, k)]["state_elements"] for k in knobs]
         assert states == sorted(states) and len(set(states)) == len(states), family

@@ -24,14 +24,16 @@ B, MAX_LEN = 2, 16
 
 # The presets plus variants that switch on the remaining options in one place.
 REGISTRY = dict(models.presets())
-# Gated attention rides on two of them: MLA's direct queries gated per head, GQA (with a
-# soft-cap, sink logits and partial RoPE) per channel.
+# Gated attention rides on two of them: MLA's direct queries gated per head and without
+# positions (Kimi Linear's NoPE MLA), GQA (with a soft-cap, sink logits, partial RoPE and
+# Qwen3-Next's q/k norm) per channel.
 REGISTRY["mla_direct_q_gated"] = dataclasses.replace(
-    REGISTRY["mla"], q_rank=None, output_gate="headwise"
+    REGISTRY["mla"], q_rank=None, output_gate="headwise", rope=False
 )
 REGISTRY["gqa_gated_softcap_sinks"] = dataclasses.replace(
-    REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4, output_gate="elementwise"
-)
+    REGISTRY["gqa"], softcap=20.0, sink_logits=True, rotary_dim=4, output_gate="elementwise",
+    qk_norm=True,
+)  # fmt: skip
 # FAVOR+ random features, GQA (K=2) and RetNet decay in one linear layer.
 REGISTRY["linear_favor"] = dataclasses.replace(
     REGISTRY["linear_decay"], feature_map="favor", num_features=16, num_kv_heads=2
@@ -130,7 +132,7 @@ KINDS = {
     "streaming": ("streaming", "streaming"),
     "global_tokens": ("global_tokens", "global_tokens"),
     "linear": ("linear", "linear"),
-    "linear_decay": ("linear_decay", "linear_favor"),
+    "linear_decay": ("lightning", "linear_decay", "linear_favor"),  # MiniMax-01's first
     "hybrid": ("linear_decay_gated_conv", "mla_conv", "streaming_conv"),
     "blockwise": ("streaming_blockwise", "gqa_blockwise"),  # attn's FlashAttention impl
     "delta": ("deltanet", "kda_recurrent_conv"),

@@ -69,7 +69,7 @@ ATTENTION_ERRORS = [
     ({**LINEAR, "num_features": 0}, "num_features", 0),
     ({**MLA, "kv_rank": 0}, "kv_rank", 0),
     ({**MLA, "q_rank": 0}, "q_rank", 0),
-    ({**MLA, "rope": False}, "rope", False),
+    ({"qk_norm": 1}, "qk_norm", 1),
     ({**MLA, "rope_head_dim": 3}, "rope_head_dim", 3),
     ({**MLA, "num_kv_heads": 2}, "num_kv_heads", 2),
     ({**MLA, "nope_head_dim": 0}, "nope_head_dim", 0),

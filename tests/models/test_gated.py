@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import models
+from models.heads import QK_NORM_EPS
 from tests.models.common import REGISTRY, WIDTH, B
 from tests.util import normal, rel_err
 
@@ -29,12 +30,21 @@ def make(cfg, seed=0, causal=True):
                        rngs=nnx.Rngs(seed))  # fmt: skip
 
 
+def rms(x, scale):
+    """Qwen3's q/k norm of ``x [..., H]``: an RMSNorm over H with ``scale [H]``."""
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + QK_NORM_EPS) * scale
+
+
 def paper_gated(p, x, N, K, H):
     """The paper's gated layer (G1: after SDPA, gate from the layer's input), causal GQA
     without positions: ``(softmax(q k^T / sqrt(H)) v * sigmoid(x W_g)) W_o``; ``p`` the
-    kernels by name. Any float dtype (float64 under ``jax.enable_x64``)."""
+    kernels by name, with q and k through ``rms`` where ``p`` has their norms' scales
+    (Qwen3-Next's layer). Any float dtype (float64 under ``jax.enable_x64``)."""
     q = (x @ p["q"]).reshape(B, T, N, H)
-    k = jnp.repeat((x @ p["k"]).reshape(B, T, K, H), N // K, axis=2)
+    k = (x @ p["k"]).reshape(B, T, K, H)
+    if "q_scale" in p:
+        q, k = rms(q, p["q_scale"]), rms(k, p["k_scale"])
+    k = jnp.repeat(k, N // K, axis=2)
     v = jnp.repeat((x @ p["v"]).reshape(B, T, K, H), N // K, axis=2)
     s = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
     s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
@@ -43,16 +53,19 @@ def paper_gated(p, x, N, K, H):
     return (out * gate).reshape(B, T, N * H) @ p["o"]
 
 
-@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
-def test_the_gated_layer_is_the_papers_formula_with_its_gradients(gate):
+@pytest.mark.parametrize(("gate", "qk_norm"), [("elementwise", True), ("headwise", False)])
+def test_the_gated_layer_is_the_papers_formula_with_its_gradients(gate, qk_norm):
     N, K, H = 4, 2, 8
     cfg = models.SoftmaxConfig(num_heads=N, num_kv_heads=K, head_dim=H, rope=False,
-                               output_gate=gate)  # fmt: skip
+                               output_gate=gate, qk_norm=qk_norm)  # fmt: skip
     layer = make(cfg, seed=1)
     assert layer.out_gate.kernel.shape == (WIDTH, N * H if gate == "elementwise" else N)
     x, ct = normal(2, (B, T, WIDTH)), normal(3, (B, T, WIDTH))
     projections = {"q": layer.q_proj, "k": layer.k_proj, "v": layer.v_proj,
                    "g": layer.out_gate, "o": layer.o_proj}  # fmt: skip
+    norms = {"q_scale": layer.q_head_norm, "k_scale": layer.k_head_norm} if qk_norm else {}
+    for seed, norm in enumerate(norms.values()):  # scales away from 1, as training leaves them
+        norm.scale.set_value(1.0 + 0.3 * normal(10 + seed, (H,)))
 
     def loss(layer, x):
         return jnp.sum(layer(x) * ct)
@@ -61,6 +74,7 @@ def test_the_gated_layer_is_the_papers_formula_with_its_gradients(gate):
     grads, dx = nnx.jit(nnx.grad(loss, argnums=(0, 1)))(layer, x)
     with jax.enable_x64():
         p64 = {n: jnp.asarray(m.kernel[...], jnp.float64) for n, m in projections.items()}
+        p64 |= {n: jnp.asarray(m.scale[...], jnp.float64) for n, m in norms.items()}
         x64, ct64 = jnp.asarray(x, jnp.float64), jnp.asarray(ct, jnp.float64)
         want = paper_gated(p64, x64, N, K, H)
         want_p, want_x = jax.grad(lambda p, x: jnp.sum(paper_gated(p, x, N, K, H) * ct64),
@@ -71,6 +85,8 @@ def test_the_gated_layer_is_the_papers_formula_with_its_gradients(gate):
         got = getattr(grads, {"q": "q_proj", "k": "k_proj", "v": "v_proj", "g": "out_gate",
                               "o": "o_proj"}[name]).kernel[...]  # fmt: skip
         assert rel_err(got, want_p[name]) <= 1e-4, name
+    for name, attr in (("q_scale", "q_head_norm"), ("k_scale", "k_head_norm"))[: len(norms)]:
+        assert rel_err(getattr(grads, attr).scale[...], want_p[name]) <= 1e-4, name
 
 
 # Every module that attends by softmax over masked keys, and the implementations a layer runs

@@ -44,7 +44,7 @@ def test_registry_refuses_a_second_entry_from_elsewhere_naming_both():
 
 
 def test_builtin_kinds_are_registered_like_any_other():
-    want = ["comba", "delta", "diff", "dsa", "linear", "log_linear_gated_deltanet",
+    want = ["comba", "delta", "diff", "dsa", "lightning", "linear", "log_linear_gated_deltanet",
             "log_linear_mamba2", "mamba2", "mesanet", "mla", "moba", "nsa", "path", "rwkv7",
             "sigmoid", "softmax", "softpick", "titans", "ttt_linear", "ttt_mlp"]  # fmt: skip
     assert sorted(models.KINDS) == want
