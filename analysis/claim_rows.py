@@ -3,7 +3,7 @@
 ``CLAIMS`` (the claims, numbered), ``Row`` (one line of the table), and a row
 per source: ``check_row`` (claims 1-9, the fast checks of
 ``analysis.claim_checks``), ``compare_row`` (claim 10, the main comparison's
-results.json) and ``experiment_row`` (claims 11-18, the experiments'). Reading
+results.json) and ``experiment_row`` (claims 11-19, the experiments'). Reading
 a row trains nothing; ``analysis.claims`` runs what ``--run`` asks for and
 makes the table.
 """
@@ -74,9 +74,11 @@ CLAIMS: dict[int, str] = {
     "(Merrill et al. 2024, Siems et al. 2025)",
     18: "Trainable sparse attention (MoBA, NSA, DSA) keeps exact long-range lookups where a "
     "window reading as many keys per query does not",
+    19: "Gated attention (a sigmoid gate on each head's output) removes the attention sink "
+    "(Qiu et al. 2025)",
 }
 
-# Claims 11-18: the experiment (config configs/<name>.py, results <name>/, module
+# Claims 11-19: the experiment (config configs/<name>.py, results <name>/, module
 # analysis.experiments.<name> unless EXPERIMENT_MODULES names another) whose
 # results.json holds the row, in its entry "claim" unless CLAIM_KEYS names another
 # (one experiment may hold two rows).
@@ -89,6 +91,7 @@ EXPERIMENTS: dict[int, str] = {
     16: "state_tracking",
     17: "state_tracking_groups",
     18: "sparse",
+    19: "sinks_gated",
 }
 # Experiments run by another's module with a config of their own.
 EXPERIMENT_MODULES: dict[str, str] = {"state_tracking_groups": "state_tracking"}
@@ -109,7 +112,7 @@ class Row:
     """One claim's line of the table.
 
     Attributes:
-      number: the claim's number, 1 to 18.
+      number: the claim's number, 1 to 19.
       claim: the claim in a short sentence.
       measured: what was measured (or why nothing was).
       criterion: what the measurement is judged by.
@@ -262,11 +265,11 @@ def _chance(chance) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Claims 11-18: the experiments
+# Claims 11-19: the experiments
 
 
 def experiment_row(number: int, path: Path) -> Row:
-    """Claim ``number`` (11-18) from its experiment's ``results.json``.
+    """Claim ``number`` (11-19) from its experiment's ``results.json``.
 
     The file holds ``"claim": {"measured": str, "criterion": str, "holds":
     bool}`` (or the entry ``CLAIM_KEYS`` names) and ``"runtime_s"``; the row

@@ -1,18 +1,18 @@
 """``python -m analysis.claims``: every claim the project reproduces, one measured row each.
 
-    python -m analysis.claims                  # fast checks (1-9) + committed results (10-18)
+    python -m analysis.claims                  # fast checks (1-9) + committed results (10-19)
     python -m analysis.claims --run            # also runs the comparison and the experiments
     python -m analysis.claims --only 1,5,10    # some rows only
 
 Claims 1 to 9 are fast checks computed here with ``attn`` and ``models``
 (``analysis.claim_checks``; under a minute on 2 CPU cores). Claim 10 reads the
 main comparison's ``compare_mqar/results.json`` (``python -m train.compare``);
-claims 11 to 18 read the experiments' ``<name>/results.json``
+claims 11 to 19 read the experiments' ``<name>/results.json``
 (``analysis.experiments``), each of which states its own measured value,
 criterion and verdict. Without ``--run`` those files are read from
 ``--results`` (default: the committed ``docs/results/``); a file that is not
 there gives a row "not run (use --run)", never a made-up value. With ``--run``
-claim 10 runs ``python -m train.compare --quick`` and claims 11 to 18 run each
+claim 10 runs ``python -m train.compare --quick`` and claims 11 to 19 run each
 experiment with its full config (the state-tracking experiment once, for its
 two rows), all into ``--out``, and the rows read what they wrote.
 
@@ -27,7 +27,7 @@ is malformed, a run failed), with the traceback on stderr.
 The fast checks take about 15 s on 2 CPU cores, and ``--run`` about 17.5
 minutes for claims 10 to 14 plus the recall frontier's 45 (claim 15, its cpu
 scale), the state-tracking experiment's (claims 16 and 17) and the sparse recall
-experiment's (claim 18); the measured
+experiment's (claim 18) and the gated sink experiment's (claim 19); the measured
 runtimes are in docs/results/README.md.
 """
 
@@ -163,10 +163,10 @@ def collect(
     """The rows of claims ``numbers``, in order.
 
     Args:
-      numbers: claim numbers, 1 to 18.
+      numbers: claim numbers, 1 to 19.
       run: train the comparison and run the experiments (into ``out``) first,
         and read their results from ``out``; else read them from ``results``.
-      results: where the results of claims 10-18 are read without ``run``.
+      results: where the results of claims 10-19 are read without ``run``.
       out: where ``run`` writes them.
     """
     rows, ran = [], {}
@@ -220,7 +220,7 @@ def format_table(rows: list[Row], *, header: str = "") -> str:
     lines += [
         "",
         "Claims 1-9 are measured by `analysis.claim_checks` on every run; claim 10 reads the "
-        "main comparison (`python -m train.compare`), claims 11-18 the experiments of "
+        "main comparison (`python -m train.compare`), claims 11-19 the experiments of "
         '`analysis.experiments`, which state their own criterion and verdict. "not run": no '
         "results file yet (`python -m analysis.claims --run` produces them).",
         "",
@@ -261,8 +261,8 @@ class Args:
       run: also train the comparison (``train.compare --quick``, a few minutes)
         and run the four experiments with their full configs, into ``out``.
       out: where table.md and results.json (and, with ``run``, the runs) go.
-      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 18.
-      results: where claims 10-18 are read from without ``run`` (the committed results).
+      only: comma-separated claim numbers, e.g. ``1,5,10``; empty: all 19.
+      results: where claims 10-19 are read from without ``run`` (the committed results).
       no_compilation_cache: ``run`` compiles afresh, without the persistent compilation
         cache (``train.cli.compilation_cache_dir``).
     """
@@ -282,7 +282,7 @@ def _numbers(only: str) -> list[int]:
     except ValueError:
         numbers = []
     if not numbers or any(n not in CLAIMS for n in numbers):
-        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 18, got {only!r}")
+        raise ValueError(f"--only: expected comma-separated claim numbers 1 to 19, got {only!r}")
     return numbers
 
 

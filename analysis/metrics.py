@@ -336,3 +336,33 @@ def sink_rate(w, threshold: float = SINK_THRESHOLD, *, mask: Mask | None = None)
     threshold = _checks.fraction(threshold, "threshold", hi_open=True)
     sinks = first_token_mass(w, mask=mask) > threshold  # [L,N]
     return SinkRate(float(sinks.mean()), sinks.mean(axis=1))
+
+
+class MassiveActivations(NamedTuple):
+    """The largest hidden-state magnitudes per layer (Sun et al. 2024, "Massive activations
+    in large language models"): each ``[L+1]``, the embedding's first."""
+
+    top: np.ndarray  # the largest |h| over tokens and channels
+    median: np.ndarray  # the median |h|
+    ratio: np.ndarray  # top / median
+
+
+def massive_activations(hidden) -> MassiveActivations:
+    """The largest |h| of each layer's residual stream, and its ratio to the median.
+
+    Sun et al. call an activation massive when it is both large and about 1000x the
+    median magnitude of its layer; the gated-attention paper reports the largest one
+    per layer.
+
+    Args:
+      hidden: ``[L+1,B,T,D]`` (``models.Decoder.hidden_states``), finite.
+
+    Returns:
+      ``MassiveActivations``, float64.
+    """
+    h = np.abs(np.asarray(hidden, np.float64))
+    if h.ndim != 4 or not np.isfinite(h).all():
+        fail("hidden", "finite hidden states [L+1,B,T,D]", f"shape {h.shape}")
+    flat = h.reshape(h.shape[0], -1)
+    top, median = flat.max(axis=1), np.median(flat, axis=1)
+    return MassiveActivations(top, median, top / np.maximum(median, np.finfo(np.float64).tiny))

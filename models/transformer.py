@@ -122,11 +122,15 @@ class _LM(nnx.Module):
 
     def _forward(self, blocks, tokens, *, positions=None, segment_ids=None, memory=()):
         """The residual stream ``[B,T,D]`` after a stack (``memory``: one CrossCache a block)."""
-        x = self._embed(tokens)
+        return self._streams(blocks, tokens, positions, segment_ids, memory)[-1]
+
+    def _streams(self, blocks, tokens, positions, segment_ids, memory=()) -> list:
+        """The residual stream after the embedding and after each block: L + 1 ``[B,T,D]``."""
+        xs = [self._embed(tokens)]
         memory = memory or (None,) * len(blocks)
         for block, mem in zip(blocks, memory, strict=True):
-            x = block(x, positions=positions, segment_ids=segment_ids, memory=mem)
-        return x
+            xs.append(block(xs[-1], positions=positions, segment_ids=segment_ids, memory=mem))
+        return xs
 
     # Decoding (causal stacks) ------------------------------------------------
 
@@ -276,6 +280,17 @@ class Decoder(_LM):
             segment_ids=inputs.segments(tokens, None, segment_ids),
         )
         return self._logits(x)
+
+    def hidden_states(self, tokens, *, positions=None, segment_ids=None) -> jax.Array:
+        """The residual stream after the embedding and after each block, ``[L+1,B,T,D]``
+        (before the final norm): where massive activations are read (Sun et al. 2024).
+
+        Arguments as ``__call__``'s.
+        """
+        tokens = inputs.check_tokens(tokens, vocab=self.config.vocab_size)
+        positions = inputs.check_positions(positions, tokens)
+        segment_ids = inputs.segments(tokens, None, segment_ids)
+        return jnp.stack(self._streams(self.blocks, tokens, positions, segment_ids))
 
     def init_cache(
         self,

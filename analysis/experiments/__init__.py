@@ -15,6 +15,8 @@
   negative eigenvalues, DeltaProduct and a hybrid (two rows: claims 16 and 17).
 - ``sparse``: needles and MQAR at 256 to 4096 tokens for MoBA, NSA and DSA against MHA, a
   window reading as many keys and Gated DeltaNet, with the keys each query reads (claim 18).
+- ``sinks_gated``: where ungated MHA shows a sink on English, and whether gated attention
+  (Qiu et al. 2025) at the same size and budget removes it (claim 19).
 
 Run one with ``python -m analysis.experiments.<name> [--quick] [--out DIR]``. Each
 module has ``NAME``, ``run(config, out_dir) -> dict`` and ``main(argv) -> int``;
@@ -29,4 +31,5 @@ NAMES = (
     "recall_frontier",
     "state_tracking",
     "sparse",
+    "sinks_gated",
 )

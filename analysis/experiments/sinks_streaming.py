@@ -146,12 +146,13 @@ class Config:
             raise ValueError(f"sizes_bos: expected distinct bools, got {self.sizes_bos}")
 
 
-def _steps(t) -> list[int]:
+def checkpoint_steps(t) -> list[int]:
+    """The steps a run of ``t`` saves at: every ``ckpt_every``, and its last."""
     steps = list(range(t.ckpt_every, t.steps + 1, t.ckpt_every))
     return steps if steps and steps[-1] == t.steps else [*steps, t.steps]
 
 
-def _variant(model: nnx.Module, name: str, T: int, num_initial: int) -> nnx.Module:
+def variant_model(model: nnx.Module, name: str, T: int, num_initial: int) -> nnx.Module:
     """The trained parameters under another mask: the masks hold no parameters."""
     cfg = model.config
     sinks = {"window": T, "initial_tokens": num_initial}
@@ -164,7 +165,7 @@ def _variant(model: nnx.Module, name: str, T: int, num_initial: int) -> nnx.Modu
     return out
 
 
-def _streams(config: Config):
+def held_out_streams(config: Config):
     """``num_streams`` contiguous held-out pieces of ``stream_factor * T + 1`` bytes."""
     t = config.train.task
     test = train.tasks.load_corpus(t.data, t.val_percent).test
@@ -181,7 +182,7 @@ def _streams(config: Config):
     return pieces[:, :-1], pieces[:, 1:]
 
 
-def _sinks(model, tokens) -> tuple[np.ndarray, metrics.SinkRate]:
+def sink_stats(model, tokens) -> tuple[np.ndarray, metrics.SinkRate]:
     _, w = _common.capture(model, tokens)
     return metrics.first_token_mass(w), metrics.sink_rate(w)
 
@@ -225,7 +226,8 @@ def sweep(config: Config, out_dir: Path, main: dict) -> list[dict]:
             summary, workdir = _common.train_run(run, out_dir, name)
             model, _ = train.load_run(workdir)
             task = train.tasks.make_task(run.task)
-            mass, rate = _sinks(model, task.batch(t.seed, "test", 0, config.eval_batch)["tokens"])
+            tokens = task.batch(t.seed, "test", 0, config.eval_batch)["tokens"]
+            mass, rate = sink_stats(model, tokens)
             rows.append(_size_row(size, bos, summary, mass, rate))
     return sorted(rows, key=lambda r: (r["params"], r["bos"]))
 
@@ -278,19 +280,21 @@ def run(config: Config, out_dir: Path) -> dict:
     task = train.tasks.make_task(t.task)
     sink_tokens = task.batch(t.seed, "test", 0, config.eval_batch)["tokens"]
     history = []
-    for step in _steps(t):
+    for step in checkpoint_steps(t):
         model, _ = train.load_run(workdir, step)
-        mass, rate = _sinks(model, sink_tokens)
+        mass, rate = sink_stats(model, sink_tokens)
         history.append(
             {"step": step, "first_token_mass_per_layer": mass.mean(1), "sink_rate": rate.overall}
         )
-    mass, rate = _sinks(model, sink_tokens)  # the final model's
+    mass, rate = sink_stats(model, sink_tokens)  # the final model's
     sizes = sweep(config, out_dir, _size_row(_size_of(t), t.task.bos, summary, mass, rate))
 
-    tokens, targets = _streams(config)
+    tokens, targets = held_out_streams(config)
     renumber = {"streaming_llm": (config.num_initial, T)}
     nll = {
-        v: stream_nll(_variant(model, v, T, config.num_initial), tokens, targets, renumber.get(v))
+        v: stream_nll(
+            variant_model(model, v, T, config.num_initial), tokens, targets, renumber.get(v)
+        )
         for v in VARIANTS
     }
     # The decode path of full attention must agree with the teacher-forced forward pass.

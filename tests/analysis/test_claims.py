@@ -169,7 +169,7 @@ def test_experiment_result_is_read_into_its_row(tmp_path, holds):
     for name, data in files.items():
         write_json(tmp_path / name / "results.json", data)
     rows = claims.collect(sorted(claims.EXPERIMENTS), results=tmp_path)
-    assert [r.number for r in rows] == [11, 12, 13, 14, 15, 16, 17, 18]
+    assert [r.number for r in rows] == [11, 12, 13, 14, 15, 16, 17, 18, 19]
     for r in rows:
         assert r.measured == f"measured {r.number}"
         assert r.criterion == "jumps within 100 steps"
@@ -293,7 +293,7 @@ def test_cli_exit_code_is_one_on_errors(tmp_path):
     assert data["rows"][0]["status"] == "error"
 
 
-@pytest.mark.parametrize("only", ["19", "0", "1,x", ","])
+@pytest.mark.parametrize("only", ["20", "0", "1,x", ","])
 def test_cli_rejects_bad_claim_numbers(tmp_path, only):
     with pytest.raises(ValueError, match="--only"):
         claims.main(["--only", only, "--out", str(tmp_path)])

@@ -25,6 +25,7 @@ from analysis.experiments import (
     head_pruning,
     induction_heads,
     recall_frontier,
+    sinks_gated,
     sinks_streaming,
     sparse,
     state_tracking,
@@ -40,6 +41,7 @@ MODULES = {
     "recall_frontier": recall_frontier,
     "state_tracking": state_tracking,
     "sparse": sparse,
+    "sinks_gated": sinks_gated,
 }
 
 
@@ -134,6 +136,40 @@ def test_induction_heads_quick(tmp_path):
     assert results["induction_jump_step"] in (10, 20)
     # The workdir holds the run: a second call resumes it instead of training again.
     assert (tmp_path / "runs" / "induction" / "summary.json").is_file()
+
+
+@pytest.mark.integration
+def test_sinks_gated_quick(tmp_path):
+    config = quick_config("sinks_gated")
+    results = sinks_gated.run(config, tmp_path)
+    check_common(results, tmp_path, "sinks_gated")
+    # Both quick sizes train unless the first has a sink; the gated model at the last one.
+    onset = results["onset"]
+    assert [r["width"] for r in onset] == [16, 16][: len(onset)]
+    assert (onset[-1]["history"][-1]["sink_rate"] > 0) or len(onset) == 2
+    assert [h["step"] for h in onset[0]["history"]] == [5, 10]
+    size = config.base.sizes[len(onset) - 1]
+    for model in sinks_gated.MODELS:
+        m = results["models"][model]
+        assert np.shape(m["first_token_mass"]) == (size.layers, size.heads)
+        assert len(m["massive_top"]) == size.layers + 1
+        assert all(r >= 1 for r in m["massive_ratio"])
+        for v in sinks_gated.STREAMS:
+            assert len(m["perplexity_per_window"][v]) == config.base.stream_factor
+    gated_run = tmp_path / "runs" / f"gated_w16_l{size.layers}_h2" / "config.json"
+    assert '"output_gate": "elementwise"' in gated_run.read_text()
+    assert results["claim"]["criterion"] == sinks_gated.CRITERION
+
+
+def test_sinks_gated_refuses_a_gated_base_and_an_unknown_gate():
+    base = quick_config("sinks_gated").base
+    with pytest.raises(ValueError, match="gate"):
+        sinks_gated.Config(base, gate="sigmoid")
+    gated = sinks_gated.gated(base.train, "headwise")
+    with pytest.raises(ValueError, match=r"base\.train\.model\.layers"):
+        sinks_gated.Config(dataclasses.replace(base, train=gated))
+    with pytest.raises(ValueError, match=r"base\.sizes"):
+        sinks_gated.Config(dataclasses.replace(base, sizes=()))
 
 
 @pytest.mark.integration
@@ -320,7 +356,7 @@ def test_streaming_llm_renumbers_positions_in_the_cache():
                     rngs=nnx.Rngs(0))  # fmt: skip
     rng = np.random.default_rng(0)
     tokens, targets = rng.integers(0, V, (2, S)), rng.integers(0, V, (2, S))
-    sinks = sinks_streaming._variant(model, "streaming_llm", w, n)
+    sinks = sinks_streaming.variant_model(model, "streaming_llm", w, n)
     renumbered = streaming.stream_nll(sinks, tokens, targets, renumber=(n, w))
     absolute = streaming.stream_nll(sinks, tokens, targets)
     for t in range(S):

@@ -194,6 +194,22 @@ def test_first_token_mass_and_sink_rate():
     assert metrics.sink_rate(w).overall == 0.75  # Gu et al.'s default threshold, 0.3
 
 
+def test_massive_activations_are_each_layers_largest_magnitude_over_its_median():
+    h = np.ones((3, 2, 4, 8))  # [L+1,B,T,D]
+    h[1, 0, 0, 5] = -1000.0  # one massive activation after the first block, negative
+    h[2] *= 0.5
+    got = metrics.massive_activations(h)
+    np.testing.assert_array_equal(got.top, [1.0, 1000.0, 0.5])
+    np.testing.assert_array_equal(got.median, [1.0, 1.0, 0.5])
+    np.testing.assert_array_equal(got.ratio, [1.0, 1000.0, 1.0])
+
+
+@pytest.mark.parametrize("bad", [np.ones((2, 4, 8)), np.full((2, 1, 4, 8), np.nan)])
+def test_massive_activations_refuse_what_is_not_finite_hidden_states(bad):
+    with pytest.raises(ValueError, match="hidden"):
+        metrics.massive_activations(bad)
+
+
 def test_first_token_mass_counts_only_queries_that_see_key_0():
     window = 3
     m = np.zeros((T, T))

@@ -357,3 +357,12 @@ def test_projections_on_rows_and_fused_equal_nnx_linear():
     for k, g in zip(kernels, (grads[i]["kernel"][...] for i in range(3)), strict=True):
         y = np.einsum("btd,df->btf", x64, np.asarray(k, np.float64))
         assert rel_err(g, np.einsum("btd,btf->df", x64, np.cos(y))) < 1e-5
+
+
+def test_hidden_states_are_the_residual_stream_the_logits_read():
+    model = model_for(KINDS["mha"])
+    toks = tokens(0, (B, 8))
+    h = model.hidden_states(toks)
+    assert h.shape == (len(KINDS["mha"]) + 1, B, 8, WIDTH)
+    assert rel_err(model._logits(h[-1]), model(toks)) <= 1e-6
+    assert rel_err(h[0], model._embed(toks)) == 0.0
