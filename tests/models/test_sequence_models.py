@@ -19,14 +19,16 @@ from train import sharding
 def recurrent_model_config() -> ModelConfig:
     """A softmax layer with a short convolution in front, which runs on the ring in the
     contiguous layout, Mamba-2 with its own, RWKV-7 (its token shift a sharded
-    convolution) and MesaNet (a solve of the incoming state at every token). (Each
+    convolution), MesaNet (a solve of the incoming state at every token) and MiniMax's
+    lightning attention (its norm over the heads and its gate after the sharded sums). (Each
     function's every option is checked sharded in ``tests/devices/test_sharded_linear.py``;
     the Gated DeltaNet and Mamba-2 hybrid trains on an Explicit mesh in
     ``tests/devices/test_sharded_training.py``.)"""
     kinds = presets(num_heads=2, head_dim=8)
     mha = dataclasses.replace(kinds["mha"], short_conv=3)
     layers = (mha, kinds["mamba2_conv"], dataclasses.replace(kinds["rwkv7"], chunk_size=4),
-              dataclasses.replace(kinds["mesanet"], chunk_size=4, cg_steps=4))  # fmt: skip
+              dataclasses.replace(kinds["mesanet"], chunk_size=4, cg_steps=4),
+              dataclasses.replace(kinds["lightning"], chunk_size=4))  # fmt: skip
     return ModelConfig(vocab_size=32, width=16, mlp_width=32, layers=layers)
 
 
