@@ -158,7 +158,9 @@ for _name, _description, _layers in (
 ):
     register_variant(_name, _layers, description=_description)
 
-# The production hybrids (models.layouts) and lightning attention, their one new part.
+# Gated attention, the production hybrids (models.layouts) and lightning attention, their
+# one new part.
+register_variant("gated_mha", "gated_mha", description="softmax MHA, its output gated per channel")
 register_variant("lightning", "lightning", description="MiniMax-01's lightning attention")
 for _name, _layout in LAYOUTS.items():
     register_variant(_name, _layout.layers, description=_layout.description)
@@ -175,7 +177,7 @@ class CompareConfig:
         streaming, local_global, linear, linear_decay, linear_gated, hybrid, based,
         deltanet, gated_deltanet, kda, mamba2, mamba2_hybrid, gated_deltaproduct, moba,
         nsa, rwkv7, comba, path, path_fox, the log-linear two, the memories (ttt_linear,
-        ttt_mlp, titans, mesanet), lightning, the production hybrids of
+        ttt_mlp, titans, mesanet), gated_mha, lightning, the production hybrids of
         ``models.LAYOUTS`` (qwen3_next, kimi_linear, nemotron_h, minimax01), and any
         added with ``register_variant``.
       lrs: the learning-rate sweep; the best per variant is reported.
