@@ -366,3 +366,5 @@ def test_hidden_states_are_the_residual_stream_the_logits_read():
     assert h.shape == (len(KINDS["mha"]) + 1, B, 8, WIDTH)
     assert rel_err(model._logits(h[-1]), model(toks)) <= 1e-6
     assert rel_err(h[0], model._embed(toks)) == 0.0
+    with pytest.raises(ValueError, match="tokens"):
+        model.hidden_states(jnp.full((B, 4), 99))  # past the vocabulary of 32
