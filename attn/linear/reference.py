@@ -42,8 +42,9 @@ __all__ = [
 def feature_map(name: str, x, projection=None):
     """Linear attention's feature maps ``phi: x [..., H] -> [..., F]``, from their papers:
     ``"identity"``; ``"elu1"``, ``elu(x) + 1`` (Katharopoulos et al.); ``"relu"``;
-    ``"taylor"``, ``[1, x, x (x) x / sqrt(2)]`` (Based); ``"favor"``, ``exp(x W - |x|^2 / 2)
-    / sqrt(F)`` with ``W = projection [H, F]`` (Performer's FAVOR+)."""
+    ``"silu"``, ``x sigmoid(x)`` (MiniMax-01's lightning attention); ``"taylor"``,
+    ``[1, x, x (x) x / sqrt(2)]`` (Based); ``"favor"``, ``exp(x W - |x|^2 / 2) / sqrt(F)``
+    with ``W = projection [H, F]`` (Performer's FAVOR+)."""
     x = jnp.asarray(x)
     if name == "identity":
         return x
@@ -51,13 +52,15 @@ def feature_map(name: str, x, projection=None):
         return jnp.where(x > 0, x + 1.0, jnp.exp(jnp.minimum(x, 0.0)))
     if name == "relu":
         return jnp.maximum(x, 0.0)
+    if name == "silu":
+        return x / (1.0 + jnp.exp(-x))
     if name == "taylor":
         outer = (x[..., :, None] * x[..., None, :]).reshape(*x.shape[:-1], -1)
         return jnp.concatenate([jnp.ones_like(x[..., :1]), x, outer / np.sqrt(2.0)], -1)
     if name == "favor":
         w = jnp.asarray(projection, x.dtype)
         return jnp.exp(x @ w - 0.5 * jnp.sum(x * x, -1, keepdims=True)) / np.sqrt(w.shape[1])
-    raise ValueError(f"name: expected identity, elu1, relu, taylor or favor, got {name!r}")
+    raise ValueError(f"name: expected identity, elu1, relu, silu, taylor or favor, got {name!r}")
 
 
 def gated_linear(qf, kf, v, log_a=None, *, normalize: bool, eps: float = 1e-6, initial_state=None):

@@ -384,9 +384,9 @@ def test_positive_gates_checked_only_when_concrete():
 
 
 def test_feature_maps_exported():
-    assert set(FEATURE_MAPS) == {"identity", "elu1", "relu", "taylor", "favor"}
+    assert set(FEATURE_MAPS) == {"identity", "elu1", "relu", "silu", "taylor", "favor"}
     x = np.linspace(-2.0, 2.0, 12, dtype=np.float32).reshape(3, H)
-    names = ("identity", "elu1", "relu", "taylor")
+    names = ("identity", "elu1", "relu", "silu", "taylor")
     features = jax.jit(lambda x: [FEATURE_MAPS[name](x) for name in names])(x)
     want = [features64(name, x) for name in names]
     chex.assert_trees_all_close(features, want, rtol=1e-6)
