@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from attn.checks import fail
+from attn.checks import fail, positive_int
 from models.patterns import register_preset
 
 
@@ -82,9 +82,7 @@ def layout(name: str, num_layers: int) -> tuple[str, ...]:
     """
     if name not in LAYOUTS:
         fail("name", f"one of {sorted(LAYOUTS)}", repr(name))
-    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
-        fail("num_layers", "a positive int", repr(num_layers))
-    return LAYOUTS[name].layers(num_layers)
+    return LAYOUTS[name].layers(positive_int(num_layers, "num_layers"))
 
 
 register_preset(
